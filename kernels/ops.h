@@ -1,0 +1,164 @@
+/* kernels/ops.h: every numeric op of the model, one declaration each.
+ *
+ * The CPU reference (kernels/<op>.c, plain loops, `real` = float, or double for the
+ * finite-difference tests) and, later, the CUDA version implement these same
+ * declarations. Kernels see pointers, counts and sizes; nothing of the model, the
+ * config, MPI or the runtime. They cannot fail on valid arguments and return nothing;
+ * callers (runtime/) validate shapes once, at start.
+ *
+ * Dimension letters:
+ *   N tokens (rows), D d_model, F hidden width of an FFN/expert, E experts,
+ *   K top-k, V vocabulary, B sequences, T sequence length, H heads, Hd head dim,
+ *   M routed rows (token-expert assignments kept), I/O in/out features of a linear.
+ *
+ * Conventions:
+ *   - Matrices are row-major. A linear layer's weight is (O, I), PyTorch's layout:
+ *     out = x W^T.
+ *   - Backward functions ACCUMULATE (+=) into every gradient they produce (inputs and
+ *     parameters), so residual branches add up without extra copies; the caller zeros
+ *     gradients once per step. A NULL gradient pointer means "not needed".
+ *   - Activations of a batch of B sequences of length T are (B*T, D), token-major.
+ */
+#ifndef MOE_KERNELS_OPS_H
+#define MOE_KERNELS_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/real.h"
+
+/* ---- embedding ---------------------------------------------------------------- */
+/* out (N,D) = table[tokens[n]] ; table (V,D). */
+void embedding_forward(real *out, const int32_t *tokens, const real *table, int N, int D);
+/* dtable (V,D) += scatter of dout (N,D) by tokens. */
+void embedding_backward(real *dtable, const real *dout, const int32_t *tokens, int N, int D);
+
+/* ---- elementwise ---------------------------------------------------------------- */
+/* y[i] += x[i] for i < n. */
+void add_inplace(real *y, const real *x, size_t n);
+
+/* ---- RMSNorm: out = x / sqrt(mean(x^2) + eps) * weight ------------------------ */
+/* out (N,D), rstd (N) saved for backward, x (N,D), weight (D). */
+void rmsnorm_forward(real *out, real *rstd, const real *x, const real *weight, int N, int D,
+                     real eps);
+/* dx (N,D) +=, dweight (D) +=. */
+void rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x,
+                      const real *weight, const real *rstd, int N, int D);
+
+/* ---- linear: out (N,O) = x (N,I) W^T, W (O,I) -------------------------------------- */
+void matmul_forward(real *out, const real *x, const real *w, int N, int I, int O);
+/* dx (N,I) += dout W ; dw (O,I) += dout^T x. Either may be NULL. */
+void matmul_backward(real *dx, real *dw, const real *dout, const real *x, const real *w, int N,
+                     int I, int O);
+
+/* ---- grouped linear: rows offsets[g]..offsets[g+1] of x use weight g ------------- */
+/* x (M,I), w (G,O,I), out (M,O); offsets (G+1), offsets[0] = 0, offsets[G] = M.
+ * Groups with no rows are skipped (their weight gradient stays untouched). */
+void grouped_matmul_forward(real *out, const real *x, const real *w, const int *offsets, int G,
+                            int I, int O);
+void grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x, const real *w,
+                             const int *offsets, int G, int I, int O);
+
+/* ---- SwiGLU: h = silu(a) * b, silu(a) = a * sigmoid(a) ---------------------------- */
+/* a, b, h: n elements each (a gate, b up projection). */
+void swiglu_forward(real *h, const real *a, const real *b, size_t n);
+/* da +=, db += . */
+void swiglu_backward(real *da, real *db, const real *dh, const real *a, const real *b, size_t n);
+
+/* ---- rotary position embedding (half rotation, as Llama/Mixtral in transformers) --- */
+/* cos, sin: (T, Hd/2), cos[t][i] = cos(t * theta^(-2i/Hd)). Computed once per T. */
+void rope_tables(real *cos_t, real *sin_t, int T, int Hd, double theta);
+/* x (B*T, H*Hd) in place: for each head, pairs (i, i + Hd/2) rotate by angle t*f_i. */
+void rope_forward(real *x, const real *cos_t, const real *sin_t, int B, int T, int H, int Hd);
+/* dx in place: the inverse rotation (rope is orthogonal), so pass the gradient of the
+ * rotated output and it becomes the gradient of the input. */
+void rope_backward(real *dx, const real *cos_t, const real *sin_t, int B, int T, int H, int Hd);
+
+/* ---- causal multi-head attention ---------------------------------------------------- */
+/* q, k, v, out: (B*T, H*Hd). lse (B, H, T): log-sum-exp of each query's scaled scores,
+ * saved for backward (which recomputes the probabilities, as a fused kernel does).
+ * scale = 1/sqrt(Hd). */
+void attention_forward(real *out, real *lse, const real *q, const real *k, const real *v, int B,
+                       int T, int H, int Hd);
+/* dq, dk, dv +=. */
+void attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *out,
+                        const real *lse, const real *q, const real *k, const real *v, int B,
+                        int T, int H, int Hd);
+
+/* ---- router ------------------------------------------------------------------------- */
+/* From fp32 logits (N,E): probs (N,E) = softmax, lse (N) = logsumexp(logits), and the
+ * top-k: idx (N,K) experts in order of decreasing probability (ties: lower index first),
+ * w (N,K) their probabilities, divided by their sum when renorm != 0. */
+void router_forward(real *probs, real *lse, int32_t *idx, real *w, const real *logits, int N,
+                    int E, int K, int renorm);
+/* Gradient of the top-k weights dw (N,K) into dprobs (N,E) +=. */
+void router_topk_backward(real *dprobs, const real *dw, const real *probs, const int32_t *idx,
+                          int N, int E, int K, int renorm);
+/* dlogits (N,E) += softmax backward of dprobs. */
+void softmax_backward(real *dlogits, const real *dprobs, const real *probs, int N, int E);
+
+/* Partial sums for the auxiliary losses over this rank's N tokens:
+ * counts (E) += number of top-k assignments per expert (before capacity drops),
+ * psum (E) += sum over tokens of probs, and returns sum over tokens of lse^2.
+ * The losses, once partials are summed over ranks (global token count Ng):
+ *   aux = E * sum_e (counts_e / (Ng*K)) * (psum_e / Ng)
+ *   z   = (sum lse^2) / Ng */
+double router_aux_partials(int64_t *counts, double *psum, const real *probs, const real *lse,
+                           const int32_t *idx, int N, int E, int K);
+/* Gradients of coef_aux*aux + coef_z*z given the global partials:
+ * dprobs (N,E) += coef_aux * E * counts_e / (Ng*K) / Ng ;
+ * dlogits (N,E) += coef_z * 2 * lse_n / Ng * probs (the z-loss term). */
+void router_aux_backward(real *dprobs, real *dlogits, const real *probs, const real *lse,
+                         const int64_t *counts, int64_t Ng, int N, int E, int K, double coef_aux,
+                         double coef_z);
+
+/* ---- routing plan: which (token, slot) goes to which expert row ------------- */
+/* Orders the N*K assignments stably by expert (then token, then slot) and applies the
+ * capacity. Capacity is per group of `group` consecutive tokens (N % group == 0; the
+ * runtime uses one sequence per group, so the result does not depend on how sequences
+ * are split across ranks or micro-batches). capacity < 0: dropless. When an expert has
+ * more than `capacity` assignments within a group, it keeps those with the highest
+ * weight (ties: lower token index, then lower slot) and drops the rest; a dropped
+ * assignment contributes nothing to its token's output.
+ * Outputs: offsets (E+1) row ranges per expert over the M kept rows,
+ * row_token (N*K) and row_slot (N*K) for rows 0..M-1, slot_row (N*K): the row of each
+ * (token, slot) or -1 if dropped. Returns M. scratch: N*K ints. */
+int moe_route_plan(int *offsets, int32_t *row_token, int32_t *row_slot, int32_t *slot_row,
+                   int *scratch, const int32_t *idx, const real *w, int N, int E, int K,
+                   int group, int capacity);
+
+/* out (M,D) = x[row_token[m]] (gather tokens into expert order). */
+void moe_permute(real *out, const real *x, const int32_t *row_token, int M, int D);
+/* dx (N,D) += scatter of dout (M,D). */
+void moe_permute_backward(real *dx, const real *dout, const int32_t *row_token, int M, int D);
+
+/* y (N,D) += sum over kept rows of w[token, slot] * expert_out[row]. */
+void moe_combine_forward(real *y, const real *expert_out, const real *w, const int32_t *row_token,
+                         const int32_t *row_slot, int M, int D, int K);
+/* dexpert_out (M,D) += w * dy[token]; dw (N,K) += <dy[token], expert_out[row]>. */
+void moe_combine_backward(real *dexpert_out, real *dw, const real *dy, const real *expert_out,
+                          const real *w, const int32_t *row_token, const int32_t *row_slot, int M,
+                          int D, int K);
+
+/* ---- loss ----------------------------------------------------------------------------- */
+/* losses (N) = lse_n - logits[n, targets[n]], lse (N) saved. logits (N,V). */
+void cross_entropy_forward(real *losses, real *lse, const real *logits, const int32_t *targets,
+                           int N, int V);
+/* dlogits (N,V) += dloss * (softmax(logits) - onehot(target)); dloss is the same scale
+ * for every token (1/(tokens in the global batch)). */
+void cross_entropy_backward(real *dlogits, const real *logits, const real *lse,
+                            const int32_t *targets, real dloss, int N, int V);
+
+/* ---- optimizer ------------------------------------------------------------------------ */
+/* Sum of squares of x (n), accumulated in double. */
+double sum_squares(const real *x, size_t n);
+/* x *= s. */
+void scale_inplace(real *x, real s, size_t n);
+/* 1 if every element is finite. */
+int all_finite(const real *x, size_t n);
+/* One AdamW step (decoupled weight decay: p -= lr*wd*p) with bias correction for
+ * step t (t >= 1). m, v: first and second moments, updated in place. */
+void adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr, real beta1,
+                  real beta2, real eps, real wd, int t);
+
+#endif
