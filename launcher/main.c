@@ -1,3 +1,260 @@
-/* launcher/main.c: placeholder while the trainer is written. */
+/* launcher/main.c: the moe-dist command line. Owns argument parsing, the verbs
+ * (train, dump), exit statuses, and ending the job on failure. The only place that
+ * exits.
+ *
+ * Exit statuses: 0 success; 1 runtime failure; 2 bad command line or config. */
+#include <errno.h>
+#include <jansson.h>
+#include <omp.h>
 #include <stdio.h>
-int main(void) { puts("moe-dist: not yet"); return 1; }
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "runtime/config.h"
+#include "runtime/model.h"
+#include "runtime/trainer.h"
+#include "util/status.h"
+
+#define EXIT_USAGE 2
+#define MAX_SETS 128
+
+static const char usage_text[] =
+    "usage: moe-dist <command> [CONFIG] [options]\n"
+    "\n"
+    "commands:\n"
+    "  train [CONFIG]          train; without CONFIG, the embedded default (configs/tiny.ini)\n"
+    "  dump CONFIG --out DIR   run the first step's forward and backward and write the\n"
+    "                          weights, gradients and losses to DIR (for reference checks)\n"
+    "\n"
+    "options:\n"
+    "  --set section.key=value override one config key (repeatable)\n"
+    "  --out DIR               output directory (dump)\n"
+    "  -h, --help              this text\n"
+    "  --version               print the version\n"
+    "\n"
+    "Every config key and its default: docs/config.md.\n";
+
+typedef struct {
+    const char *verb;
+    const char *config_path; /* NULL: embedded default */
+    const char *sets[MAX_SETS];
+    int n_sets;
+    const char *out_dir;
+} cli_args;
+
+static int parse_args(int argc, char **argv, cli_args *a)
+{
+    memset(a, 0, sizeof *a);
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        if (strcmp(arg, "--set") == 0 || strcmp(arg, "--out") == 0) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "moe-dist: %s needs a value\n", arg);
+                return EXIT_USAGE;
+            }
+            if (arg[2] == 'o') {
+                a->out_dir = argv[++i];
+            } else if (a->n_sets == MAX_SETS) {
+                fprintf(stderr, "moe-dist: more than %d --set options\n", MAX_SETS);
+                return EXIT_USAGE;
+            } else {
+                a->sets[a->n_sets++] = argv[++i];
+            }
+        } else if (strncmp(arg, "--set=", 6) == 0 && a->n_sets < MAX_SETS) {
+            a->sets[a->n_sets++] = arg + 6;
+        } else if (arg[0] == '-') {
+            fprintf(stderr, "moe-dist: unknown option '%s'\n%s", arg, usage_text);
+            return EXIT_USAGE;
+        } else if (!a->verb) {
+            a->verb = arg;
+        } else if (!a->config_path) {
+            a->config_path = arg;
+        } else {
+            fprintf(stderr, "moe-dist: unexpected argument '%s'\n%s", arg, usage_text);
+            return EXIT_USAGE;
+        }
+    }
+    return 0;
+}
+
+/* Loads, overrides and validates the config; any failure is a usage error (exit 2). */
+static int load_config(const cli_args *a, moe_config *cfg)
+{
+    moe_config_defaults(cfg);
+    moe_status st = a->config_path
+                        ? moe_config_load(cfg, a->config_path)
+                        : moe_config_load_string(cfg, moe_config_tiny_ini, "<embedded tiny.ini>");
+    for (int i = 0; st == MOE_OK && i < a->n_sets; i++)
+        st = moe_config_set(cfg, a->sets[i]);
+    if (st == MOE_OK)
+        st = moe_config_validate(cfg);
+    return st == MOE_OK ? 0 : EXIT_USAGE;
+}
+
+static void print_banner(const moe_config *cfg, const moe_model *m, const char *source)
+{
+    printf("moe-dist %s: %s, backend cpu (fp32), world 1\n", MOE_VERSION, source);
+    printf("model: %d layers (%d dense), d_model %d, %d heads, %d experts top-%d, expert ffn %d, "
+           "vocab %d, seq %d: %.2fM parameters\n",
+           cfg->n_layers, cfg->dense_layers, cfg->d_model, cfg->n_heads, cfg->experts,
+           cfg->top_k, cfg->expert_hidden, cfg->vocab_size, cfg->seq_len, m->n_params / 1e6);
+    printf("train: %d steps, micro-batch %d, grad_accum %d%s, data %s\n", cfg->steps,
+           cfg->micro_batch, cfg->accum[0].micro_batches, cfg->n_accum > 1 ? " (scheduled)" : "",
+           cfg->data_source);
+    fflush(stdout);
+}
+
+static int cmd_train(const cli_args *a)
+{
+    moe_config cfg;
+    int rc = load_config(a, &cfg);
+    if (rc)
+        return rc;
+    moe_trainer *tr = NULL;
+    if (moe_trainer_create(&tr, &cfg) != MOE_OK)
+        return 1;
+    print_banner(&cfg, tr->model, a->config_path ? a->config_path : "embedded tiny.ini");
+    moe_status st = moe_trainer_run(tr, stdout);
+    moe_trainer_destroy(tr);
+    return st == MOE_OK ? 0 : 1;
+}
+
+static moe_status write_file(const char *dir, const char *name, const void *data, size_t nbytes)
+{
+    char path[2048];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    if (!f)
+        MOE_FAIL(MOE_ERR_IO, "cannot open '%s' for writing: %m", path);
+    size_t wrote = fwrite(data, 1, nbytes, f);
+    int close_rc = fclose(f);
+    if (wrote != nbytes || close_rc != 0)
+        MOE_FAIL(MOE_ERR_IO, "cannot write '%s': %m", path);
+    return MOE_OK;
+}
+
+static moe_status dump_tensors_json(const char *dir, const moe_model *m,
+                                    const moe_step_result *r)
+{
+    moe_status st = MOE_OK;
+    json_t *root = json_object(), *list = json_array();
+    if (!root || !list) {
+        json_decref(root);
+        json_decref(list);
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot build the tensor index");
+    }
+    for (int i = 0; i < m->n_tensors; i++) {
+        const moe_tensor *t = &m->tensors[i];
+        json_t *shape = json_array();
+        for (int d = 0; d < t->ndim; d++)
+            json_array_append_new(shape, json_integer(t->shape[d]));
+        json_array_append_new(list, json_pack("{s:s, s:I, s:o}", "name", t->name, "offset",
+                                              (json_int_t)t->offset, "shape", shape));
+    }
+    json_object_set_new(root, "tensors", list);
+    json_object_set_new(root, "loss", json_real(r->loss));
+    json_object_set_new(root, "ce", json_real(r->ce));
+    json_object_set_new(root, "aux", json_real(r->aux));
+    json_object_set_new(root, "z", json_real(r->z));
+    json_object_set_new(root, "dropped", json_integer(r->dropped));
+    char path[2048];
+    snprintf(path, sizeof path, "%s/tensors.json", dir);
+    if (json_dump_file(root, path, JSON_INDENT(1)) != 0) {
+        moe_log_at(__FILE__, __LINE__, "cannot write '%s'", path);
+        st = MOE_ERR_IO;
+    }
+    json_decref(root);
+    return st;
+}
+
+/* Writes config.ini, tokens.bin (S, T+1) int32, params.bin, grads.bin (float32 arenas)
+ * and tensors.json for the first step of cfg. */
+static moe_status dump_step(const moe_config *cfg, const char *dir)
+{
+    moe_status st = MOE_OK;
+    moe_trainer *tr = NULL;
+    int32_t *tokens = NULL;
+    float *buf = NULL;
+    char *ini = NULL;
+    moe_step_result r;
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        MOE_FAIL(MOE_ERR_IO, "cannot create '%s': %m", dir);
+    MOE_CHECK_GOTO(st, moe_trainer_create(&tr, cfg));
+    MOE_CHECK_GOTO(st, moe_trainer_accumulate(tr, &r));
+
+    size_t ini_len = moe_config_to_ini(cfg, NULL, 0);
+    int64_t S = r.sequences, T1 = cfg->seq_len + 1;
+    size_t n = tr->model->n_params;
+    ini = malloc(ini_len + 1);
+    tokens = malloc(sizeof(int32_t) * (size_t)(S * T1));
+    buf = malloc(sizeof(float) * n);
+    if (!ini || !tokens || !buf) {
+        st = MOE_ERR_NOMEM;
+        goto fail;
+    }
+    moe_config_to_ini(cfg, ini, ini_len + 1);
+    MOE_CHECK_GOTO(st, write_file(dir, "config.ini", ini, ini_len));
+    MOE_CHECK_GOTO(st, moe_data_batch(tr->data, tokens, 0, (int)S));
+    MOE_CHECK_GOTO(st, write_file(dir, "tokens.bin", tokens, sizeof(int32_t) * (size_t)(S * T1)));
+    for (size_t i = 0; i < n; i++)
+        buf[i] = (float)tr->model->params[i];
+    MOE_CHECK_GOTO(st, write_file(dir, "params.bin", buf, sizeof(float) * n));
+    for (size_t i = 0; i < n; i++)
+        buf[i] = (float)tr->model->grads[i];
+    MOE_CHECK_GOTO(st, write_file(dir, "grads.bin", buf, sizeof(float) * n));
+    MOE_CHECK_GOTO(st, dump_tensors_json(dir, tr->model, &r));
+    printf("dump: step 1 loss %.6f (ce %.6f aux %.6f z %.6f), %zu parameters -> %s\n", r.loss,
+           r.ce, r.aux, r.z, n, dir);
+fail:
+    free(ini);
+    free(tokens);
+    free(buf);
+    moe_trainer_destroy(tr);
+    return st;
+}
+
+static int cmd_dump(const cli_args *a)
+{
+    if (!a->config_path || !a->out_dir) {
+        fprintf(stderr, "moe-dist: dump needs CONFIG and --out DIR\n%s", usage_text);
+        return EXIT_USAGE;
+    }
+    moe_config cfg;
+    int rc = load_config(a, &cfg);
+    if (rc)
+        return rc;
+    return dump_step(&cfg, a->out_dir) == MOE_OK ? 0 : 1;
+}
+
+int main(int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) {
+            fputs(usage_text, stdout);
+            return 0;
+        }
+        if (strcmp(argv[i], "--version") == 0) {
+            printf("moe-dist %s\n", MOE_VERSION);
+            return 0;
+        }
+    }
+    /* One CPU thread per rank unless OMP_NUM_THREADS says otherwise: ranks fill the
+     * cores, and OpenMP's spinning threads collapse when they oversubscribe them. */
+    if (!getenv("OMP_NUM_THREADS"))
+        omp_set_num_threads(1);
+    cli_args a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc)
+        return rc;
+    if (!a.verb) {
+        fputs(usage_text, stderr);
+        return EXIT_USAGE;
+    }
+    if (strcmp(a.verb, "train") == 0)
+        return cmd_train(&a);
+    if (strcmp(a.verb, "dump") == 0)
+        return cmd_dump(&a);
+    fprintf(stderr, "moe-dist: unknown command '%s'\n%s", a.verb, usage_text);
+    return EXIT_USAGE;
+}

@@ -1,0 +1,34 @@
+# The two set-up commands (see README.md):
+#   make run    install missing packages, build, train the embedded default on the CPU
+#   make test   the same set-up, then the whole test suite; ends with "N passed, N failed"
+# Options: SANITIZE=1 (ASan+UBSan build in build-asan, unit tests only), JOBS=n.
+JOBS ?= $(shell nproc)
+ifeq ($(SANITIZE),1)
+BUILD ?= build-asan
+CMAKE_FLAGS += -DMOE_SANITIZE=ON
+TEST_LABEL ?= unit
+else
+BUILD ?= build
+TEST_LABEL ?=
+endif
+
+.PHONY: run test deps test-deps build clean
+
+deps:
+	@bash scripts/deps.sh
+
+test-deps:
+	@bash scripts/deps.sh --test
+
+build:
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(BUILD) -j $(JOBS)
+
+run: deps build
+	./$(BUILD)/moe-dist train configs/tiny.ini
+
+test: test-deps build
+	@bash scripts/run-tests.sh $(BUILD) "$(TEST_LABEL)"
+
+clean:
+	rm -rf build build-asan

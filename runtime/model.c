@@ -1,0 +1,589 @@
+/* runtime/model.c: parameter layout, initialisation, forward and backward of the MoE
+ * transformer on the reference ops. See model.h for shapes and the loss definition. */
+#include "runtime/model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util/rng.h"
+
+/* ---- layout --------------------------------------------------------------------- */
+
+typedef struct {
+    moe_tensor *t;
+    int n, cap;
+    size_t offset;
+} layout_builder;
+
+static moe_status layout_add(layout_builder *lb, const char *name, int layer, int is_expert,
+                             int decay, int ndim, int d0, int d1, int d2)
+{
+    if (lb->n == lb->cap) {
+        int cap = lb->cap ? 2 * lb->cap : 64;
+        moe_tensor *t = realloc(lb->t, (size_t)cap * sizeof *t);
+        if (!t)
+            MOE_FAIL(MOE_ERR_NOMEM, "cannot grow the tensor table to %d entries", cap);
+        lb->t = t;
+        lb->cap = cap;
+    }
+    moe_tensor *t = &lb->t[lb->n++];
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->layer = layer;
+    t->is_expert = is_expert;
+    t->decay = decay;
+    t->ndim = ndim;
+    t->shape[0] = d0;
+    t->shape[1] = ndim > 1 ? d1 : 1;
+    t->shape[2] = ndim > 2 ? d2 : 1;
+    t->count = (size_t)d0 * (size_t)t->shape[1] * (size_t)t->shape[2];
+    t->offset = lb->offset;
+    lb->offset += t->count;
+    return MOE_OK;
+}
+
+static moe_status layout_tensors(moe_model *m)
+{
+    layout_builder lb = {0};
+    char name[MOE_TENSOR_NAME_MAX];
+    moe_status st = MOE_OK;
+    const int D = m->D;
+
+    MOE_CHECK_GOTO(st, layout_add(&lb, "embedding", -1, 0, 1, 2, m->V, D, 0));
+    for (int l = 0; l < m->L; l++) {
+#define ADD(suffix, decay, ndim, d0, d1)                                                  \
+    do {                                                                                  \
+        snprintf(name, sizeof name, "layers.%d.%s", l, suffix);                           \
+        MOE_CHECK_GOTO(st, layout_add(&lb, name, l, 0, decay, ndim, d0, d1, 0));         \
+    } while (0)
+        ADD("attn_norm", 0, 1, D, 0);
+        ADD("attn.wq", 1, 2, D, D);
+        ADD("attn.wk", 1, 2, D, D);
+        ADD("attn.wv", 1, 2, D, D);
+        ADD("attn.wo", 1, 2, D, D);
+        ADD("ffn_norm", 0, 1, D, 0);
+        if (l < m->cfg.dense_layers) {
+            ADD("ffn.w1", 1, 2, m->Fd, D);
+            ADD("ffn.w3", 1, 2, m->Fd, D);
+            ADD("ffn.w2", 1, 2, D, m->Fd);
+        } else {
+            ADD("moe.router", 1, 2, m->E, D);
+            if (m->Fs > 0) {
+                ADD("moe.shared.w1", 1, 2, m->Fs, D);
+                ADD("moe.shared.w3", 1, 2, m->Fs, D);
+                ADD("moe.shared.w2", 1, 2, D, m->Fs);
+            }
+        }
+#undef ADD
+    }
+    MOE_CHECK_GOTO(st, layout_add(&lb, "final_norm", -1, 0, 0, 1, D, 0, 0));
+    MOE_CHECK_GOTO(st, layout_add(&lb, "lm_head", -1, 0, 1, 2, m->V, D, 0));
+    m->n_dense = lb.offset;
+    for (int l = m->cfg.dense_layers; l < m->L; l++) {
+        snprintf(name, sizeof name, "layers.%d.moe.experts.w1", l);
+        MOE_CHECK_GOTO(st, layout_add(&lb, name, l, 1, 1, 3, m->El, m->F, D));
+        snprintf(name, sizeof name, "layers.%d.moe.experts.w3", l);
+        MOE_CHECK_GOTO(st, layout_add(&lb, name, l, 1, 1, 3, m->El, m->F, D));
+        snprintf(name, sizeof name, "layers.%d.moe.experts.w2", l);
+        MOE_CHECK_GOTO(st, layout_add(&lb, name, l, 1, 1, 3, m->El, D, m->F));
+    }
+    m->tensors = lb.t;
+    m->n_tensors = lb.n;
+    m->n_params = lb.offset;
+    return MOE_OK;
+fail:
+    free(lb.t);
+    return st;
+}
+
+int moe_model_find_tensor(const moe_model *m, const char *name)
+{
+    for (int i = 0; i < m->n_tensors; i++)
+        if (strcmp(m->tensors[i].name, name) == 0)
+            return i;
+    return -1;
+}
+
+static real *tensor_ptr(const moe_model *m, real *arena, const char *fmt, int l)
+{
+    char name[MOE_TENSOR_NAME_MAX];
+    snprintf(name, sizeof name, fmt, l);
+    int i = moe_model_find_tensor(m, name);
+    return i < 0 ? NULL : arena + m->tensors[i].offset;
+}
+
+static moe_status build_view(moe_model *m, real *arena, moe_view *v)
+{
+    v->layers = calloc((size_t)m->L, sizeof *v->layers);
+    if (!v->layers)
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate %d layer views", m->L);
+    v->embedding = tensor_ptr(m, arena, "embedding", 0);
+    v->final_norm = tensor_ptr(m, arena, "final_norm", 0);
+    v->lm_head = tensor_ptr(m, arena, "lm_head", 0);
+    for (int l = 0; l < m->L; l++) {
+        moe_layer_view *lv = &v->layers[l];
+        lv->attn_norm = tensor_ptr(m, arena, "layers.%d.attn_norm", l);
+        lv->wq = tensor_ptr(m, arena, "layers.%d.attn.wq", l);
+        lv->wk = tensor_ptr(m, arena, "layers.%d.attn.wk", l);
+        lv->wv = tensor_ptr(m, arena, "layers.%d.attn.wv", l);
+        lv->wo = tensor_ptr(m, arena, "layers.%d.attn.wo", l);
+        lv->ffn_norm = tensor_ptr(m, arena, "layers.%d.ffn_norm", l);
+        lv->w1 = tensor_ptr(m, arena, "layers.%d.ffn.w1", l);
+        lv->w3 = tensor_ptr(m, arena, "layers.%d.ffn.w3", l);
+        lv->w2 = tensor_ptr(m, arena, "layers.%d.ffn.w2", l);
+        lv->router = tensor_ptr(m, arena, "layers.%d.moe.router", l);
+        lv->sw1 = tensor_ptr(m, arena, "layers.%d.moe.shared.w1", l);
+        lv->sw3 = tensor_ptr(m, arena, "layers.%d.moe.shared.w3", l);
+        lv->sw2 = tensor_ptr(m, arena, "layers.%d.moe.shared.w2", l);
+        lv->ew1 = tensor_ptr(m, arena, "layers.%d.moe.experts.w1", l);
+        lv->ew3 = tensor_ptr(m, arena, "layers.%d.moe.experts.w3", l);
+        lv->ew2 = tensor_ptr(m, arena, "layers.%d.moe.experts.w2", l);
+    }
+    return MOE_OK;
+}
+
+/* ---- initialisation ---------------------------------------------------------------- */
+
+/* Norm weights are 1. Matrices are N(0, init_std); output projections (attn.wo and the
+ * FFN/expert w2) are scaled by 1/sqrt(2L) (GPT-2). Each expert's slice draws from a
+ * stream named by its global expert id, so it is the same on whichever rank holds it. */
+static void init_weights(moe_model *m)
+{
+    const double std = m->cfg.init_std;
+    const double out_std = std / sqrt(2.0 * m->L);
+    for (int i = 0; i < m->n_tensors; i++) {
+        const moe_tensor *t = &m->tensors[i];
+        real *p = m->params + t->offset;
+        if (t->ndim == 1) {
+            for (size_t j = 0; j < t->count; j++)
+                p[j] = 1;
+            continue;
+        }
+        int is_out = strstr(t->name, ".wo") || strstr(t->name, ".w2");
+        double s = is_out ? out_std : std;
+        int parts = t->is_expert ? t->shape[0] : 1;
+        size_t part = t->count / (size_t)parts;
+        for (int e = 0; e < parts; e++) {
+            char stream_name[MOE_TENSOR_NAME_MAX + 16];
+            if (t->is_expert)
+                snprintf(stream_name, sizeof stream_name, "%s.%d", t->name, m->expert_first + e);
+            else
+                snprintf(stream_name, sizeof stream_name, "%s", t->name);
+            uint64_t stream = moe_rng_stream(stream_name);
+            for (size_t j = 0; j < part; j++)
+                p[(size_t)e * part + j] = (real)(s * moe_rng_normal(m->cfg.seed, stream, j));
+        }
+    }
+}
+
+/* ---- allocation ---------------------------------------------------------------------- */
+
+/* Every buffer of the model is carved from one block per kind at create; this helper
+ * records the sizes in a first pass and hands out pointers in a second. */
+typedef struct {
+    char *base;
+    size_t used;
+} carve;
+
+static void *carve_take(carve *c, size_t nbytes)
+{
+    size_t at = (c->used + 63) & ~(size_t)63;
+    c->used = at + nbytes;
+    return c->base ? c->base + at : NULL;
+}
+
+#define TAKE(c, type, count) ((type *)carve_take((c), sizeof(type) * (size_t)(count)))
+
+static void carve_activations(moe_model *m, carve *c)
+{
+    const size_t N = (size_t)m->N, D = (size_t)m->D, NK = N * (size_t)m->K;
+    const size_t Fmax = (size_t)(m->Fd > m->Fs ? m->Fd : m->Fs);
+    m->tokens = TAKE(c, int32_t, N);
+    m->targets = TAKE(c, int32_t, N);
+    for (int l = 0; l <= m->L; l++) {
+        real *x = TAKE(c, real, N * D);
+        if (m->x)
+            m->x[l] = x;
+    }
+    for (int l = 0; l < m->L; l++) {
+        moe_layer_acts a = {0};
+        int dense = l < m->cfg.dense_layers;
+        a.h1 = TAKE(c, real, N * D);
+        a.rstd1 = TAKE(c, real, N);
+        a.q = TAKE(c, real, N * D);
+        a.k = TAKE(c, real, N * D);
+        a.v = TAKE(c, real, N * D);
+        a.att = TAKE(c, real, N * D);
+        a.att_lse = TAKE(c, real, (size_t)m->B * m->H * m->T);
+        a.xmid = TAKE(c, real, N * D);
+        a.h2 = TAKE(c, real, N * D);
+        a.rstd2 = TAKE(c, real, N);
+        if (dense) {
+            a.fa = TAKE(c, real, N * m->Fd);
+            a.fb = TAKE(c, real, N * m->Fd);
+            a.fh = TAKE(c, real, N * m->Fd);
+        } else {
+            a.logits = TAKE(c, real, N * m->E);
+            a.probs = TAKE(c, real, N * m->E);
+            a.rlse = TAKE(c, real, N);
+            a.idx = TAKE(c, int32_t, NK);
+            a.mb_counts = TAKE(c, int64_t, m->E);
+            a.w = TAKE(c, real, NK);
+            a.offsets = TAKE(c, int, m->El + 1);
+            a.row_token = TAKE(c, int32_t, NK);
+            a.row_slot = TAKE(c, int32_t, NK);
+            a.slot_row = TAKE(c, int32_t, NK);
+            a.xperm = TAKE(c, real, NK * D);
+            a.ea = TAKE(c, real, NK * m->F);
+            a.eb = TAKE(c, real, NK * m->F);
+            a.eh = TAKE(c, real, NK * m->F);
+            a.eout = TAKE(c, real, NK * D);
+            if (m->Fs > 0) {
+                a.sa = TAKE(c, real, N * m->Fs);
+                a.sb = TAKE(c, real, N * m->Fs);
+                a.sh = TAKE(c, real, N * m->Fs);
+            }
+        }
+        if (m->acts)
+            m->acts[l] = a;
+    }
+    m->hf = TAKE(c, real, N * D);
+    m->rstdf = TAKE(c, real, N);
+    m->logits = TAKE(c, real, N * m->V);
+    m->ce_lse = TAKE(c, real, N);
+    m->ce_loss = TAKE(c, real, N);
+    m->rope_cos = TAKE(c, real, (size_t)m->T * (m->Hd / 2));
+    m->rope_sin = TAKE(c, real, (size_t)m->T * (m->Hd / 2));
+    m->dres = TAKE(c, real, N * D);
+    m->dh = TAKE(c, real, N * D);
+    m->dq = TAKE(c, real, N * D);
+    m->dk = TAKE(c, real, N * D);
+    m->dv = TAKE(c, real, N * D);
+    m->datt = TAKE(c, real, N * D);
+    m->dffn = TAKE(c, real, N * D);
+    m->dfa = TAKE(c, real, N * Fmax);
+    m->dfb = TAKE(c, real, N * Fmax);
+    m->dfh = TAKE(c, real, N * Fmax);
+    m->dxperm = TAKE(c, real, NK * D);
+    m->deout = TAKE(c, real, NK * D);
+    m->dea = TAKE(c, real, NK * m->F);
+    m->deb = TAKE(c, real, NK * m->F);
+    m->deh = TAKE(c, real, NK * m->F);
+    m->dw = TAKE(c, real, NK);
+    m->dprobs = TAKE(c, real, N * m->E);
+    m->drlogits = TAKE(c, real, N * m->E);
+    m->dlogits = TAKE(c, real, N * m->V);
+    m->route_scratch = TAKE(c, int, NK);
+    m->aux_psum = TAKE(c, double, m->E);
+    m->load = TAKE(c, int64_t, (size_t)m->L * m->E);
+}
+
+moe_status moe_model_create(moe_model **out, const moe_config *cfg, int expert_first, int El)
+{
+    moe_status st = MOE_OK;
+    moe_model *m = calloc(1, sizeof *m);
+    *out = NULL;
+    if (!m)
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate the model");
+    m->cfg = *cfg;
+    m->B = cfg->micro_batch;
+    m->T = cfg->seq_len;
+    m->N = m->B * m->T;
+    m->D = cfg->d_model;
+    m->H = cfg->n_heads;
+    m->Hd = m->D / m->H;
+    m->V = cfg->vocab_size;
+    m->L = cfg->n_layers;
+    m->E = cfg->experts;
+    m->El = El;
+    m->K = cfg->top_k;
+    m->F = cfg->expert_hidden;
+    m->Fd = cfg->dense_hidden;
+    m->Fs = cfg->shared_experts * cfg->expert_hidden;
+    m->expert_first = expert_first;
+    m->capacity = cfg->capacity_factor > 0
+                      ? (int)ceil(cfg->capacity_factor * m->N * m->K / (double)m->E)
+                      : -1;
+
+    MOE_CHECK_GOTO(st, layout_tensors(m));
+    m->params = calloc(m->n_params, sizeof(real));
+    m->grads = calloc(m->n_params, sizeof(real));
+    m->x = calloc((size_t)m->L + 1, sizeof *m->x);
+    m->acts = calloc((size_t)m->L, sizeof *m->acts);
+    if (!m->params || !m->grads || !m->x || !m->acts) {
+        moe_log_at(__FILE__, __LINE__, "cannot allocate %zu parameters and their gradients",
+                   m->n_params);
+        st = MOE_ERR_NOMEM;
+        goto fail;
+    }
+    MOE_CHECK_GOTO(st, build_view(m, m->params, &m->p));
+    MOE_CHECK_GOTO(st, build_view(m, m->grads, &m->g));
+
+    carve c = {0};
+    carve_activations(m, &c); /* sizing pass */
+    size_t nbytes = c.used;
+    c.base = calloc(1, nbytes);
+    c.used = 0;
+    if (!c.base) {
+        moe_log_at(__FILE__, __LINE__, "cannot allocate %zu bytes of activations", nbytes);
+        st = MOE_ERR_NOMEM;
+        goto fail;
+    }
+    m->act_base = c.base;
+    carve_activations(m, &c);
+
+    rope_tables(m->rope_cos, m->rope_sin, m->T, m->Hd, cfg->rope_theta);
+    init_weights(m);
+    *out = m;
+    return MOE_OK;
+fail:
+    moe_model_destroy(m);
+    return st;
+}
+
+void moe_model_destroy(moe_model *m)
+{
+    if (!m)
+        return;
+    free(m->act_base);
+    free(m->p.layers);
+    free(m->g.layers);
+    free(m->x);
+    free(m->acts);
+    free(m->params);
+    free(m->grads);
+    free(m->tensors);
+    free(m);
+}
+
+/* ---- forward ----------------------------------------------------------------------- */
+
+static void attention_block_forward(moe_model *m, int l)
+{
+    const moe_layer_view *w = &m->p.layers[l];
+    moe_layer_acts *a = &m->acts[l];
+    const int N = m->N, D = m->D;
+    rmsnorm_forward(a->h1, a->rstd1, m->x[l], w->attn_norm, N, D, (real)m->cfg.norm_eps);
+    matmul_forward(a->q, a->h1, w->wq, N, D, D);
+    matmul_forward(a->k, a->h1, w->wk, N, D, D);
+    matmul_forward(a->v, a->h1, w->wv, N, D, D);
+    rope_forward(a->q, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
+    rope_forward(a->k, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
+    attention_forward(a->att, a->att_lse, a->q, a->k, a->v, m->B, m->T, m->H, m->Hd);
+    matmul_forward(a->xmid, a->att, w->wo, N, D, D);
+    add_inplace(a->xmid, m->x[l], (size_t)N * D);
+}
+
+/* SwiGLU FFN of width F on rows x (n, D): out (n, D) = (silu(x W1^T) * x W3^T) W2^T. */
+static void swiglu_ffn_forward(real *out, real *fa, real *fb, real *fh, const real *x,
+                               const real *w1, const real *w3, const real *w2, int n, int D,
+                               int F)
+{
+    matmul_forward(fa, x, w1, n, D, F);
+    matmul_forward(fb, x, w3, n, D, F);
+    swiglu_forward(fh, fa, fb, (size_t)n * F);
+    matmul_forward(out, fh, w2, n, F, D);
+}
+
+/* Router: logits, probabilities, top-k, the per-sequence aux partials and the plan of
+ * routed rows. Adds this layer's aux and z sums and expert loads to stats. */
+static void router_forward_layer(moe_model *m, int l, moe_fwd_stats *stats)
+{
+    const moe_layer_view *w = &m->p.layers[l];
+    moe_layer_acts *a = &m->acts[l];
+    const int N = m->N, E = m->E, K = m->K;
+    matmul_forward(a->logits, a->h2, w->router, N, m->D, E);
+    router_forward(a->probs, a->rlse, a->idx, a->w, a->logits, N, E, K, m->cfg.renorm_topk);
+    memset(a->mb_counts, 0, sizeof(int64_t) * E);
+    memset(m->aux_psum, 0, sizeof(double) * E);
+    stats->z_sum += router_aux_partials(a->mb_counts, m->aux_psum, a->probs, a->rlse, a->idx, N,
+                                        E, K);
+    double aux = 0;
+    for (int e = 0; e < E; e++) {
+        aux += (double)a->mb_counts[e] / ((double)N * K) * (m->aux_psum[e] / N);
+        m->load[(size_t)l * E + e] += a->mb_counts[e];
+    }
+    stats->aux_sum += E * aux;
+}
+
+static void moe_block_forward(moe_model *m, int l, real *out, moe_fwd_stats *stats)
+{
+    const moe_layer_view *w = &m->p.layers[l];
+    moe_layer_acts *a = &m->acts[l];
+    const int N = m->N, D = m->D, K = m->K;
+    router_forward_layer(m, l, stats);
+    a->n_rows = moe_route_plan(a->offsets, a->row_token, a->row_slot, a->slot_row,
+                               m->route_scratch, a->idx, a->w, N, m->E, K, N, m->capacity);
+    stats->dropped += (int64_t)N * K - a->n_rows;
+    const int M = a->n_rows;
+    moe_permute(a->xperm, a->h2, a->row_token, M, D);
+    grouped_matmul_forward(a->ea, a->xperm, w->ew1, a->offsets, m->El, D, m->F);
+    grouped_matmul_forward(a->eb, a->xperm, w->ew3, a->offsets, m->El, D, m->F);
+    swiglu_forward(a->eh, a->ea, a->eb, (size_t)M * m->F);
+    grouped_matmul_forward(a->eout, a->eh, w->ew2, a->offsets, m->El, m->F, D);
+    if (m->Fs > 0)
+        swiglu_ffn_forward(out, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N, D, m->Fs);
+    else
+        memset(out, 0, sizeof(real) * (size_t)N * D);
+    moe_combine_forward(out, a->eout, a->w, a->row_token, a->row_slot, M, D, K);
+}
+
+static void ffn_block_forward(moe_model *m, int l, moe_fwd_stats *stats)
+{
+    const moe_layer_view *w = &m->p.layers[l];
+    moe_layer_acts *a = &m->acts[l];
+    const int N = m->N, D = m->D;
+    real *out = m->x[l + 1];
+    rmsnorm_forward(a->h2, a->rstd2, a->xmid, w->ffn_norm, N, D, (real)m->cfg.norm_eps);
+    if (l < m->cfg.dense_layers)
+        swiglu_ffn_forward(out, a->fa, a->fb, a->fh, a->h2, w->w1, w->w3, w->w2, N, D, m->Fd);
+    else
+        moe_block_forward(m, l, out, stats);
+    add_inplace(out, a->xmid, (size_t)N * D);
+}
+
+moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats *stats)
+{
+    const int N = m->N, D = m->D, T = m->T;
+    memset(stats, 0, sizeof *stats);
+    for (int b = 0; b < m->B; b++) {
+        for (int t = 0; t < T; t++) {
+            int32_t in = tokens[(size_t)b * (T + 1) + t];
+            int32_t tg = tokens[(size_t)b * (T + 1) + t + 1];
+            if (in < 0 || in >= m->V || tg < 0 || tg >= m->V)
+                MOE_FAIL(MOE_ERR_INVALID, "token %d at sequence %d position %d is outside the "
+                         "vocabulary [0, %d)", in < 0 || in >= m->V ? in : tg, b, t, m->V);
+            m->tokens[(size_t)b * T + t] = in;
+            m->targets[(size_t)b * T + t] = tg;
+        }
+    }
+    embedding_forward(m->x[0], m->tokens, m->p.embedding, N, D);
+    for (int l = 0; l < m->L; l++) {
+        attention_block_forward(m, l);
+        ffn_block_forward(m, l, stats);
+    }
+    rmsnorm_forward(m->hf, m->rstdf, m->x[m->L], m->p.final_norm, N, D, (real)m->cfg.norm_eps);
+    matmul_forward(m->logits, m->hf, m->p.lm_head, N, D, m->V);
+    cross_entropy_forward(m->ce_loss, m->ce_lse, m->logits, m->targets, N, m->V);
+    double ce = 0;
+    for (int n = 0; n < N; n++)
+        ce += m->ce_loss[n];
+    stats->ce_sum = ce;
+    stats->tokens = N;
+    return MOE_OK;
+}
+
+/* ---- backward ---------------------------------------------------------------------- */
+
+/* Backward of swiglu_ffn_forward: dx (n, D) +=, weight gradients +=. dh is (n, D). */
+static void swiglu_ffn_backward(moe_model *m, real *dx, real *gw1, real *gw3, real *gw2,
+                                const real *dout, const real *x, const real *fa, const real *fb,
+                                const real *fh, const real *w1, const real *w3, const real *w2,
+                                int n, int D, int F)
+{
+    size_t nf = (size_t)n * F;
+    memset(m->dfh, 0, sizeof(real) * nf);
+    memset(m->dfa, 0, sizeof(real) * nf);
+    memset(m->dfb, 0, sizeof(real) * nf);
+    matmul_backward(m->dfh, gw2, dout, fh, w2, n, F, D);
+    swiglu_backward(m->dfa, m->dfb, m->dfh, fa, fb, nf);
+    matmul_backward(dx, gw1, m->dfa, x, w1, n, D, F);
+    matmul_backward(dx, gw3, m->dfb, x, w3, n, D, F);
+}
+
+/* Gradient of the router: top-k weights (dw), aux and z terms, softmax, linear. */
+static void router_backward_layer(moe_model *m, int l, int64_t step_sequences)
+{
+    const moe_layer_view *w = &m->p.layers[l];
+    const moe_layer_view *g = &m->g.layers[l];
+    moe_layer_acts *a = &m->acts[l];
+    const int N = m->N, E = m->E, K = m->K;
+    memset(m->dprobs, 0, sizeof(real) * (size_t)N * E);
+    memset(m->drlogits, 0, sizeof(real) * (size_t)N * E);
+    router_topk_backward(m->dprobs, m->dw, a->probs, a->idx, N, E, K, m->cfg.renorm_topk);
+    /* aux: averaged over the step's micro-batches; z: over its tokens */
+    const double n_micro = (double)step_sequences / m->B;
+    router_aux_backward(m->dprobs, m->drlogits, a->probs, a->rlse, a->mb_counts, N, N, E, K,
+                        m->cfg.aux_loss_coef / n_micro, m->cfg.z_loss_coef / n_micro);
+    softmax_backward(m->drlogits, m->dprobs, a->probs, N, E);
+    matmul_backward(m->dh, g->router, m->drlogits, a->h2, w->router, N, m->D, E);
+}
+
+/* dffn: gradient of the MoE output (N, D); adds the gradient of h2 into m->dh. */
+static void moe_block_backward(moe_model *m, int l, const real *dffn, int64_t step_sequences)
+{
+    const moe_layer_view *w = &m->p.layers[l];
+    const moe_layer_view *g = &m->g.layers[l];
+    moe_layer_acts *a = &m->acts[l];
+    const int N = m->N, D = m->D, K = m->K, F = m->F, M = a->n_rows;
+    if (m->Fs > 0)
+        swiglu_ffn_backward(m, m->dh, g->sw1, g->sw3, g->sw2, dffn, a->h2, a->sa, a->sb, a->sh,
+                            w->sw1, w->sw3, w->sw2, N, D, m->Fs);
+    memset(m->deout, 0, sizeof(real) * (size_t)M * D);
+    memset(m->dw, 0, sizeof(real) * (size_t)N * K);
+    moe_combine_backward(m->deout, m->dw, dffn, a->eout, a->w, a->row_token, a->row_slot, M, D,
+                         K);
+    memset(m->deh, 0, sizeof(real) * (size_t)M * F);
+    memset(m->dea, 0, sizeof(real) * (size_t)M * F);
+    memset(m->deb, 0, sizeof(real) * (size_t)M * F);
+    memset(m->dxperm, 0, sizeof(real) * (size_t)M * D);
+    grouped_matmul_backward(m->deh, g->ew2, m->deout, a->eh, w->ew2, a->offsets, m->El, F, D);
+    swiglu_backward(m->dea, m->deb, m->deh, a->ea, a->eb, (size_t)M * F);
+    grouped_matmul_backward(m->dxperm, g->ew1, m->dea, a->xperm, w->ew1, a->offsets, m->El, D, F);
+    grouped_matmul_backward(m->dxperm, g->ew3, m->deb, a->xperm, w->ew3, a->offsets, m->El, D, F);
+    moe_permute_backward(m->dh, m->dxperm, a->row_token, M, D);
+    router_backward_layer(m, l, step_sequences);
+}
+
+/* On entry m->dres = dL/dx[l+1]; on exit dL/dx[l]. */
+static void layer_backward(moe_model *m, int l, int64_t step_sequences)
+{
+    const moe_layer_view *w = &m->p.layers[l];
+    const moe_layer_view *g = &m->g.layers[l];
+    moe_layer_acts *a = &m->acts[l];
+    const int N = m->N, D = m->D;
+    const size_t ND = (size_t)N * D;
+
+    /* FFN branch: x[l+1] = xmid + ffn(norm(xmid)) */
+    memset(m->dh, 0, sizeof(real) * ND);
+    if (l < m->cfg.dense_layers)
+        swiglu_ffn_backward(m, m->dh, g->w1, g->w3, g->w2, m->dres, a->h2, a->fa, a->fb, a->fh,
+                            w->w1, w->w3, w->w2, N, D, m->Fd);
+    else
+        moe_block_backward(m, l, m->dres, step_sequences);
+    rmsnorm_backward(m->dres, g->ffn_norm, m->dh, a->xmid, w->ffn_norm, a->rstd2, N, D);
+
+    /* attention branch: xmid = x[l] + attn(norm(x[l])) */
+    memset(m->datt, 0, sizeof(real) * ND);
+    memset(m->dq, 0, sizeof(real) * ND);
+    memset(m->dk, 0, sizeof(real) * ND);
+    memset(m->dv, 0, sizeof(real) * ND);
+    memset(m->dh, 0, sizeof(real) * ND);
+    matmul_backward(m->datt, g->wo, m->dres, a->att, w->wo, N, D, D);
+    attention_backward(m->dq, m->dk, m->dv, m->datt, a->att, a->att_lse, a->q, a->k, a->v, m->B,
+                       m->T, m->H, m->Hd);
+    rope_backward(m->dq, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
+    rope_backward(m->dk, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
+    matmul_backward(m->dh, g->wq, m->dq, a->h1, w->wq, N, D, D);
+    matmul_backward(m->dh, g->wk, m->dk, a->h1, w->wk, N, D, D);
+    matmul_backward(m->dh, g->wv, m->dv, a->h1, w->wv, N, D, D);
+    rmsnorm_backward(m->dres, g->attn_norm, m->dh, m->x[l], w->attn_norm, a->rstd1, N, D);
+}
+
+void moe_model_backward(moe_model *m, int64_t step_sequences)
+{
+    const int N = m->N, D = m->D;
+    const size_t ND = (size_t)N * D;
+    real dloss = (real)(1.0 / ((double)step_sequences * m->T));
+    memset(m->dlogits, 0, sizeof(real) * (size_t)N * m->V);
+    cross_entropy_backward(m->dlogits, m->logits, m->ce_lse, m->targets, dloss, N, m->V);
+    memset(m->dh, 0, sizeof(real) * ND);
+    matmul_backward(m->dh, m->g.lm_head, m->dlogits, m->hf, m->p.lm_head, N, D, m->V);
+    memset(m->dres, 0, sizeof(real) * ND);
+    rmsnorm_backward(m->dres, m->g.final_norm, m->dh, m->x[m->L], m->p.final_norm, m->rstdf, N, D);
+    for (int l = m->L - 1; l >= 0; l--)
+        layer_backward(m, l, step_sequences);
+    embedding_backward(m->g.embedding, m->dres, m->tokens, N, D);
+}

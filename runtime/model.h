@@ -1,0 +1,155 @@
+/* runtime/model.h: the MoE transformer: parameter layout, activations, forward and
+ * backward of each block, on the CPU reference ops of kernels/.
+ *
+ * Owns: the tensor table (names, shapes, offsets into one arena), the parameter and
+ * gradient arenas, the activation buffers (all sized and allocated once at create), the
+ * forward and backward passes of one micro-batch, and the routing statistics.
+ * Does not own: the optimizer, the schedule, data, or communication (the trainer).
+ *
+ * Dimension letters: B sequences in a micro-batch, T sequence length, N = B*T tokens,
+ * D d_model, H heads, Hd = D/H, V vocabulary, L layers, E experts per MoE layer,
+ * El experts held by this rank, K top-k, F expert hidden, Fd dense hidden,
+ * Fs = shared_experts * F, M routed rows (kept token-expert assignments).
+ *
+ * Arena order: every dense tensor first (replicated on all ranks, reduced over the world),
+ * then the expert tensors (El experts per layer, reduced over the expert-data-parallel
+ * group). Gradients use the same layout in a second arena.
+ *
+ * Loss of one optimizer step over S sequences in n = S/B micro-batches (all ranks):
+ *   loss = ce + aux_loss_coef * aux + z_loss_coef * z
+ *   ce  = sum of token cross-entropies / (S*T)
+ *   aux = sum over MoE layers and micro-batches of aux(l, j) / n, with per micro-batch
+ *         aux(l, j) = E * sum_e f_e * P_e (f_e: share of the micro-batch's top-k
+ *         assignments on expert e, before capacity drops; P_e: mean router probability
+ *         of e over its tokens), as Megatron-Core computes it per rank and micro-batch
+ *   z   = sum over MoE layers and tokens of logsumexp(router logits)^2 / (S*T)
+ * The capacity (capacity_factor > 0) is ceil(capacity_factor * N * K / E) rows per expert
+ * per micro-batch. Both depend on the micro-batch, not on the world size: the same global
+ * batch at the same micro_batch gives the same loss at any world size and ep. */
+#ifndef MOE_RUNTIME_MODEL_H
+#define MOE_RUNTIME_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/ops.h"
+#include "runtime/config.h"
+#include "util/status.h"
+
+#define MOE_TENSOR_NAME_MAX 64
+
+typedef struct {
+    char name[MOE_TENSOR_NAME_MAX]; /* "layers.3.moe.experts.w1" */
+    size_t offset;                  /* elements into the arena */
+    size_t count;                   /* elements */
+    int ndim;
+    int shape[3];
+    int layer;     /* -1 for embedding, final_norm, lm_head */
+    int is_expert; /* sharded over expert parallelism; first dim is El */
+    int decay;     /* weight decay applies (matrices; not norms) */
+} moe_tensor;
+
+/* Pointers into an arena (parameters or gradients), one set per layer. */
+typedef struct {
+    real *attn_norm;             /* (D) */
+    real *wq, *wk, *wv, *wo;     /* (D, D) */
+    real *ffn_norm;              /* (D) */
+    real *w1, *w3, *w2;          /* dense FFN: (Fd, D), (Fd, D), (D, Fd); NULL in MoE layers */
+    real *router;                /* (E, D); NULL in dense layers */
+    real *sw1, *sw3, *sw2;       /* shared experts: (Fs, D), (Fs, D), (D, Fs); NULL if none */
+    real *ew1, *ew3, *ew2;       /* local experts: (El, F, D), (El, F, D), (El, D, F) */
+} moe_layer_view;
+
+typedef struct {
+    real *embedding;  /* (V, D) */
+    real *final_norm; /* (D) */
+    real *lm_head;    /* (V, D) */
+    moe_layer_view *layers; /* L */
+} moe_view;
+
+/* Activations of one layer for one micro-batch (saved for backward). */
+typedef struct {
+    real *h1, *rstd1;           /* (N, D), (N): attention-norm output and 1/rms */
+    real *q, *k, *v;            /* (N, D): q, k after RoPE */
+    real *att, *att_lse;        /* (N, D), (B, H, T) */
+    real *xmid;                 /* (N, D): residual after attention */
+    real *h2, *rstd2;           /* (N, D), (N): ffn-norm output */
+    real *fa, *fb, *fh;         /* dense: (N, Fd) gate, up, swiglu */
+    real *logits, *probs, *rlse; /* router: (N, E), (N, E), (N) */
+    int32_t *idx;               /* (N, K) */
+    int64_t *mb_counts;         /* (E): top-k assignments per expert in this micro-batch */
+    real *w;                    /* (N, K) */
+    int *offsets;               /* (El + 1) rows per local expert */
+    int32_t *row_token, *row_slot, *slot_row; /* (N*K) */
+    int n_rows;                 /* M */
+    real *xperm;                /* (N*K, D) routed inputs in expert order */
+    real *ea, *eb, *eh;         /* (N*K, F) */
+    real *eout;                 /* (N*K, D) */
+    real *sa, *sb, *sh;         /* shared: (N, Fs) */
+} moe_layer_acts;
+
+typedef struct {
+    double ce_sum;   /* sum of token cross-entropies */
+    double aux_sum;  /* sum over MoE layers and sequences of aux(l, s) */
+    double z_sum;    /* sum over MoE layers and tokens of lse^2 */
+    int64_t tokens;  /* N */
+    int64_t dropped; /* assignments dropped by the capacity */
+} moe_fwd_stats;
+
+typedef struct moe_model {
+    moe_config cfg;
+    int B, T, N, D, H, Hd, V, L, E, El, K, F, Fd, Fs;
+    int expert_first; /* global id of this rank's first expert */
+    int capacity;     /* per expert per micro-batch, -1 dropless */
+
+    moe_tensor *tensors;
+    int n_tensors;
+    size_t n_params; /* arena elements */
+    size_t n_dense;  /* elements [0, n_dense) are dense, the rest expert */
+    real *params, *grads;
+    moe_view p, g;
+
+    /* activations */
+    int32_t *tokens, *targets;  /* (N) */
+    real **x;                   /* L+1 residual streams (N, D): x[0] embedding, x[L] final */
+    moe_layer_acts *acts;       /* L */
+    real *hf, *rstdf;           /* final norm (N, D), (N) */
+    real *logits, *ce_lse, *ce_loss; /* (N, V), (N), (N) */
+    real *rope_cos, *rope_sin;  /* (T, Hd/2), computed once */
+
+    /* backward scratch, reused across layers */
+    real *dres, *dh, *dq, *dk, *dv, *datt, *dffn; /* (N, D) */
+    real *dfa, *dfb, *dfh;      /* (N, max(Fd, Fs)) */
+    real *dxperm, *deout;       /* (N*K, D) */
+    real *dea, *deb, *deh;      /* (N*K, F) */
+    real *dw, *dprobs, *drlogits; /* (N, K), (N, E), (N, E) */
+    real *dlogits;              /* (N, V) */
+    int *route_scratch;         /* (N*K) */
+    double *aux_psum;           /* (E) */
+
+    int64_t *load;              /* (L, E): assignments per expert since the last reset */
+    void *act_base;             /* the one block all activation buffers are carved from */
+} moe_model;
+
+/* Lays out the tensors for cfg on a rank holding experts
+ * [expert_first, expert_first + El), allocates every buffer (micro-batch of
+ * cfg->micro_batch sequences), and initialises the weights from cfg->seed. The weights
+ * of a tensor (and of each expert) depend only on its global name and the seed, not on
+ * El or the rank. On failure *out is NULL. */
+moe_status moe_model_create(moe_model **out, const moe_config *cfg, int expert_first, int El);
+
+/* Destroying NULL does nothing. */
+void moe_model_destroy(moe_model *m);
+
+/* Forward of one micro-batch. tokens: (B, T+1), inputs are [:, :T], targets [:, 1:].
+ * Fills stats with this micro-batch's sums. */
+moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats *stats);
+
+/* Backward of the last forward, accumulating into m->grads the gradient of the step
+ * loss (see the top of this file) for a step of `step_sequences` sequences in all. */
+void moe_model_backward(moe_model *m, int64_t step_sequences);
+
+/* Index of the tensor named `name`, or -1. */
+int moe_model_find_tensor(const moe_model *m, const char *name);
+
+#endif

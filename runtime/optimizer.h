@@ -1,0 +1,37 @@
+/* runtime/optimizer.h: AdamW over the model's tensor table, the learning-rate schedule
+ * and global-norm clipping.
+ *
+ * Owns: the optimizer state (first and second moments, one arena each, fp32), the
+ * schedule. Does not own: the parameters or gradients (the model), the reduction of
+ * gradients across ranks (the trainer, through comm/). */
+#ifndef MOE_RUNTIME_OPTIMIZER_H
+#define MOE_RUNTIME_OPTIMIZER_H
+
+#include "runtime/config.h"
+#include "runtime/model.h"
+#include "util/status.h"
+
+typedef struct {
+    real *m, *v;     /* (n_params) each */
+    size_t n_params;
+    int t;           /* AdamW steps taken */
+} moe_optimizer;
+
+/* Allocates zeroed state for n_params elements. On failure *out is NULL. */
+moe_status moe_optimizer_create(moe_optimizer **out, size_t n_params);
+void moe_optimizer_destroy(moe_optimizer *opt);
+
+/* Learning rate at optimizer step `step` (0-based): linear warmup from lr/warmup to lr
+ * over warmup_steps, then cosine decay to min_lr at the last step. */
+double moe_lr_at(const moe_config *cfg, int step);
+
+/* Scale factor for global-norm clipping: min(1, clip / norm); 1 when clip is 0. */
+double moe_clip_scale(double norm, double clip);
+
+/* One AdamW step over every tensor of the model: weight decay on tensors with
+ * decay != 0 (matrices and embeddings; never norms). Gradients are multiplied by
+ * grad_scale first (the clipping factor). */
+void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
+                        double grad_scale);
+
+#endif

@@ -1,0 +1,63 @@
+/* runtime/trainer.h: the training loop of one rank.
+ *
+ * Owns: which global sequences each micro-batch reads, the step (zero gradients,
+ * micro-batches of forward + backward, gradient reduction, clipping, AdamW), the progress
+ * line, the expert-load summary, the JSONL log.
+ * Does not own: the model's math (model.c), the data source (data.c), process groups
+ * (comm/), ending the job (launcher/).
+ *
+ * Data order: optimizer step s reads the global sequences [c, c + S) where c is the
+ * number consumed before it and S = micro_batch * world * accum(s). Micro-batch j of
+ * rank r reads sequences c + (j * world + r) * micro_batch + [0, micro_batch). */
+#ifndef MOE_RUNTIME_TRAINER_H
+#define MOE_RUNTIME_TRAINER_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "runtime/config.h"
+#include "runtime/data.h"
+#include "runtime/model.h"
+#include "runtime/optimizer.h"
+#include "util/status.h"
+
+typedef struct {
+    int step;            /* 0-based step just taken */
+    int micro_batches;   /* accumulation of this step */
+    int64_t sequences;   /* S: sequences in the global batch */
+    double loss;         /* ce + aux_coef*aux + z_coef*z */
+    double ce, aux, z;   /* mean cross-entropy, aux and z losses (see model.h) */
+    double grad_norm;    /* global norm before clipping */
+    double lr;
+    int64_t dropped;     /* assignments dropped by the capacity in this step */
+    double seconds;      /* wall time of the step */
+} moe_step_result;
+
+typedef struct {
+    moe_config cfg;
+    int world, rank;
+    moe_model *model;
+    moe_data *data;
+    moe_optimizer *opt;
+    int32_t *tokens;        /* (micro_batch, T+1) */
+    int64_t consumed;       /* global sequences consumed by finished steps */
+    int step;               /* next step to take */
+    FILE *jsonl;            /* NULL when [log] jsonl is empty */
+} moe_trainer;
+
+/* Builds the model, data source and optimizer for cfg on this rank (world 1 for now).
+ * On failure *out is NULL. */
+moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg);
+void moe_trainer_destroy(moe_trainer *tr);
+
+/* Zeroes the gradients and runs every micro-batch of step tr->step (forward +
+ * backward), filling the loss fields of res. Gradients are left in the model. */
+moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res);
+
+/* Clips, applies AdamW, advances the step and the data position; fills grad_norm, lr. */
+moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res);
+
+/* Trains until cfg.steps, printing progress to out. */
+moe_status moe_trainer_run(moe_trainer *tr, FILE *out);
+
+#endif

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs the ctest suite of build dir $1 (optionally only label $2) and ends with the
+# line "N passed, N failed" (and skipped, when any). Exit status 1 if any test failed.
+set -uo pipefail
+build=$1
+label=${2:-}
+args=(--test-dir "$build" --output-on-failure -j "$(nproc)")
+[ -n "$label" ] && args+=(-L "$label")
+log=$(mktemp)
+ctest "${args[@]}" 2>&1 | tee "$log"
+total=$(sed -n 's/.*tests passed, \([0-9]*\) tests\? failed out of \([0-9]*\).*/\2/p' "$log")
+failed=$(sed -n 's/.*tests passed, \([0-9]*\) tests\? failed out of \([0-9]*\).*/\1/p' "$log")
+skipped=$(grep -c '\*\*\*Skipped\|Not Run (Disabled)' "$log" || true)
+rm -f "$log"
+if [ -z "$total" ]; then
+  echo "0 passed, 1 failed (ctest did not run)"
+  exit 1
+fi
+passed=$((total - failed - skipped))
+if [ "$skipped" -gt 0 ]; then
+  echo "$passed passed, $failed failed, $skipped skipped"
+else
+  echo "$passed passed, $failed failed"
+fi
+[ "$failed" -eq 0 ]
