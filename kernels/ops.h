@@ -71,7 +71,8 @@ void rope_tables(real *cos_t, real *sin_t, int T, int Hd, double theta);
 /* x (B*T, H*Hd) in place: for each head, pairs (i, i + Hd/2) rotate by angle t*f_i. */
 void rope_forward(real *x, const real *cos_t, const real *sin_t, int B, int T, int H, int Hd);
 /* dx in place: the inverse rotation (rope is orthogonal), so pass the gradient of the
- * rotated output and it becomes the gradient of the input. */
+ * rotated output and it becomes the gradient of the input (the one backward that
+ * transforms its gradient in place instead of accumulating). */
 void rope_backward(real *dx, const real *cos_t, const real *sin_t, int B, int T, int H, int Hd);
 
 /* ---- causal multi-head attention ---------------------------------------------------- */
@@ -122,7 +123,9 @@ void router_aux_backward(real *dprobs, real *dlogits, const real *probs, const r
  * assignment contributes nothing to its token's output.
  * Outputs: offsets (E+1) row ranges per expert over the M kept rows,
  * row_token (N*K) and row_slot (N*K) for rows 0..M-1, slot_row (N*K): the row of each
- * (token, slot) or -1 if dropped. Returns M. scratch: N*K ints. */
+ * (token, slot) or -1 if dropped. A negative expert id in idx means "no assignment
+ * here" (the experts' side of an exchange marks slots held by other ranks so): such a
+ * slot is never a row and its slot_row is -1. Returns M. scratch: N*K ints. */
 int moe_route_plan(int *offsets, int32_t *row_token, int32_t *row_slot, int32_t *slot_row,
                    int *scratch, const int32_t *idx, const real *w, int N, int E, int K,
                    int group, int capacity);

@@ -2,7 +2,9 @@
  * (train, dump), exit statuses, and ending the job on failure. The only place that
  * exits.
  *
- * Exit statuses: 0 success; 1 runtime failure; 2 bad command line or config. */
+ * Exit statuses: 0 success; 1 runtime failure; 2 bad command line or config.
+ * A failure on any rank ends the whole job through MPI_Abort (never one rank alone,
+ * never a hang); every rank checks the config, so a config error exits 2 everywhere. */
 #include <errno.h>
 #include <jansson.h>
 #include <omp.h>
@@ -11,6 +13,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "comm/comm.h"
+#include "launcher/ranks.h"
 #include "runtime/config.h"
 #include "runtime/model.h"
 #include "runtime/trainer.h"
@@ -92,9 +96,14 @@ static int load_config(const cli_args *a, moe_config *cfg)
     return st == MOE_OK ? 0 : EXIT_USAGE;
 }
 
+static moe_ranks ranks;
+
 static void print_banner(const moe_config *cfg, const moe_model *m, const char *source)
 {
-    printf("moe-dist %s: %s, backend cpu (fp32), world 1\n", MOE_VERSION, source);
+    if (ranks.rank != 0)
+        return;
+    printf("moe-dist %s: %s, backend cpu (fp32), world %d, ep %d, %d experts per rank\n",
+           MOE_VERSION, source, ranks.world, cfg->ep, m->El);
     printf("model: %d layers (%d dense), d_model %d, %d heads, %d experts top-%d, expert ffn %d, "
            "vocab %d, seq %d: %.2fM parameters\n",
            cfg->n_layers, cfg->dense_layers, cfg->d_model, cfg->n_heads, cfg->experts,
@@ -105,19 +114,34 @@ static void print_banner(const moe_config *cfg, const moe_model *m, const char *
     fflush(stdout);
 }
 
+/* A failure after start-up ends every rank: the others may be inside a collective. */
+static int fail_job(int code)
+{
+    fflush(stdout);
+    if (ranks.world > 1)
+        moe_ranks_abort(code);
+    return code;
+}
+
 static int cmd_train(const cli_args *a)
 {
     moe_config cfg;
     int rc = load_config(a, &cfg);
     if (rc)
         return rc;
+    moe_comm *comm = NULL;
+    if (moe_comm_create(&comm, cfg.ep) != MOE_OK)
+        return fail_job(EXIT_USAGE);
     moe_trainer *tr = NULL;
-    if (moe_trainer_create(&tr, &cfg) != MOE_OK)
-        return 1;
+    if (moe_trainer_create(&tr, &cfg, comm) != MOE_OK)
+        return fail_job(1);
     print_banner(&cfg, tr->model, a->config_path ? a->config_path : "embedded tiny.ini");
     moe_status st = moe_trainer_run(tr, stdout);
+    if (st != MOE_OK)
+        return fail_job(1);
     moe_trainer_destroy(tr);
-    return st == MOE_OK ? 0 : 1;
+    moe_comm_destroy(comm);
+    return 0;
 }
 
 static moe_status write_file(const char *dir, const char *name, const void *data, size_t nbytes)
@@ -180,7 +204,7 @@ static moe_status dump_step(const moe_config *cfg, const char *dir)
     moe_step_result r;
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         MOE_FAIL(MOE_ERR_IO, "cannot create '%s': %m", dir);
-    MOE_CHECK_GOTO(st, moe_trainer_create(&tr, cfg));
+    MOE_CHECK_GOTO(st, moe_trainer_create(&tr, cfg, NULL));
     MOE_CHECK_GOTO(st, moe_trainer_accumulate(tr, &r));
 
     size_t ini_len = moe_config_to_ini(cfg, NULL, 0);
@@ -220,6 +244,10 @@ static int cmd_dump(const cli_args *a)
         fprintf(stderr, "moe-dist: dump needs CONFIG and --out DIR\n%s", usage_text);
         return EXIT_USAGE;
     }
+    if (ranks.world > 1) {
+        fprintf(stderr, "moe-dist: dump runs as one process\n");
+        return EXIT_USAGE;
+    }
     moe_config cfg;
     int rc = load_config(a, &cfg);
     if (rc)
@@ -251,10 +279,13 @@ int main(int argc, char **argv)
         fputs(usage_text, stderr);
         return EXIT_USAGE;
     }
-    if (strcmp(a.verb, "train") == 0)
-        return cmd_train(&a);
-    if (strcmp(a.verb, "dump") == 0)
-        return cmd_dump(&a);
-    fprintf(stderr, "moe-dist: unknown command '%s'\n%s", a.verb, usage_text);
-    return EXIT_USAGE;
+    if (strcmp(a.verb, "train") != 0 && strcmp(a.verb, "dump") != 0) {
+        fprintf(stderr, "moe-dist: unknown command '%s'\n%s", a.verb, usage_text);
+        return EXIT_USAGE;
+    }
+    if (moe_ranks_init(&argc, &argv, &ranks) != 0)
+        return 1;
+    rc = strcmp(a.verb, "train") == 0 ? cmd_train(&a) : cmd_dump(&a);
+    moe_ranks_finalize();
+    return rc;
 }

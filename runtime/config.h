@@ -88,16 +88,26 @@ typedef struct {
 /* Fills cfg with every default. */
 void moe_config_defaults(moe_config *cfg);
 
-/* Reads `path` over the defaults in cfg, then validates nothing yet (overrides may
- * follow). On error logs "path:line: [section] key: reason" and returns
- * MOE_ERR_INVALID (MOE_ERR_IO if the file cannot be read). */
+/* Reads `path` over the values already in cfg (defaults, usually), checking each value's
+ * type and range but no rule between keys yet (overrides may follow: validate after
+ * them). Sets source_path and key_line. Stops at the first error: logs
+ * "path:line: [section] key = value: reason" and returns MOE_ERR_INVALID (MOE_ERR_IO,
+ * with the path and the system's reason, if the file cannot be read); cfg is then
+ * unchanged. Loading a second file forgets the lines of the first (they read as 0). */
 moe_status moe_config_load(moe_config *cfg, const char *path);
 
-/* Applies one "section.key=value" override. Errors name "--set section.key". */
+/* Same as moe_config_load, from INI text in memory (the embedded default, say); `name`
+ * stands for the file in messages and source_path. */
+moe_status moe_config_load_string(moe_config *cfg, const char *text, const char *name);
+
+/* Applies one "section.key=value" override (key_line -1). Errors log
+ * "--set section.key=value: reason" and return MOE_ERR_INVALID; cfg is then unchanged. */
 moe_status moe_config_set(moe_config *cfg, const char *assignment);
 
-/* Checks ranges and consistency (top_k <= experts, d_model % n_heads == 0, ...).
- * The message names the file:line (or --set) where the blamed key was last set. */
+/* Checks ranges and consistency (top_k <= experts, d_model % n_heads == 0, ...), logging
+ * every failure; returns MOE_ERR_INVALID if any. A message names the file:line (or --set)
+ * where the blamed key was last set; a rule between two keys blames the one set last
+ * and names the other. Ep dividing the number of ranks is the launcher's check. */
 moe_status moe_config_validate(const moe_config *cfg);
 
 /* Micro-batches per optimizer step at `step` (0-based) from the grad_accum schedule. */

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm/comm.h"
 #include "util/rng.h"
 
 /* ---- layout --------------------------------------------------------------------- */
@@ -78,8 +79,8 @@ static moe_status layout_tensors(moe_model *m)
         }
 #undef ADD
     }
-    MOE_CHECK_GOTO(st, layout_add(&lb, "final_norm", -1, 0, 0, 1, D, 0, 0));
-    MOE_CHECK_GOTO(st, layout_add(&lb, "lm_head", -1, 0, 1, 2, m->V, D, 0));
+    MOE_CHECK_GOTO(st, layout_add(&lb, "final_norm", m->L, 0, 0, 1, D, 0, 0));
+    MOE_CHECK_GOTO(st, layout_add(&lb, "lm_head", m->L, 0, 1, 2, m->V, D, 0));
     m->n_dense = lb.offset;
     for (int l = m->cfg.dense_layers; l < m->L; l++) {
         snprintf(name, sizeof name, "layers.%d.moe.experts.w1", l);
@@ -168,7 +169,7 @@ static void init_weights(moe_model *m)
         for (int e = 0; e < parts; e++) {
             char stream_name[MOE_TENSOR_NAME_MAX + 16];
             if (t->is_expert)
-                snprintf(stream_name, sizeof stream_name, "%s.%d", t->name, m->expert_first + e);
+                snprintf(stream_name, sizeof stream_name, "%s.%d", t->name, m->local_experts[e]);
             else
                 snprintf(stream_name, sizeof stream_name, "%s", t->name);
             uint64_t stream = moe_rng_stream(stream_name);
@@ -200,6 +201,7 @@ static void carve_activations(moe_model *m, carve *c)
 {
     const size_t N = (size_t)m->N, D = (size_t)m->D, NK = N * (size_t)m->K;
     const size_t Fmax = (size_t)(m->Fd > m->Fs ? m->Fd : m->Fs);
+    const size_t R = (size_t)m->Rmax, Mx = (size_t)m->Mmax;
     m->tokens = TAKE(c, int32_t, N);
     m->targets = TAKE(c, int32_t, N);
     for (int l = 0; l <= m->L; l++) {
@@ -229,17 +231,23 @@ static void carve_activations(moe_model *m, carve *c)
             a.probs = TAKE(c, real, N * m->E);
             a.rlse = TAKE(c, real, N);
             a.idx = TAKE(c, int32_t, NK);
-            a.mb_counts = TAKE(c, int64_t, m->E);
             a.w = TAKE(c, real, NK);
-            a.offsets = TAKE(c, int, m->El + 1);
-            a.row_token = TAKE(c, int32_t, NK);
-            a.row_slot = TAKE(c, int32_t, NK);
+            a.mb_counts = TAKE(c, int64_t, m->E);
             a.slot_row = TAKE(c, int32_t, NK);
-            a.xperm = TAKE(c, real, NK * D);
-            a.ea = TAKE(c, real, NK * m->F);
-            a.eb = TAKE(c, real, NK * m->F);
-            a.eh = TAKE(c, real, NK * m->F);
-            a.eout = TAKE(c, real, NK * D);
+            a.send_token = TAKE(c, int32_t, N * (size_t)(m->K < m->ep ? m->K : m->ep));
+            a.send_rows = TAKE(c, int, m->ep);
+            a.recv_rows = TAKE(c, int, m->ep);
+            a.xrecv = TAKE(c, real, R * D);
+            a.lidx = TAKE(c, int32_t, R * m->K);
+            a.lw = TAKE(c, real, R * m->K);
+            a.offsets = TAKE(c, int, m->El + 1);
+            a.row_token = TAKE(c, int32_t, Mx);
+            a.row_slot = TAKE(c, int32_t, Mx);
+            a.xperm = TAKE(c, real, Mx * D);
+            a.ea = TAKE(c, real, Mx * m->F);
+            a.eb = TAKE(c, real, Mx * m->F);
+            a.eh = TAKE(c, real, Mx * m->F);
+            a.eout = TAKE(c, real, Mx * D);
             if (m->Fs > 0) {
                 a.sa = TAKE(c, real, N * m->Fs);
                 a.sb = TAKE(c, real, N * m->Fs);
@@ -266,21 +274,50 @@ static void carve_activations(moe_model *m, carve *c)
     m->dfa = TAKE(c, real, N * Fmax);
     m->dfb = TAKE(c, real, N * Fmax);
     m->dfh = TAKE(c, real, N * Fmax);
-    m->dxperm = TAKE(c, real, NK * D);
-    m->deout = TAKE(c, real, NK * D);
-    m->dea = TAKE(c, real, NK * m->F);
-    m->deb = TAKE(c, real, NK * m->F);
-    m->deh = TAKE(c, real, NK * m->F);
+    m->dxperm = TAKE(c, real, Mx * D);
+    m->deout = TAKE(c, real, Mx * D);
+    m->dea = TAKE(c, real, Mx * m->F);
+    m->deb = TAKE(c, real, Mx * m->F);
+    m->deh = TAKE(c, real, Mx * m->F);
+    m->dyrecv = TAKE(c, real, R * D);
+    m->dxrecv = TAKE(c, real, R * D);
+    m->dlw = TAKE(c, real, R * m->K);
     m->dw = TAKE(c, real, NK);
     m->dprobs = TAKE(c, real, N * m->E);
     m->drlogits = TAKE(c, real, N * m->E);
     m->dlogits = TAKE(c, real, N * m->V);
-    m->route_scratch = TAKE(c, int, NK);
+    m->route_scratch = TAKE(c, int, R * m->K);
+    m->src_offsets = TAKE(c, int, m->E + 1);
+    m->lslot_row = TAKE(c, int32_t, R * m->K);
+    m->xc_size = TAKE(c, size_t, 4 * (size_t)m->ep);
+    m->xc_count = TAKE(c, int64_t, 2 * (size_t)m->ep);
+    m->src_row_token = TAKE(c, int32_t, NK);
+    m->src_row_slot = TAKE(c, int32_t, NK);
+    m->send_buf = TAKE(c, char, (R > N * (size_t)m->K ? R : N * (size_t)m->K) * m->row_bytes);
+    m->recv_buf = TAKE(c, char, (R > N * (size_t)m->K ? R : N * (size_t)m->K) * m->row_bytes);
     m->aux_psum = TAKE(c, double, m->E);
     m->load = TAKE(c, int64_t, (size_t)m->L * m->E);
 }
 
-moe_status moe_model_create(moe_model **out, const moe_config *cfg, int expert_first, int El)
+/* Contiguous placement: expert e on EP rank e / El. The tables are the only place that
+ * knows it; everything else goes through expert_rank / expert_local. */
+static moe_status place_experts(moe_model *m)
+{
+    m->expert_rank = malloc(sizeof(int) * m->E);
+    m->expert_local = malloc(sizeof(int) * m->E);
+    m->local_experts = malloc(sizeof(int) * m->El);
+    if (!m->expert_rank || !m->expert_local || !m->local_experts)
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate the expert placement");
+    for (int e = 0; e < m->E; e++) {
+        m->expert_rank[e] = e / m->El;
+        m->expert_local[e] = e % m->El;
+        if (m->expert_rank[e] == m->ep_rank)
+            m->local_experts[m->expert_local[e]] = e;
+    }
+    return MOE_OK;
+}
+
+moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_comm *comm)
 {
     moe_status st = MOE_OK;
     moe_model *m = calloc(1, sizeof *m);
@@ -297,16 +334,30 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, int expert_f
     m->V = cfg->vocab_size;
     m->L = cfg->n_layers;
     m->E = cfg->experts;
-    m->El = El;
+    m->comm = comm;
+    m->ep = comm ? moe_comm_size(comm, MOE_GROUP_EP) : 1;
+    m->ep_rank = comm ? moe_comm_rank(comm, MOE_GROUP_EP) : 0;
+    if (m->ep != cfg->ep) {
+        moe_log_at(__FILE__, __LINE__, "[parallel] ep = %d but the EP group has %d ranks",
+                   cfg->ep, m->ep);
+        free(m);
+        return MOE_ERR_INVALID;
+    }
+    m->El = cfg->experts / m->ep;
     m->K = cfg->top_k;
     m->F = cfg->expert_hidden;
     m->Fd = cfg->dense_hidden;
     m->Fs = cfg->shared_experts * cfg->expert_hidden;
-    m->expert_first = expert_first;
+    /* worst case of dropless routing: every peer sends all its tokens here */
+    m->Rmax = m->ep * m->N;
+    m->Mmax = m->Rmax * (m->K < m->El ? m->K : m->El);
+    m->row_bytes = ((size_t)(m->D + m->K) * sizeof(real) + (size_t)m->K * sizeof(int32_t) + 7) &
+                   ~(size_t)7;
     m->capacity = cfg->capacity_factor > 0
                       ? (int)ceil(cfg->capacity_factor * m->N * m->K / (double)m->E)
                       : -1;
 
+    MOE_CHECK_GOTO(st, place_experts(m));
     MOE_CHECK_GOTO(st, layout_tensors(m));
     m->params = calloc(m->n_params, sizeof(real));
     m->grads = calloc(m->n_params, sizeof(real));
@@ -355,6 +406,9 @@ void moe_model_destroy(moe_model *m)
     free(m->params);
     free(m->grads);
     free(m->tensors);
+    free(m->expert_rank);
+    free(m->expert_local);
+    free(m->local_experts);
     free(m);
 }
 
@@ -408,29 +462,143 @@ static void router_forward_layer(moe_model *m, int l, moe_fwd_stats *stats)
     stats->aux_sum += E * aux;
 }
 
-static void moe_block_forward(moe_model *m, int l, real *out, moe_fwd_stats *stats)
+/* ---- MoE: dispatch, experts, combine ------------------------------------------------ */
+
+/* Exchanges rows inside the EP group: send_rows[p] rows of row_nbytes bytes (grouped by
+ * peer, in peer order) to each peer p; recv_rows[p] rows from each into recv. */
+static moe_status exchange_rows(moe_model *m, const void *send, const int *send_rows, void *recv,
+                                const int *recv_rows, size_t row_nbytes)
+{
+    if (m->ep == 1) {
+        memcpy(recv, send, (size_t)send_rows[0] * row_nbytes);
+        return MOE_OK;
+    }
+    size_t *sc = m->xc_size, *sd = sc + m->ep, *rc = sd + m->ep, *rd = rc + m->ep;
+    size_t so = 0, ro = 0;
+    for (int p = 0; p < m->ep; p++) {
+        sc[p] = (size_t)send_rows[p] * row_nbytes;
+        sd[p] = so;
+        so += sc[p];
+        rc[p] = (size_t)recv_rows[p] * row_nbytes;
+        rd[p] = ro;
+        ro += rc[p];
+    }
+    moe_comm_handle done;
+    MOE_CHECK(moe_comm_exchange_start(m->comm, send, sc, sd, recv, rc, rd, MOE_COMM_NONE, &done));
+    MOE_CHECK(moe_comm_wait(m->comm, done));
+    return MOE_OK;
+}
+
+/* Source side: applies the capacity, then builds one row per (token, EP rank holding at
+ * least one of its kept experts), grouped by rank. A token whose experts share a rank is
+ * sent there once, with the local expert and weight of each of its slots (local id -1
+ * for slots elsewhere). Exchanges the counts, then the rows; the experts' side finds
+ * them unpacked in xrecv, lidx, lw. */
+static moe_status moe_dispatch(moe_model *m, int l, moe_fwd_stats *stats)
+{
+    moe_layer_acts *a = &m->acts[l];
+    const int N = m->N, K = m->K, D = m->D, ep = m->ep;
+    int M = moe_route_plan(m->src_offsets, m->src_row_token, m->src_row_slot, a->slot_row,
+                           m->route_scratch, a->idx, a->w, N, m->E, K, N, m->capacity);
+    stats->dropped += (int64_t)N * K - M;
+
+    int64_t remote_assign = 0, remote_rows = 0;
+    int n = 0;
+    for (int p = 0; p < ep; p++) {
+        a->send_rows[p] = 0;
+        for (int t = 0; t < N; t++) {
+            real *row = (real *)(m->send_buf + (size_t)n * m->row_bytes);
+            int32_t *lid = (int32_t *)(row + D + K);
+            int hits = 0;
+            for (int k = 0; k < K; k++) {
+                int a_k = t * K + k, e = a->idx[a_k];
+                int here = a->slot_row[a_k] >= 0 && m->expert_rank[e] == p;
+                row[D + k] = here ? a->w[a_k] : 0;
+                lid[k] = here ? m->expert_local[e] : -1;
+                hits += here;
+            }
+            if (!hits)
+                continue;
+            memcpy(row, a->h2 + (size_t)t * D, sizeof(real) * D);
+            a->send_token[n++] = t;
+            a->send_rows[p]++;
+            if (p != m->ep_rank) {
+                remote_assign += hits;
+                remote_rows++;
+            }
+        }
+    }
+    a->n_send = n;
+    /* token payload of dispatch and combine, with and without sending a token once */
+    stats->a2a_bytes += 2 * remote_rows * D * (int64_t)sizeof(real);
+    stats->a2a_bytes_saved += 2 * (remote_assign - remote_rows) * D * (int64_t)sizeof(real);
+
+    int64_t *scount = m->xc_count, *rcount = m->xc_count + ep;
+    for (int p = 0; p < ep; p++)
+        scount[p] = a->send_rows[p];
+    if (ep > 1)
+        MOE_CHECK(moe_comm_exchange_counts(m->comm, scount, rcount));
+    else
+        rcount[0] = scount[0];
+    a->n_recv = 0;
+    for (int p = 0; p < ep; p++) {
+        a->recv_rows[p] = (int)rcount[p];
+        a->n_recv += a->recv_rows[p];
+    }
+    if (a->n_recv > m->Rmax)
+        MOE_FAIL(MOE_ERR_COMM, "layer %d: %d rows received, more than the %d sized for", l,
+                 a->n_recv, m->Rmax);
+    MOE_CHECK(exchange_rows(m, m->send_buf, a->send_rows, m->recv_buf, a->recv_rows,
+                            m->row_bytes));
+    for (int r = 0; r < a->n_recv; r++) {
+        const real *row = (const real *)(m->recv_buf + (size_t)r * m->row_bytes);
+        memcpy(a->xrecv + (size_t)r * D, row, sizeof(real) * D);
+        memcpy(a->lw + (size_t)r * K, row + D, sizeof(real) * K);
+        memcpy(a->lidx + (size_t)r * K, row + D + K, sizeof(int32_t) * K);
+    }
+    return MOE_OK;
+}
+
+/* Experts' side: groups the received rows' slots by local expert, runs the grouped
+ * SwiGLU experts, and writes each row's weighted sum of its experts' outputs (R, D)
+ * into out. */
+static void moe_experts_forward(moe_model *m, int l, real *out)
 {
     const moe_layer_view *w = &m->p.layers[l];
     moe_layer_acts *a = &m->acts[l];
-    const int N = m->N, D = m->D, K = m->K;
-    router_forward_layer(m, l, stats);
-    a->n_rows = moe_route_plan(a->offsets, a->row_token, a->row_slot, a->slot_row,
-                               m->route_scratch, a->idx, a->w, N, m->E, K, N, m->capacity);
-    stats->dropped += (int64_t)N * K - a->n_rows;
+    const int R = a->n_recv, D = m->D, K = m->K, F = m->F;
+    a->n_rows = moe_route_plan(a->offsets, a->row_token, a->row_slot, m->lslot_row,
+                               m->route_scratch, a->lidx, a->lw, R, m->El, K, R > 0 ? R : 1, -1);
     const int M = a->n_rows;
-    moe_permute(a->xperm, a->h2, a->row_token, M, D);
-    grouped_matmul_forward(a->ea, a->xperm, w->ew1, a->offsets, m->El, D, m->F);
-    grouped_matmul_forward(a->eb, a->xperm, w->ew3, a->offsets, m->El, D, m->F);
-    swiglu_forward(a->eh, a->ea, a->eb, (size_t)M * m->F);
-    grouped_matmul_forward(a->eout, a->eh, w->ew2, a->offsets, m->El, m->F, D);
+    moe_permute(a->xperm, a->xrecv, a->row_token, M, D);
+    grouped_matmul_forward(a->ea, a->xperm, w->ew1, a->offsets, m->El, D, F);
+    grouped_matmul_forward(a->eb, a->xperm, w->ew3, a->offsets, m->El, D, F);
+    swiglu_forward(a->eh, a->ea, a->eb, (size_t)M * F);
+    grouped_matmul_forward(a->eout, a->eh, w->ew2, a->offsets, m->El, F, D);
+    memset(out, 0, sizeof(real) * (size_t)R * D);
+    moe_combine_forward(out, a->eout, a->lw, a->row_token, a->row_slot, M, D, K);
+}
+
+static moe_status moe_block_forward(moe_model *m, int l, real *out, moe_fwd_stats *stats)
+{
+    const moe_layer_view *w = &m->p.layers[l];
+    moe_layer_acts *a = &m->acts[l];
+    const int N = m->N, D = m->D;
+    router_forward_layer(m, l, stats);
+    MOE_CHECK(moe_dispatch(m, l, stats));
+    moe_experts_forward(m, l, (real *)m->send_buf);
+    /* combine: partial sums go back to the rows' owners (sizes reversed) */
+    MOE_CHECK(exchange_rows(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows,
+                            sizeof(real) * D));
     if (m->Fs > 0)
         swiglu_ffn_forward(out, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N, D, m->Fs);
     else
         memset(out, 0, sizeof(real) * (size_t)N * D);
-    moe_combine_forward(out, a->eout, a->w, a->row_token, a->row_slot, M, D, K);
+    moe_permute_backward(out, (const real *)m->recv_buf, a->send_token, a->n_send, D);
+    return MOE_OK;
 }
 
-static void ffn_block_forward(moe_model *m, int l, moe_fwd_stats *stats)
+static moe_status ffn_block_forward(moe_model *m, int l, moe_fwd_stats *stats)
 {
     const moe_layer_view *w = &m->p.layers[l];
     moe_layer_acts *a = &m->acts[l];
@@ -440,8 +608,9 @@ static void ffn_block_forward(moe_model *m, int l, moe_fwd_stats *stats)
     if (l < m->cfg.dense_layers)
         swiglu_ffn_forward(out, a->fa, a->fb, a->fh, a->h2, w->w1, w->w3, w->w2, N, D, m->Fd);
     else
-        moe_block_forward(m, l, out, stats);
+        MOE_CHECK(moe_block_forward(m, l, out, stats));
     add_inplace(out, a->xmid, (size_t)N * D);
+    return MOE_OK;
 }
 
 moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats *stats)
@@ -462,7 +631,7 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
     embedding_forward(m->x[0], m->tokens, m->p.embedding, N, D);
     for (int l = 0; l < m->L; l++) {
         attention_block_forward(m, l);
-        ffn_block_forward(m, l, stats);
+        MOE_CHECK(ffn_block_forward(m, l, stats));
     }
     rmsnorm_forward(m->hf, m->rstdf, m->x[m->L], m->p.final_norm, N, D, (real)m->cfg.norm_eps);
     matmul_forward(m->logits, m->hf, m->p.lm_head, N, D, m->V);
@@ -511,19 +680,18 @@ static void router_backward_layer(moe_model *m, int l, int64_t step_sequences)
     matmul_backward(m->dh, g->router, m->drlogits, a->h2, w->router, N, m->D, E);
 }
 
-/* dffn: gradient of the MoE output (N, D); adds the gradient of h2 into m->dh. */
-static void moe_block_backward(moe_model *m, int l, const real *dffn, int64_t step_sequences)
+/* Experts' side of backward: from dy (R, D), the gradient of each received row's
+ * weighted sum, computes the expert weight gradients and writes, per row, the gradient
+ * of its input (D reals) and of its slots' weights (K reals) into out rows. */
+static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
 {
     const moe_layer_view *w = &m->p.layers[l];
     const moe_layer_view *g = &m->g.layers[l];
     moe_layer_acts *a = &m->acts[l];
-    const int N = m->N, D = m->D, K = m->K, F = m->F, M = a->n_rows;
-    if (m->Fs > 0)
-        swiglu_ffn_backward(m, m->dh, g->sw1, g->sw3, g->sw2, dffn, a->h2, a->sa, a->sb, a->sh,
-                            w->sw1, w->sw3, w->sw2, N, D, m->Fs);
+    const int R = a->n_recv, D = m->D, K = m->K, F = m->F, M = a->n_rows;
     memset(m->deout, 0, sizeof(real) * (size_t)M * D);
-    memset(m->dw, 0, sizeof(real) * (size_t)N * K);
-    moe_combine_backward(m->deout, m->dw, dffn, a->eout, a->w, a->row_token, a->row_slot, M, D,
+    memset(m->dlw, 0, sizeof(real) * (size_t)R * K);
+    moe_combine_backward(m->deout, m->dlw, dy, a->eout, a->lw, a->row_token, a->row_slot, M, D,
                          K);
     memset(m->deh, 0, sizeof(real) * (size_t)M * F);
     memset(m->dea, 0, sizeof(real) * (size_t)M * F);
@@ -533,12 +701,45 @@ static void moe_block_backward(moe_model *m, int l, const real *dffn, int64_t st
     swiglu_backward(m->dea, m->deb, m->deh, a->ea, a->eb, (size_t)M * F);
     grouped_matmul_backward(m->dxperm, g->ew1, m->dea, a->xperm, w->ew1, a->offsets, m->El, D, F);
     grouped_matmul_backward(m->dxperm, g->ew3, m->deb, a->xperm, w->ew3, a->offsets, m->El, D, F);
-    moe_permute_backward(m->dh, m->dxperm, a->row_token, M, D);
+    memset(m->dxrecv, 0, sizeof(real) * (size_t)R * D);
+    moe_permute_backward(m->dxrecv, m->dxperm, a->row_token, M, D);
+    for (int r = 0; r < R; r++) {
+        memcpy(out + (size_t)r * (D + K), m->dxrecv + (size_t)r * D, sizeof(real) * D);
+        memcpy(out + (size_t)r * (D + K) + D, m->dlw + (size_t)r * K, sizeof(real) * K);
+    }
+}
+
+/* dffn: gradient of the MoE output (N, D); adds the gradient of h2 into m->dh. */
+static moe_status moe_block_backward(moe_model *m, int l, const real *dffn,
+                                     int64_t step_sequences)
+{
+    const moe_layer_view *w = &m->p.layers[l];
+    const moe_layer_view *g = &m->g.layers[l];
+    moe_layer_acts *a = &m->acts[l];
+    const int N = m->N, D = m->D, K = m->K;
+    if (m->Fs > 0)
+        swiglu_ffn_backward(m, m->dh, g->sw1, g->sw3, g->sw2, dffn, a->h2, a->sa, a->sb, a->sh,
+                            w->sw1, w->sw3, w->sw2, N, D, m->Fs);
+    /* the gradient of each sent row's partial sum goes to the rank that computed it */
+    moe_permute((real *)m->send_buf, dffn, a->send_token, a->n_send, D);
+    MOE_CHECK(exchange_rows(m, m->send_buf, a->send_rows, m->dyrecv, a->recv_rows,
+                            sizeof(real) * D));
+    moe_experts_backward(m, l, m->dyrecv, (real *)m->send_buf);
+    MOE_CHECK(exchange_rows(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows,
+                            sizeof(real) * (D + K)));
+    memset(m->dw, 0, sizeof(real) * (size_t)N * K);
+    for (int r = 0; r < a->n_send; r++) {
+        const real *row = (const real *)m->recv_buf + (size_t)r * (D + K);
+        int t = a->send_token[r];
+        add_inplace(m->dh + (size_t)t * D, row, (size_t)D);
+        add_inplace(m->dw + (size_t)t * K, row + D, (size_t)K);
+    }
     router_backward_layer(m, l, step_sequences);
+    return MOE_OK;
 }
 
 /* On entry m->dres = dL/dx[l+1]; on exit dL/dx[l]. */
-static void layer_backward(moe_model *m, int l, int64_t step_sequences)
+static moe_status layer_backward(moe_model *m, int l, int64_t step_sequences)
 {
     const moe_layer_view *w = &m->p.layers[l];
     const moe_layer_view *g = &m->g.layers[l];
@@ -552,7 +753,7 @@ static void layer_backward(moe_model *m, int l, int64_t step_sequences)
         swiglu_ffn_backward(m, m->dh, g->w1, g->w3, g->w2, m->dres, a->h2, a->fa, a->fb, a->fh,
                             w->w1, w->w3, w->w2, N, D, m->Fd);
     else
-        moe_block_backward(m, l, m->dres, step_sequences);
+        MOE_CHECK(moe_block_backward(m, l, m->dres, step_sequences));
     rmsnorm_backward(m->dres, g->ffn_norm, m->dh, a->xmid, w->ffn_norm, a->rstd2, N, D);
 
     /* attention branch: xmid = x[l] + attn(norm(x[l])) */
@@ -570,9 +771,16 @@ static void layer_backward(moe_model *m, int l, int64_t step_sequences)
     matmul_backward(m->dh, g->wk, m->dk, a->h1, w->wk, N, D, D);
     matmul_backward(m->dh, g->wv, m->dv, a->h1, w->wv, N, D, D);
     rmsnorm_backward(m->dres, g->attn_norm, m->dh, m->x[l], w->attn_norm, a->rstd1, N, D);
+    return MOE_OK;
 }
 
-void moe_model_backward(moe_model *m, int64_t step_sequences)
+static void grad_ready(moe_model *m, int stage)
+{
+    if (m->grad_ready)
+        m->grad_ready(m->grad_ready_ctx, stage);
+}
+
+moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
 {
     const int N = m->N, D = m->D;
     const size_t ND = (size_t)N * D;
@@ -583,7 +791,12 @@ void moe_model_backward(moe_model *m, int64_t step_sequences)
     matmul_backward(m->dh, m->g.lm_head, m->dlogits, m->hf, m->p.lm_head, N, D, m->V);
     memset(m->dres, 0, sizeof(real) * ND);
     rmsnorm_backward(m->dres, m->g.final_norm, m->dh, m->x[m->L], m->p.final_norm, m->rstdf, N, D);
-    for (int l = m->L - 1; l >= 0; l--)
-        layer_backward(m, l, step_sequences);
+    grad_ready(m, m->L);
+    for (int l = m->L - 1; l >= 0; l--) {
+        MOE_CHECK(layer_backward(m, l, step_sequences));
+        grad_ready(m, l);
+    }
     embedding_backward(m->g.embedding, m->dres, m->tokens, N, D);
+    grad_ready(m, -1);
+    return MOE_OK;
 }

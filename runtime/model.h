@@ -75,16 +75,25 @@ typedef struct {
     real *xmid;                 /* (N, D): residual after attention */
     real *h2, *rstd2;           /* (N, D), (N): ffn-norm output */
     real *fa, *fb, *fh;         /* dense: (N, Fd) gate, up, swiglu */
+    /* MoE, the side that owns the tokens */
     real *logits, *probs, *rlse; /* router: (N, E), (N, E), (N) */
-    int32_t *idx;               /* (N, K) */
-    int64_t *mb_counts;         /* (E): top-k assignments per expert in this micro-batch */
+    int32_t *idx;               /* (N, K) global expert ids */
     real *w;                    /* (N, K) */
+    int64_t *mb_counts;         /* (E): top-k assignments per expert in this micro-batch */
+    int32_t *slot_row;          /* (N*K): -1 where the capacity dropped the assignment */
+    int32_t *send_token;        /* (N*min(K,ep)): token of each row sent, by destination */
+    int *send_rows, *recv_rows; /* (ep): rows sent to / received from each EP peer */
+    int n_send, n_recv;
+    /* MoE, the side that holds the experts: rows received from every EP peer */
+    real *xrecv;                /* (R, D): R = n_recv <= ep*N */
+    int32_t *lidx;              /* (R, K): local expert of each slot, -1 if elsewhere */
+    real *lw;                   /* (R, K): router weight of each slot */
     int *offsets;               /* (El + 1) rows per local expert */
-    int32_t *row_token, *row_slot, *slot_row; /* (N*K) */
-    int n_rows;                 /* M */
-    real *xperm;                /* (N*K, D) routed inputs in expert order */
-    real *ea, *eb, *eh;         /* (N*K, F) */
-    real *eout;                 /* (N*K, D) */
+    int32_t *row_token, *row_slot; /* (R*K): received row and slot of each expert row */
+    int n_rows;                 /* M: expert rows */
+    real *xperm;                /* (M, D) inputs in expert order */
+    real *ea, *eb, *eh;         /* (M, F) */
+    real *eout;                 /* (M, D) */
     real *sa, *sb, *sh;         /* shared: (N, Fs) */
 } moe_layer_acts;
 
@@ -94,13 +103,26 @@ typedef struct {
     double z_sum;    /* sum over MoE layers and tokens of lse^2 */
     int64_t tokens;  /* N */
     int64_t dropped; /* assignments dropped by the capacity */
+    int64_t a2a_bytes;       /* bytes this rank sent to other ranks in token exchanges */
+    int64_t a2a_bytes_saved; /* bytes not sent because a token goes once to a rank */
 } moe_fwd_stats;
+
+struct moe_comm;
+/* Called by backward when the gradients of a stage are final: stage L (final norm and
+ * LM head), L-1 ... 0 (layers), -1 (embedding). */
+typedef void (*moe_grad_ready_fn)(void *ctx, int stage);
 
 typedef struct moe_model {
     moe_config cfg;
     int B, T, N, D, H, Hd, V, L, E, El, K, F, Fd, Fs;
-    int expert_first; /* global id of this rank's first expert */
     int capacity;     /* per expert per micro-batch, -1 dropless */
+    int ep, ep_rank;  /* expert-parallel degree and this rank's place in its EP group */
+    int *expert_rank;   /* (E): EP rank holding each expert */
+    int *expert_local;  /* (E): its index among that rank's El experts */
+    int *local_experts; /* (El): global ids of this rank's experts */
+    struct moe_comm *comm; /* NULL: one process */
+    moe_grad_ready_fn grad_ready; /* NULL: nobody listens */
+    void *grad_ready_ctx;
 
     moe_tensor *tensors;
     int n_tensors;
@@ -120,34 +142,47 @@ typedef struct moe_model {
     /* backward scratch, reused across layers */
     real *dres, *dh, *dq, *dk, *dv, *datt, *dffn; /* (N, D) */
     real *dfa, *dfb, *dfh;      /* (N, max(Fd, Fs)) */
-    real *dxperm, *deout;       /* (N*K, D) */
-    real *dea, *deb, *deh;      /* (N*K, F) */
+    real *dxperm, *deout;       /* (Mmax, D) */
+    real *dea, *deb, *deh;      /* (Mmax, F) */
+    real *dyrecv, *dxrecv;      /* (Rmax, D) */
+    real *dlw;                  /* (Rmax, K) */
     real *dw, *dprobs, *drlogits; /* (N, K), (N, E), (N, E) */
+    char *send_buf, *recv_buf;  /* packed exchange rows: max(rows) * row_bytes */
+    size_t row_bytes;           /* D reals + K reals + K int32, 8-aligned */
+    int Rmax, Mmax;             /* rows received / expert rows, worst case */
     real *dlogits;              /* (N, V) */
-    int *route_scratch;         /* (N*K) */
+    int *route_scratch;         /* (Rmax*K) */
+    int *src_offsets;           /* (E+1): the source-side plan (capacity drops) */
+    int32_t *lslot_row;         /* (Rmax*K): expert-side plan scratch */
+    size_t *xc_size;            /* (4*ep): byte counts and displacements of an exchange */
+    int64_t *xc_count;          /* (2*ep): row counts sent and received */
+    int32_t *src_row_token, *src_row_slot; /* (N*K) */
     double *aux_psum;           /* (E) */
 
     int64_t *load;              /* (L, E): assignments per expert since the last reset */
     void *act_base;             /* the one block all activation buffers are carved from */
 } moe_model;
 
-/* Lays out the tensors for cfg on a rank holding experts
- * [expert_first, expert_first + El), allocates every buffer (micro-batch of
- * cfg->micro_batch sequences), and initialises the weights from cfg->seed. The weights
- * of a tensor (and of each expert) depend only on its global name and the seed, not on
- * El or the rank. On failure *out is NULL. */
-moe_status moe_model_create(moe_model **out, const moe_config *cfg, int expert_first, int El);
+/* Lays out the tensors for cfg on this rank (its experts: those the placement gives
+ * its place in the EP group of `comm`; contiguous blocks by default), allocates every
+ * buffer (micro-batch of cfg->micro_batch sequences; exchange buffers for the worst
+ * case of dropless routing), and initialises the weights from cfg->seed. The weights of
+ * a tensor (and of each expert) depend only on its global name and the seed, not on the
+ * rank or ep. comm NULL: one process, cfg->ep must be 1. On failure *out is NULL. */
+moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_comm *comm);
 
 /* Destroying NULL does nothing. */
 void moe_model_destroy(moe_model *m);
 
 /* Forward of one micro-batch. tokens: (B, T+1), inputs are [:, :T], targets [:, 1:].
- * Fills stats with this micro-batch's sums. */
+ * Fills stats with this micro-batch's sums. Collective over the EP group. */
 moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats *stats);
 
 /* Backward of the last forward, accumulating into m->grads the gradient of the step
- * loss (see the top of this file) for a step of `step_sequences` sequences in all. */
-void moe_model_backward(moe_model *m, int64_t step_sequences);
+ * loss (see the top of this file) for a step of `step_sequences` sequences in all.
+ * Collective over the EP group (token exchanges). Calls m->grad_ready after each
+ * stage when set. */
+moe_status moe_model_backward(moe_model *m, int64_t step_sequences);
 
 /* Index of the tensor named `name`, or -1. */
 int moe_model_find_tensor(const moe_model *m, const char *name);

@@ -1,6 +1,8 @@
 /* runtime/trainer.c: the training loop, progress line and logs. */
 #include "runtime/trainer.h"
 
+#include "comm/comm.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,7 +16,73 @@ static double now_seconds(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg)
+/* Buckets: one per backward stage (the head, each layer, the embedding). Within the
+ * dense region a stage's tensors are contiguous, and so are a layer's expert tensors. */
+static moe_status build_buckets(moe_trainer *tr)
+{
+    const moe_model *m = tr->model;
+    tr->buckets = calloc((size_t)m->L + 2, sizeof *tr->buckets);
+    if (!tr->buckets)
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate gradient buckets");
+    for (int b = 0; b < m->L + 2; b++) {
+        tr->buckets[b].dense_lo = tr->buckets[b].expert_lo = SIZE_MAX;
+        tr->buckets[b].handles[0] = tr->buckets[b].handles[1] = MOE_COMM_NONE;
+    }
+    for (int i = 0; i < m->n_tensors; i++) {
+        const moe_tensor *t = &m->tensors[i];
+        moe_grad_bucket *b = &tr->buckets[t->layer + 1];
+        size_t *lo = t->is_expert ? &b->expert_lo : &b->dense_lo;
+        size_t *hi = t->is_expert ? &b->expert_hi : &b->dense_hi;
+        if (*lo != SIZE_MAX && *hi != t->offset)
+            MOE_FAIL(MOE_ERR_INVALID, "tensor %s is not contiguous with its bucket", t->name);
+        if (*lo == SIZE_MAX)
+            *lo = t->offset;
+        *hi = t->offset + t->count;
+    }
+    for (int b = 0; b < m->L + 2; b++) {
+        if (tr->buckets[b].dense_lo == SIZE_MAX)
+            tr->buckets[b].dense_lo = tr->buckets[b].dense_hi = 0;
+        if (tr->buckets[b].expert_lo == SIZE_MAX)
+            tr->buckets[b].expert_lo = tr->buckets[b].expert_hi = 0;
+    }
+    return MOE_OK;
+}
+
+/* Called by backward when a stage's gradients are final: on the last micro-batch of a
+ * step, starts their reduction (dense over the world, experts over the EDP group). */
+static void on_grad_ready(void *ctx, int stage)
+{
+    moe_trainer *tr = ctx;
+    if (!tr->reduce_now || tr->reduce_status != MOE_OK)
+        return;
+    moe_grad_bucket *b = &tr->buckets[stage + 1];
+    real *g = tr->model->grads;
+    moe_status st = MOE_OK;
+    if (b->dense_hi > b->dense_lo && tr->world > 1)
+        st = moe_comm_allreduce_start(tr->comm, MOE_GROUP_WORLD, g + b->dense_lo,
+                                      b->dense_hi - b->dense_lo, sizeof(real), MOE_COMM_NONE,
+                                      &b->handles[0]);
+    if (st == MOE_OK && b->expert_hi > b->expert_lo &&
+        moe_comm_size(tr->comm, MOE_GROUP_EDP) > 1)
+        st = moe_comm_allreduce_start(tr->comm, MOE_GROUP_EDP, g + b->expert_lo,
+                                      b->expert_hi - b->expert_lo, sizeof(real), MOE_COMM_NONE,
+                                      &b->handles[1]);
+    tr->reduce_status = st;
+}
+
+static moe_status wait_buckets(moe_trainer *tr)
+{
+    for (int b = 0; b < tr->model->L + 2; b++) {
+        for (int h = 0; h < 2; h++) {
+            moe_status st = moe_comm_wait(tr->comm, tr->buckets[b].handles[h]);
+            tr->buckets[b].handles[h] = MOE_COMM_NONE;
+            MOE_CHECK(st);
+        }
+    }
+    return tr->reduce_status;
+}
+
+moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct moe_comm *comm)
 {
     moe_status st = MOE_OK;
     moe_trainer *tr = calloc(1, sizeof *tr);
@@ -22,9 +90,13 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg)
     if (!tr)
         MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate the trainer");
     tr->cfg = *cfg;
-    tr->world = 1;
-    tr->rank = 0;
-    MOE_CHECK_GOTO(st, moe_model_create(&tr->model, cfg, 0, cfg->experts));
+    tr->comm = comm;
+    tr->world = comm ? moe_comm_size(comm, MOE_GROUP_WORLD) : 1;
+    tr->rank = comm ? moe_comm_rank(comm, MOE_GROUP_WORLD) : 0;
+    MOE_CHECK_GOTO(st, moe_model_create(&tr->model, cfg, comm));
+    tr->model->grad_ready = on_grad_ready;
+    tr->model->grad_ready_ctx = tr;
+    MOE_CHECK_GOTO(st, build_buckets(tr));
     MOE_CHECK_GOTO(st, moe_data_create(&tr->data, cfg));
     MOE_CHECK_GOTO(st, moe_optimizer_create(&tr->opt, tr->model->n_params));
     tr->tokens = malloc(sizeof(int32_t) * (size_t)cfg->micro_batch * (cfg->seq_len + 1));
@@ -56,6 +128,7 @@ void moe_trainer_destroy(moe_trainer *tr)
     if (tr->jsonl)
         fclose(tr->jsonl);
     free(tr->tokens);
+    free(tr->buckets);
     moe_optimizer_destroy(tr->opt);
     moe_data_destroy(tr->data);
     moe_model_destroy(tr->model);
@@ -74,24 +147,49 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     res->micro_batches = accum;
     res->sequences = S;
     memset(m->grads, 0, sizeof(real) * m->n_params);
-    double ce = 0, aux = 0, z = 0;
+    /* ce, aux, z, dropped, a2a bytes, a2a saved: summed over micro-batches and ranks */
+    double sums[6] = {0};
     for (int j = 0; j < accum; j++) {
         int64_t first = tr->consumed + ((int64_t)j * tr->world + tr->rank) * micro;
         moe_fwd_stats fs;
         MOE_CHECK(moe_data_batch(tr->data, tr->tokens, first, micro));
         MOE_CHECK(moe_model_forward(m, tr->tokens, &fs));
-        moe_model_backward(m, S);
-        ce += fs.ce_sum;
-        aux += fs.aux_sum;
-        z += fs.z_sum;
-        res->dropped += fs.dropped;
+        tr->reduce_now = tr->comm && j == accum - 1;
+        tr->reduce_status = MOE_OK;
+        MOE_CHECK(moe_model_backward(m, S));
+        sums[0] += fs.ce_sum;
+        sums[1] += fs.aux_sum;
+        sums[2] += fs.z_sum;
+        sums[3] += (double)fs.dropped;
+        sums[4] += (double)fs.a2a_bytes;
+        sums[5] += (double)fs.a2a_bytes_saved;
+    }
+    if (tr->comm) {
+        MOE_CHECK(wait_buckets(tr));
+        MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, sums, 6));
     }
     const double tokens = (double)S * tr->cfg.seq_len;
-    res->ce = ce / tokens;
-    res->aux = aux / ((double)tr->world * accum); /* mean over the step's micro-batches */
-    res->z = z / tokens;
+    res->ce = sums[0] / tokens;
+    res->aux = sums[1] / ((double)tr->world * accum); /* mean over the step's micro-batches */
+    res->z = sums[2] / tokens;
+    res->dropped = (int64_t)sums[3];
+    res->a2a_bytes = (int64_t)sums[4];
+    res->a2a_saved = (int64_t)sums[5];
     res->loss = res->ce + tr->cfg.aux_loss_coef * res->aux + tr->cfg.z_loss_coef * res->z;
     res->seconds = now_seconds() - t0;
+    return MOE_OK;
+}
+
+/* Global gradient norm, each parameter counted once: dense gradients are identical on
+ * every rank after the reduction; each expert lives on one rank of every EP group. */
+static moe_status global_grad_norm(moe_trainer *tr, double *norm)
+{
+    const moe_model *m = tr->model;
+    double sq[2] = {sum_squares(m->grads, m->n_dense),
+                    sum_squares(m->grads + m->n_dense, m->n_params - m->n_dense)};
+    if (tr->comm && moe_comm_size(tr->comm, MOE_GROUP_EP) > 1)
+        MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_EP, &sq[1], 1));
+    *norm = sqrt(sq[0] + sq[1]);
     return MOE_OK;
 }
 
@@ -99,7 +197,8 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
 {
     moe_model *m = tr->model;
     double t0 = now_seconds();
-    double norm = sqrt(sum_squares(m->grads, m->n_params));
+    double norm = 0;
+    MOE_CHECK(global_grad_norm(tr, &norm));
     if (!isfinite(norm))
         MOE_FAIL(MOE_ERR_NUMERIC, "step %d: gradient norm is %g", tr->step, norm);
     res->grad_norm = norm;
@@ -145,19 +244,23 @@ static void print_progress(const moe_trainer *tr, const moe_step_result *r, doub
             tps, el, eta);
     if (r->dropped)
         fprintf(out, " dropped %lld", (long long)r->dropped);
+    if (tr->world > 1)
+        fprintf(out, " a2a %.1fMB", r->a2a_bytes / 1e6);
     if (!tty)
         fputc('\n', out);
     fflush(out);
 }
 
 /* Per MoE layer: share of assignments of the least and most loaded expert, and max/mean,
- * since the last summary; then resets the counts. */
-static void print_expert_load(moe_trainer *tr, int tty, FILE *out)
+ * since the last summary (summed over ranks; collective); then resets the counts. */
+static moe_status print_expert_load(moe_trainer *tr, int tty, FILE *out)
 {
     moe_model *m = tr->model;
-    if (tty)
+    if (tr->comm)
+        MOE_CHECK(moe_comm_sum_int64(tr->comm, MOE_GROUP_WORLD, m->load, m->L * m->E));
+    if (tty && tr->rank == 0)
         fputc('\n', out);
-    for (int l = tr->cfg.dense_layers; l < m->L; l++) {
+    for (int l = tr->cfg.dense_layers; l < m->L && tr->rank == 0; l++) {
         int64_t *load = m->load + (size_t)l * m->E;
         int64_t total = 0, lo = load[0], hi = load[0];
         for (int e = 0; e < m->E; e++) {
@@ -169,17 +272,20 @@ static void print_expert_load(moe_trainer *tr, int tty, FILE *out)
         fprintf(out, "  expert load layer %d: min %.3f max %.3f max/mean %.2f\n", l,
                 total ? (double)lo / total : 0.0, total ? (double)hi / total : 0.0,
                 mean > 0 ? (double)hi / mean : 0.0);
-        memset(load, 0, sizeof(int64_t) * m->E);
     }
+    memset(m->load, 0, sizeof(int64_t) * (size_t)m->L * m->E);
+    return MOE_OK;
 }
 
 static void write_jsonl(FILE *f, const moe_step_result *r, double tok_per_s)
 {
     fprintf(f,
             "{\"step\":%d,\"loss\":%.9g,\"ce\":%.9g,\"aux\":%.9g,\"z\":%.9g,\"grad_norm\":%.9g,"
-            "\"lr\":%.9g,\"sequences\":%lld,\"dropped\":%lld,\"step_s\":%.6f,\"tok_per_s\":%.1f}\n",
+            "\"lr\":%.9g,\"sequences\":%lld,\"dropped\":%lld,\"a2a_bytes\":%lld,"
+            "\"a2a_bytes_saved\":%lld,\"step_s\":%.6f,\"tok_per_s\":%.1f}\n",
             r->step + 1, r->loss, r->ce, r->aux, r->z, r->grad_norm, r->lr,
-            (long long)r->sequences, (long long)r->dropped, r->seconds, tok_per_s);
+            (long long)r->sequences, (long long)r->dropped, (long long)r->a2a_bytes,
+            (long long)r->a2a_saved, r->seconds, tok_per_s);
     fflush(f);
 }
 
@@ -201,9 +307,9 @@ moe_status moe_trainer_run(moe_trainer *tr, FILE *out)
             print_progress(tr, &r, elapsed, tps, tty, out);
         if (tr->jsonl)
             write_jsonl(tr->jsonl, &r, tps);
-        if (tr->rank == 0 && tr->cfg.expert_load_interval > 0 &&
-            tr->step % tr->cfg.expert_load_interval == 0 && tr->cfg.dense_layers < tr->cfg.n_layers)
-            print_expert_load(tr, tty, out);
+        if (tr->cfg.expert_load_interval > 0 && tr->step % tr->cfg.expert_load_interval == 0 &&
+            tr->cfg.dense_layers < tr->cfg.n_layers)
+            MOE_CHECK(print_expert_load(tr, tty, out));
     }
     if (tr->rank == 0) {
         double elapsed = now_seconds() - start;

@@ -30,12 +30,27 @@ typedef struct {
     double grad_norm;    /* global norm before clipping */
     double lr;
     int64_t dropped;     /* assignments dropped by the capacity in this step */
+    int64_t a2a_bytes;   /* token bytes sent between ranks (all ranks) */
+    int64_t a2a_saved;   /* bytes not sent because a token goes once to a rank */
     double seconds;      /* wall time of the step */
 } moe_step_result;
 
+/* A gradient bucket: the tensors of one backward stage, dense and expert ranges. */
+typedef struct {
+    size_t dense_lo, dense_hi;   /* reduced over the world */
+    size_t expert_lo, expert_hi; /* reduced over the expert-data-parallel group */
+    int handles[2];
+} moe_grad_bucket;
+
+struct moe_comm;
+
 typedef struct {
     moe_config cfg;
+    struct moe_comm *comm;  /* NULL: one process */
     int world, rank;
+    moe_grad_bucket *buckets; /* L + 2, indexed by stage + 1 (stage -1 = embedding) */
+    int reduce_now;         /* the last micro-batch of a step: reduce as stages finish */
+    moe_status reduce_status;
     moe_model *model;
     moe_data *data;
     moe_optimizer *opt;
@@ -45,13 +60,14 @@ typedef struct {
     FILE *jsonl;            /* NULL when [log] jsonl is empty */
 } moe_trainer;
 
-/* Builds the model, data source and optimizer for cfg on this rank (world 1 for now).
- * On failure *out is NULL. */
-moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg);
+/* Builds the model, data source and optimizer for cfg on this rank. comm NULL: one
+ * process. Collective over the world. On failure *out is NULL. */
+moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct moe_comm *comm);
 void moe_trainer_destroy(moe_trainer *tr);
 
 /* Zeroes the gradients and runs every micro-batch of step tr->step (forward +
- * backward), filling the loss fields of res. Gradients are left in the model. */
+ * backward), reducing gradients across ranks as the last micro-batch's stages finish,
+ * and fills the loss fields of res (summed over ranks). Collective. */
 moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res);
 
 /* Clips, applies AdamW, advances the step and the data position; fills grad_norm, lr. */

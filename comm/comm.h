@@ -1,0 +1,83 @@
+/* comm/comm.h: process groups and the collectives the runtime needs.
+ *
+ * Owns: the world, expert-parallel (EP) and expert-data-parallel (EDP) groups, the
+ * exchange of tokens with variable counts, asynchronous gradient reduction, error
+ * checking of every MPI call. Knows nothing of the model.
+ * Does not own: ending the job (moe_comm_abort is for launcher/ only).
+ *
+ * Groups for world size P and expert-parallel degree ep (ep divides P):
+ *   EP group g  = ranks [g*ep, (g+1)*ep): together they hold every expert once; tokens
+ *                 are exchanged inside it.
+ *   EDP group j = ranks {j, j+ep, j+2ep, ...}: they hold the same experts; expert
+ *                 gradients are reduced inside it. Dense gradients over the world.
+ *
+ * Asynchrony: every call that may run in the background takes the handle it must wait
+ * for (`after`, MOE_COMM_NONE for nothing) and gives back a handle that marks its
+ * completion; moe_comm_wait() waits for one. On the CPU a handle is a set of MPI
+ * requests; the GPU backend will use CUDA events at the same call sites.
+ *
+ * Backends are named tables chosen once at create; "mpi" is the CPU backend. */
+#ifndef MOE_COMM_COMM_H
+#define MOE_COMM_COMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "util/status.h"
+
+typedef enum { MOE_GROUP_WORLD = 0, MOE_GROUP_EP = 1, MOE_GROUP_EDP = 2 } moe_group;
+
+typedef int moe_comm_handle;
+#define MOE_COMM_NONE (-1)
+
+typedef struct moe_comm moe_comm;
+
+/* Collective over the world: builds the groups for expert-parallel degree ep.
+ * Errors: ep does not divide the world size (message names [parallel] ep). */
+moe_status moe_comm_create(moe_comm **out, int ep);
+
+/* Collective. Destroying NULL does nothing. Does not finalize MPI. */
+void moe_comm_destroy(moe_comm *c);
+
+/* This process's rank and the size of a group. */
+int moe_comm_rank(const moe_comm *c, moe_group g);
+int moe_comm_size(const moe_comm *c, moe_group g);
+
+/* Name of the backend ("mpi"). */
+const char *moe_comm_backend(const moe_comm *c);
+
+/* Starts an in-place sum of buf (count floats of the element type `real` of the
+ * caller's build: elem_bytes 4 or 8) over group g. Collective over g. */
+moe_status moe_comm_allreduce_start(moe_comm *c, moe_group g, void *buf, size_t count,
+                                    size_t elem_bytes, moe_comm_handle after,
+                                    moe_comm_handle *done);
+
+/* Exchange inside the EP group: to each peer p, send_counts[p] bytes from
+ * send + send_displs[p]; from each peer, recv_counts[p] bytes into recv + recv_displs[p].
+ * Counts are in BYTES. Collective over the EP group. */
+moe_status moe_comm_exchange_start(moe_comm *c, const void *send, const size_t *send_counts,
+                                   const size_t *send_displs, void *recv,
+                                   const size_t *recv_counts, const size_t *recv_displs,
+                                   moe_comm_handle after, moe_comm_handle *done);
+
+/* Blocking exchange of one int64 per peer inside the EP group (the counts before a
+ * token exchange): recv[p] = what peer p put in its send[this rank]. */
+moe_status moe_comm_exchange_counts(moe_comm *c, const int64_t *send, int64_t *recv);
+
+/* Waits for a handle (MOE_COMM_NONE returns at once) and releases it. */
+moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h);
+
+/* Lets outstanding operations progress without waiting (MPI needs calls to progress). */
+void moe_comm_progress(moe_comm *c);
+
+/* Blocking sum of n doubles / int64s over group g, in place. */
+moe_status moe_comm_sum_doubles(moe_comm *c, moe_group g, double *vals, int n);
+moe_status moe_comm_sum_int64(moe_comm *c, moe_group g, int64_t *vals, int n);
+
+/* Blocking barrier over the world. */
+moe_status moe_comm_barrier(moe_comm *c);
+
+/* Ends every process of the job with `code`. For launcher/ only. Never returns. */
+void moe_comm_abort(int code) __attribute__((noreturn));
+
+#endif

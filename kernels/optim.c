@@ -1,0 +1,49 @@
+/* kernels/optim.c: CPU reference of the optimizer's elementwise pieces: the sum of
+ * squares for the global gradient norm (sequential, in double: a fixed order), scaling
+ * for clipping, the finiteness check, and the AdamW step (in double per element). */
+#include <math.h>
+
+#include "kernels/ops.h"
+
+double sum_squares(const real *x, size_t n)
+{
+    double s = 0.0;
+    for (size_t i = 0; i < n; i++)
+        s += (double)x[i] * x[i];
+    return s;
+}
+
+void scale_inplace(real *x, real s, size_t n)
+{
+#pragma omp parallel for schedule(static) if (n > 262144)
+    for (size_t i = 0; i < n; i++)
+        x[i] *= s;
+}
+
+int all_finite(const real *x, size_t n)
+{
+    int ok = 1;
+    for (size_t i = 0; i < n; i++)
+        ok &= isfinite(x[i]) != 0;
+    return ok;
+}
+
+/* As torch.optim.AdamW: p *= 1 - lr*wd; m, v updated; p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2)
+ * + eps), with bc1 = 1 - beta1^t, bc2 = 1 - beta2^t. */
+void adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr, real beta1,
+                  real beta2, real eps, real wd, int t)
+{
+    const double b1 = beta1, b2 = beta2;
+    const double step = (double)lr / (1.0 - pow(b1, t));
+    const double sqrt_bc2 = sqrt(1.0 - pow(b2, t));
+    const double decay = 1.0 - (double)lr * wd;
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (size_t i = 0; i < n; i++) {
+        double gi = g[i];
+        double mi = b1 * m[i] + (1.0 - b1) * gi;
+        double vi = b2 * v[i] + (1.0 - b2) * gi * gi;
+        m[i] = (real)mi;
+        v[i] = (real)vi;
+        p[i] = (real)(p[i] * decay - step * mi / (sqrt(vi) / sqrt_bc2 + eps));
+    }
+}

@@ -1,0 +1,136 @@
+/* kernels/router.c: CPU reference of the MoE router: softmax of the logits, top-k with
+ * optional renormalisation, their backward, and the auxiliary (load-balance and z)
+ * losses' partial sums and gradients. Sums are in double; rows run in parallel, the
+ * per-expert partial sums run sequentially over tokens (a fixed order). */
+#include <math.h>
+
+#include "kernels/ops.h"
+
+/* probs = softmax(l), returns logsumexp(l). */
+static double softmax_row(real *probs, const real *l, int E)
+{
+    double m = -INFINITY;
+    for (int e = 0; e < E; e++)
+        if (l[e] > m)
+            m = l[e];
+    double sum = 0.0;
+    for (int e = 0; e < E; e++)
+        sum += exp(l[e] - m);
+    double lse = m + log(sum);
+    for (int e = 0; e < E; e++)
+        probs[e] = (real)exp(l[e] - lse);
+    return lse;
+}
+
+static int topk_taken(const int32_t *idx, int k, int e)
+{
+    for (int j = 0; j < k; j++)
+        if (idx[j] == e)
+            return 1;
+    return 0;
+}
+
+/* idx: the K largest probs, decreasing; a tie goes to the lower index (strict >). */
+static void topk_row(int32_t *idx, real *w, const real *p, int E, int K, int renorm)
+{
+    double sum = 0.0;
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (!topk_taken(idx, k, e) && (best < 0 || p[e] > p[best]))
+                best = e;
+        idx[k] = best;
+        w[k] = p[best];
+        sum += p[best];
+    }
+    if (renorm)
+        for (int k = 0; k < K; k++)
+            w[k] = (real)(w[k] / sum);
+}
+
+void router_forward(real *probs, real *lse, int32_t *idx, real *w, const real *logits, int N,
+                    int E, int K, int renorm)
+{
+#pragma omp parallel for schedule(static) if ((long)N * E > 65536)
+    for (int n = 0; n < N; n++) {
+        real *p = probs + (size_t)n * E;
+        lse[n] = (real)softmax_row(p, logits + (size_t)n * E, E);
+        topk_row(idx + (size_t)n * K, w + (size_t)n * K, p, E, K, renorm);
+    }
+}
+
+/* Without renorm w_k = p[idx_k]; with renorm w_k = p[idx_k] / S, S = sum_k p[idx_k], so
+ * dL/dp[idx_j] = (dw_j - sum_k dw_k w_k) / S. */
+void router_topk_backward(real *dprobs, const real *dw, const real *probs, const int32_t *idx,
+                          int N, int E, int K, int renorm)
+{
+#pragma omp parallel for schedule(static) if ((long)N * E > 65536)
+    for (int n = 0; n < N; n++) {
+        const int32_t *in = idx + (size_t)n * K;
+        const real *g = dw + (size_t)n * K, *p = probs + (size_t)n * E;
+        real *dp = dprobs + (size_t)n * E;
+        if (!renorm) {
+            for (int k = 0; k < K; k++)
+                dp[in[k]] += g[k];
+            continue;
+        }
+        double S = 0.0, gw = 0.0;
+        for (int k = 0; k < K; k++)
+            S += p[in[k]];
+        for (int k = 0; k < K; k++)
+            gw += (double)g[k] * (p[in[k]] / S);
+        for (int k = 0; k < K; k++)
+            dp[in[k]] += (real)((g[k] - gw) / S);
+    }
+}
+
+/* dlogits_e += p_e (dprobs_e - sum_j p_j dprobs_j). */
+void softmax_backward(real *dlogits, const real *dprobs, const real *probs, int N, int E)
+{
+#pragma omp parallel for schedule(static) if ((long)N * E > 65536)
+    for (int n = 0; n < N; n++) {
+        const real *p = probs + (size_t)n * E, *g = dprobs + (size_t)n * E;
+        real *dl = dlogits + (size_t)n * E;
+        double dot = 0.0;
+        for (int e = 0; e < E; e++)
+            dot += (double)p[e] * g[e];
+        for (int e = 0; e < E; e++)
+            dl[e] += (real)(p[e] * (g[e] - dot));
+    }
+}
+
+double router_aux_partials(int64_t *counts, double *psum, const real *probs, const real *lse,
+                           const int32_t *idx, int N, int E, int K)
+{
+    double lse2 = 0.0;
+    for (int n = 0; n < N; n++) {
+        for (int k = 0; k < K; k++)
+            counts[idx[(size_t)n * K + k]]++;
+        for (int e = 0; e < E; e++)
+            psum[e] += probs[(size_t)n * E + e];
+        lse2 += (double)lse[n] * lse[n];
+    }
+    return lse2;
+}
+
+void router_aux_backward(real *dprobs, real *dlogits, const real *probs, const real *lse,
+                         const int64_t *counts, int64_t Ng, int N, int E, int K, double coef_aux,
+                         double coef_z)
+{
+    double ng = (double)Ng;
+#pragma omp parallel for schedule(static) if ((long)N * E > 65536)
+    for (int n = 0; n < N; n++) {
+        if (dprobs) {
+            real *dp = dprobs + (size_t)n * E;
+            for (int e = 0; e < E; e++)
+                dp[e] += (real)(coef_aux * E * (double)counts[e] / (ng * K) / ng);
+        }
+        if (dlogits) {
+            const real *p = probs + (size_t)n * E;
+            real *dl = dlogits + (size_t)n * E;
+            double c = coef_z * 2.0 * lse[n] / ng;
+            for (int e = 0; e < E; e++)
+                dl[e] += (real)(c * p[e]);
+        }
+    }
+}

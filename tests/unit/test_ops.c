@@ -1,0 +1,601 @@
+/* tests/unit/test_ops.c: properties of the float CPU reference (moe_core) with expected
+ * values worked out by hand here, not by the code under test: the routing plan (order,
+ * capacity drops, ties, groups), router top-k, attention causality, rope's convention,
+ * cross-entropy, AdamW, all_finite, matmul against a naive loop, small forwards, and
+ * bitwise determinism across thread counts. Gradients are checked in test_ops_f64.c. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/ops.h"
+#include "util/rng.h"
+
+static void fill(real *x, size_t n, uint64_t stream)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = (real)(2.0 * moe_rng_uniform(7, stream, i) - 1.0);
+}
+
+static real *alloc_fill(size_t n, uint64_t stream)
+{
+    real *x = malloc(n * sizeof(real));
+    assert_non_null(x);
+    fill(x, n, stream);
+    return x;
+}
+
+static real *copy_of(const real *x, size_t n)
+{
+    real *y = malloc(n * sizeof(real));
+    assert_non_null(y);
+    memcpy(y, x, n * sizeof(real));
+    return y;
+}
+
+/* |got - want| <= atol + rtol |want| for every element; prints the first mismatches. */
+static int close_to(const char *what, const real *got, const double *want, size_t n, double atol,
+                    double rtol)
+{
+    int bad = 0;
+    for (size_t i = 0; i < n; i++)
+        if (!(fabs(got[i] - want[i]) <= atol + rtol * fabs(want[i]))) {
+            if (bad++ < 6)
+                fprintf(stderr, "  %s[%zu]: got %.9g, want %.9g\n", what, i, (double)got[i],
+                        want[i]);
+        }
+    return bad == 0;
+}
+
+/* ---- routing plan ------------------------------------------------------------------ */
+
+/* N=4 tokens, K=2, E=4 (expert 3 gets no token):
+ *   token 0 -> experts {1, 0} weights {0.5, 0.3}
+ *   token 1 -> {1, 2}  {0.7, 0.2}
+ *   token 2 -> {0, 1}  {0.6, 0.5}
+ *   token 3 -> {2, 1}  {0.8, 0.5}
+ * Expert 1 has four assignments: t0s0 0.5, t1s0 0.7, t2s1 0.5, t3s1 0.5 (a three-way tie). */
+enum { PN = 4, PK = 2, PE = 4 };
+static const int32_t plan_idx[PN * PK] = {1, 0, 1, 2, 0, 1, 2, 1};
+static const real plan_w[PN * PK] = {0.5f, 0.3f, 0.7f, 0.2f, 0.6f, 0.5f, 0.8f, 0.5f};
+
+typedef struct {
+    int M;
+    int offsets[PE + 1];
+    int32_t row_token[PN * PK], row_slot[PN * PK], slot_row[PN * PK];
+} plan_want;
+
+static void check_plan(int group, int capacity, const plan_want *want)
+{
+    int offsets[PE + 1], scratch[PN * PK];
+    int32_t row_token[PN * PK], row_slot[PN * PK], slot_row[PN * PK];
+    int M = moe_route_plan(offsets, row_token, row_slot, slot_row, scratch, plan_idx, plan_w, PN,
+                           PE, PK, group, capacity);
+    if (M != want->M)
+        fprintf(stderr, "  plan group=%d capacity=%d: M=%d, want %d\n", group, capacity, M,
+                want->M);
+    assert_int_equal(M, want->M);
+    assert_memory_equal(offsets, want->offsets, sizeof offsets);
+    if (M > 0) {
+        assert_memory_equal(row_token, want->row_token, (size_t)M * sizeof(int32_t));
+        assert_memory_equal(row_slot, want->row_slot, (size_t)M * sizeof(int32_t));
+    }
+    assert_memory_equal(slot_row, want->slot_row, sizeof slot_row);
+}
+
+static void test_route_plan_dropless(void **state)
+{
+    (void)state;
+    /* by expert, then token, then slot:
+     * e0: t0s1 t2s0 | e1: t0s0 t1s0 t2s1 t3s1 | e2: t1s1 t3s0 | e3: none */
+    const plan_want want = {8,
+                            {0, 2, 6, 8, 8},
+                            {0, 2, 0, 1, 2, 3, 1, 3},
+                            {1, 0, 0, 0, 1, 1, 1, 0},
+                            {2, 0, 3, 6, 1, 4, 7, 5}};
+    check_plan(PN, -1, &want);
+    check_plan(2, -1, &want); /* groups do not matter without capacity */
+    check_plan(PN, 4, &want); /* nor does a capacity nobody exceeds */
+}
+
+static void test_route_plan_capacity(void **state)
+{
+    (void)state;
+    /* one group, capacity 2: expert 1 keeps t1s0 (0.7) and, of the three tied at 0.5,
+     * the lowest token t0s0; t2s1 and t3s1 are dropped. */
+    const plan_want cap2 = {6,
+                            {0, 2, 4, 6, 6},
+                            {0, 2, 0, 1, 1, 3},
+                            {1, 0, 0, 0, 1, 0},
+                            {2, 0, 3, 4, 1, -1, 5, -1}};
+    check_plan(PN, 2, &cap2);
+    check_plan(0, 2, &cap2); /* group <= 0 is taken as one group of all N tokens */
+
+    /* one group, capacity 1: the weight decides before the token index:
+     * e0 keeps t2s0 (0.6 over t0s1 0.3), e1 keeps t1s0 (0.7), e2 keeps t3s0 (0.8). */
+    const plan_want cap1 = {3,
+                            {0, 1, 2, 3, 3},
+                            {2, 1, 3},
+                            {0, 0, 0},
+                            {-1, -1, 1, -1, 0, -1, 2, -1}};
+    check_plan(PN, 1, &cap1);
+
+    /* two groups of 2 tokens, capacity 1 per group:
+     * group {t0,t1}: e0 t0s1; e1 t1s0 (0.7 over t0s0 0.5); e2 t1s1.
+     * group {t2,t3}: e0 t2s0; e1 t2s1 (tie 0.5 with t3s1: lower token); e2 t3s0. */
+    const plan_want groups = {6,
+                              {0, 2, 4, 6, 6},
+                              {0, 2, 1, 2, 1, 3},
+                              {1, 0, 0, 1, 1, 0},
+                              {-1, 0, 2, 4, 1, 3, 5, -1}};
+    check_plan(2, 1, &groups);
+
+    /* capacity 0: everything dropped */
+    const plan_want none = {0, {0, 0, 0, 0, 0}, {0}, {0}, {-1, -1, -1, -1, -1, -1, -1, -1}};
+    check_plan(PN, 0, &none);
+}
+
+/* permute and combine on the capacity-1 plan: rows r0 = t2s0, r1 = t1s0, r2 = t3s0. */
+static void test_permute_combine_forward(void **state)
+{
+    (void)state;
+    enum { D = 2, M = 3 };
+    const int32_t row_token[M] = {2, 1, 3}, row_slot[M] = {0, 0, 0};
+    const real x[PN * D] = {1, 2, 3, 4, 5, 6, 7, 8};
+    real out[M * D];
+    moe_permute(out, x, row_token, M, D);
+    const real want_out[M * D] = {5, 6, 3, 4, 7, 8};
+    assert_memory_equal(out, want_out, sizeof out);
+
+    const real eo[M * D] = {1, 1, 2, 2, 3, 3};
+    real y[PN * D] = {1, 1, 1, 1, 1, 1, 1, 1};
+    moe_combine_forward(y, eo, plan_w, row_token, row_slot, M, D, PK);
+    /* token 0: all dropped; t1: 0.7*2; t2: 0.6*1; t3: 0.8*3, each added to 1 */
+    const double want_y[PN * D] = {1, 1, 1 + 0.7 * 2, 1 + 0.7 * 2, 1 + 0.6, 1 + 0.6,
+                                   1 + 0.8 * 3, 1 + 0.8 * 3};
+    assert_true(close_to("y", y, want_y, PN * D, 1e-6, 1e-6));
+}
+
+/* ---- router --------------------------------------------------------------------- */
+
+static void test_router_forward(void **state)
+{
+    (void)state;
+    enum { N = 3, E = 4, K = 2 };
+    const real logits[N * E] = {1, 3, 3, 0,        /* tie between experts 1 and 2 */
+                                0.5f, -1, 2, 0.5f, /* top 2, then tie 0 / 3 */
+                                0, 0, 0, 0};       /* all tied */
+    double want_p[N * E], want_lse[N];
+    for (int n = 0; n < N; n++) {
+        double s = 0.0;
+        for (int e = 0; e < E; e++)
+            s += exp((double)logits[n * E + e]);
+        want_lse[n] = log(s);
+        for (int e = 0; e < E; e++)
+            want_p[n * E + e] = exp((double)logits[n * E + e]) / s;
+    }
+    const int32_t want_idx[N * K] = {1, 2, 2, 0, 0, 1};
+    real probs[N * E], lse[N], w[N * K];
+    int32_t idx[N * K];
+
+    router_forward(probs, lse, idx, w, logits, N, E, K, 0);
+    assert_true(close_to("probs", probs, want_p, N * E, 1e-7, 1e-6));
+    assert_true(close_to("lse", lse, want_lse, N, 1e-6, 1e-6));
+    assert_memory_equal(idx, want_idx, sizeof idx);
+    const double want_w[N * K] = {want_p[1], want_p[2], want_p[6], want_p[4], 0.25, 0.25};
+    assert_true(close_to("w", w, want_w, N * K, 1e-7, 1e-6));
+
+    router_forward(probs, lse, idx, w, logits, N, E, K, 1);
+    assert_memory_equal(idx, want_idx, sizeof idx);
+    const double e2 = exp(2.0), e05 = exp(0.5);
+    const double want_wr[N * K] = {0.5, 0.5, e2 / (e2 + e05), e05 / (e2 + e05), 0.5, 0.5};
+    assert_true(close_to("w renorm", w, want_wr, N * K, 1e-7, 1e-6));
+
+    /* K = E: every expert, in decreasing order */
+    int32_t idx4[N * E];
+    real w4[N * E];
+    router_forward(probs, lse, idx4, w4, logits, N, E, E, 0);
+    const int32_t want_idx4[N * E] = {1, 2, 0, 3, 2, 0, 3, 1, 0, 1, 2, 3};
+    assert_memory_equal(idx4, want_idx4, sizeof idx4);
+}
+
+static void test_router_aux_partials(void **state)
+{
+    (void)state;
+    enum { N = 2, E = 3, K = 2 };
+    const real probs[N * E] = {0.5f, 0.25f, 0.25f, 0.125f, 0.375f, 0.5f};
+    const real lse[N] = {1, 2};
+    const int32_t idx[N * K] = {0, 2, 2, 1};
+    int64_t counts[E] = {5, 0, 0};
+    double psum[E] = {1, 0, 0};
+    double lse2 = router_aux_partials(counts, psum, probs, lse, idx, N, E, K);
+    assert_true(lse2 == 5.0);
+    assert_true(counts[0] == 6 && counts[1] == 1 && counts[2] == 2);
+    assert_true(psum[0] == 1.625 && psum[1] == 0.625 && psum[2] == 0.75);
+}
+
+/* ---- attention ------------------------------------------------------------------ */
+
+static void test_attention_causal(void **state)
+{
+    (void)state;
+    enum { B = 2, T = 6, H = 2, Hd = 4, LD = H * Hd };
+    size_t n = B * T * LD;
+    real *q = alloc_fill(n, 1), *k = alloc_fill(n, 2), *v = alloc_fill(n, 3);
+    real *out1 = malloc(n * sizeof(real)), *out2 = malloc(n * sizeof(real));
+    real lse1[B * H * T], lse2[B * H * T];
+    attention_forward(out1, lse1, q, k, v, B, T, H, Hd);
+
+    /* change q, k and v of positions 4 and 5 of sequence 0, every head */
+    for (int t = 4; t < T; t++)
+        for (int c = 0; c < LD; c++) {
+            q[t * LD + c] += 0.5f;
+            k[t * LD + c] -= 0.75f;
+            v[t * LD + c] += 1.0f;
+        }
+    attention_forward(out2, lse2, q, k, v, B, T, H, Hd);
+    /* earlier positions and the other sequence: bitwise unchanged */
+    assert_memory_equal(out1, out2, 4 * LD * sizeof(real));
+    assert_memory_equal(out1 + T * LD, out2 + T * LD, T * LD * sizeof(real));
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            int t_end = b == 0 ? 4 : T;
+            assert_memory_equal(lse1 + (b * H + h) * T, lse2 + (b * H + h) * T,
+                                t_end * sizeof(real));
+        }
+    /* the changed positions do change */
+    assert_memory_not_equal(out1 + 4 * LD, out2 + 4 * LD, 2 * LD * sizeof(real));
+    free(q), free(k), free(v), free(out1), free(out2);
+}
+
+static void test_attention_t1(void **state)
+{
+    (void)state;
+    enum { B = 2, T = 1, H = 2, Hd = 4, LD = H * Hd };
+    size_t n = B * T * LD;
+    real *q = alloc_fill(n, 4), *k = alloc_fill(n, 5), *v = alloc_fill(n, 6);
+    real out[B * T * LD], lse[B * H * T];
+    attention_forward(out, lse, q, k, v, B, T, H, Hd);
+    assert_memory_equal(out, v, sizeof out); /* one key: probability exactly 1 */
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            double s = 0.0;
+            for (int d = 0; d < Hd; d++)
+                s += (double)q[b * LD + h * Hd + d] * k[b * LD + h * Hd + d];
+            double want = s / 2.0; /* scale 1/sqrt(4) */
+            assert_true(close_to("lse", &lse[b * H + h], &want, 1, 1e-6, 1e-6));
+        }
+    free(q), free(k), free(v);
+}
+
+/* ---- rope ----------------------------------------------------------------------- */
+
+static void test_rope(void **state)
+{
+    (void)state;
+    enum { B = 2, T = 5, H = 2, Hd = 8, HALF = Hd / 2, LD = H * Hd };
+    const double theta = 10000.0;
+    real cos_t[T * HALF], sin_t[T * HALF];
+    rope_tables(cos_t, sin_t, T, Hd, theta);
+    double want_c[T * HALF], want_s[T * HALF];
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < HALF; i++) {
+            double ang = t * pow(theta, -2.0 * i / Hd);
+            want_c[t * HALF + i] = cos(ang);
+            want_s[t * HALF + i] = sin(ang);
+        }
+    assert_true(close_to("cos", cos_t, want_c, T * HALF, 1e-7, 1e-6));
+    assert_true(close_to("sin", sin_t, want_s, T * HALF, 1e-7, 1e-6));
+
+    size_t n = B * T * LD;
+    real *x = alloc_fill(n, 8), *y = copy_of(x, n);
+    rope_forward(y, cos_t, sin_t, B, T, H, Hd);
+    /* position 0 of each sequence: unchanged, bit for bit */
+    assert_memory_equal(y, x, LD * sizeof(real));
+    assert_memory_equal(y + T * LD, x + T * LD, LD * sizeof(real));
+    assert_memory_not_equal(y + LD, x + LD, LD * sizeof(real));
+    /* backward of forward is the identity (the rotation is orthogonal) */
+    rope_backward(y, cos_t, sin_t, B, T, H, Hd);
+    double *want = malloc(n * sizeof(double));
+    for (size_t i = 0; i < n; i++)
+        want[i] = x[i];
+    assert_true(close_to("roundtrip", y, want, n, 1e-6, 1e-6));
+
+    /* the pairing and the sign, as rotate_half: at t = 3, head 1, pair i = 1:
+     * e_i -> cos e_i + sin e_{i+half}; e_{i+half} -> -sin e_i + cos e_{i+half} */
+    real z[B * T * LD];
+    memset(z, 0, sizeof z);
+    z[3 * LD + Hd + 1] = 1;
+    z[(T + 3) * LD + Hd + 1 + HALF] = 1; /* sequence 1, same position: the other unit */
+    rope_forward(z, cos_t, sin_t, B, T, H, Hd);
+    double ang = 3 * pow(theta, -2.0 / Hd);
+    const double want_a[2] = {cos(ang), sin(ang)}, want_b[2] = {-sin(ang), cos(ang)};
+    const real got_a[2] = {z[3 * LD + Hd + 1], z[3 * LD + Hd + 1 + HALF]};
+    const real got_b[2] = {z[(T + 3) * LD + Hd + 1], z[(T + 3) * LD + Hd + 1 + HALF]};
+    assert_true(close_to("rot e_i", got_a, want_a, 2, 1e-7, 1e-6));
+    assert_true(close_to("rot e_i+half", got_b, want_b, 2, 1e-7, 1e-6));
+    free(x), free(y), free(want);
+}
+
+/* ---- loss and optimizer ----------------------------------------------------------- */
+
+static void test_cross_entropy_forward(void **state)
+{
+    (void)state;
+    enum { N = 3, V = 5 };
+    const real logits[N * V] = {1, 2, 3, 4, 5, -1, 0.5f, 0, 2, -3, 10, 10, 10, 10, 10};
+    const int32_t targets[N] = {4, 0, 2};
+    double want[N], want_lse[N];
+    for (int n = 0; n < N; n++) { /* -log softmax, directly */
+        double s = 0.0;
+        for (int v = 0; v < V; v++)
+            s += exp((double)logits[n * V + v]);
+        want[n] = -log(exp((double)logits[n * V + targets[n]]) / s);
+        want_lse[n] = log(s);
+    }
+    real losses[N], lse[N];
+    cross_entropy_forward(losses, lse, logits, targets, N, V);
+    assert_true(close_to("loss", losses, want, N, 1e-6, 1e-6));
+    assert_true(close_to("lse", lse, want_lse, N, 1e-6, 1e-6));
+    assert_true(fabs(losses[2] - log(5.0)) < 1e-6); /* uniform logits: log V */
+}
+
+static void test_adamw_update(void **state)
+{
+    (void)state;
+    enum { n = 4 };
+    /* the hyperparameters as the kernel receives them (float), used in double below */
+    const real lr = 0.01f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.1f;
+    const real p0[n] = {1.0f, -0.5f, 0.25f, 2.0f}, g[n] = {0.1f, -0.2f, 0.3f, -0.05f};
+    const real m0[n] = {0.01f, -0.02f, 0.0f, 0.03f}, v0[n] = {1e-4f, 2e-4f, 0.0f, 5e-5f};
+
+    /* step 1 from zero moments: mhat = g, vhat = g^2, so p -= lr*wd*p + lr*g/(|g|+eps) */
+    real p[n], m[n] = {0}, v[n] = {0};
+    memcpy(p, p0, sizeof p);
+    adamw_update(p, g, m, v, n, lr, b1, b2, eps, wd, 1);
+    double want[n];
+    for (int i = 0; i < n; i++)
+        want[i] = p0[i] - (double)lr * wd * p0[i] - (double)lr * g[i] / (fabs(g[i]) + eps);
+    assert_true(close_to("p (t=1)", p, want, n, 1e-7, 1e-6));
+
+    /* step 3 from given moments */
+    memcpy(p, p0, sizeof p);
+    memcpy(m, m0, sizeof m);
+    memcpy(v, v0, sizeof v);
+    adamw_update(p, g, m, v, n, lr, b1, b2, eps, wd, 3);
+    double want_m[n], want_v[n];
+    for (int i = 0; i < n; i++) {
+        double B1 = b1, B2 = b2;
+        want_m[i] = B1 * m0[i] + (1 - B1) * g[i];
+        want_v[i] = B2 * v0[i] + (1 - B2) * g[i] * g[i];
+        double mhat = want_m[i] / (1 - B1 * B1 * B1), vhat = want_v[i] / (1 - B2 * B2 * B2);
+        want[i] = p0[i] - (double)lr * wd * p0[i] - (double)lr * mhat / (sqrt(vhat) + eps);
+    }
+    assert_true(close_to("m", m, want_m, n, 1e-9, 1e-6));
+    assert_true(close_to("v", v, want_v, n, 1e-12, 1e-6));
+    assert_true(close_to("p (t=3)", p, want, n, 1e-7, 1e-6));
+}
+
+static void test_all_finite(void **state)
+{
+    (void)state;
+    real x[6] = {1, -2, 3e38f, 1e-40f, 0, -0.0f};
+    assert_int_equal(all_finite(x, 6), 1);
+    assert_int_equal(all_finite(x, 0), 1);
+    x[3] = NAN;
+    assert_int_equal(all_finite(x, 6), 0);
+    assert_int_equal(all_finite(x, 3), 1); /* only the first n count */
+    x[3] = 1;
+    x[0] = INFINITY;
+    assert_int_equal(all_finite(x, 6), 0);
+    x[0] = 1;
+    x[5] = -INFINITY;
+    assert_int_equal(all_finite(x, 6), 0);
+}
+
+static void test_small_forwards(void **state)
+{
+    (void)state;
+    /* rmsnorm: x = (3, 4), mean square 12.5, eps 0.5 */
+    const real x[2] = {3, 4}, wt[2] = {1, 2};
+    real out[2], rstd[1];
+    rmsnorm_forward(out, rstd, x, wt, 1, 2, 0.5f);
+    const double r = 1 / sqrt(13.0), want_out[2] = {3 * r, 8 * r};
+    assert_true(close_to("rmsnorm", out, want_out, 2, 1e-7, 1e-6));
+    assert_true(close_to("rstd", rstd, &r, 1, 1e-7, 1e-6));
+
+    /* swiglu: silu(1) * 2, silu(-2) * 0.5 */
+    const real a[2] = {1, -2}, b[2] = {2, 0.5f};
+    real h[2];
+    swiglu_forward(h, a, b, 2);
+    const double want_h[2] = {2 / (1 + exp(-1.0)), 0.5 * -2 / (1 + exp(2.0))};
+    assert_true(close_to("swiglu", h, want_h, 2, 1e-7, 1e-6));
+
+    /* embedding: rows of the table by token */
+    const real table[3 * 2] = {1, 2, 3, 4, 5, 6};
+    const int32_t tokens[3] = {2, 0, 2};
+    real emb[3 * 2];
+    embedding_forward(emb, tokens, table, 3, 2);
+    const real want_emb[6] = {5, 6, 1, 2, 5, 6};
+    assert_memory_equal(emb, want_emb, sizeof emb);
+
+    /* add, scale, sum of squares */
+    real y[3] = {1, 2, 3};
+    const real z[3] = {0.5f, -1, 4};
+    add_inplace(y, z, 3);
+    scale_inplace(y, 2, 3);
+    const real want_y[3] = {3, 2, 14};
+    assert_memory_equal(y, want_y, sizeof y);
+    assert_true(sum_squares(y, 3) == 9 + 4 + 196);
+}
+
+/* ---- matmul against a naive loop ------------------------------------------------ */
+
+static void check_matmul_naive(int N, int I, int O)
+{
+    size_t nx = (size_t)N * I, nw = (size_t)O * I, no = (size_t)N * O;
+    real *x = alloc_fill(nx, 10), *w = alloc_fill(nw, 11), *g = alloc_fill(no, 12);
+    real *out = malloc(no * sizeof(real));
+    real *dx = alloc_fill(nx, 13), *dw = alloc_fill(nw, 14);
+    double *want_out = malloc(no * sizeof(double)), *want_dx = malloc(nx * sizeof(double)),
+           *want_dw = malloc(nw * sizeof(double));
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < O; o++) {
+            double s = 0;
+            for (int i = 0; i < I; i++)
+                s += (double)x[n * I + i] * w[o * I + i];
+            want_out[n * O + o] = s;
+        }
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < I; i++) {
+            double s = dx[n * I + i];
+            for (int o = 0; o < O; o++)
+                s += (double)g[n * O + o] * w[o * I + i];
+            want_dx[n * I + i] = s;
+        }
+    for (int o = 0; o < O; o++)
+        for (int i = 0; i < I; i++) {
+            double s = dw[o * I + i];
+            for (int n = 0; n < N; n++)
+                s += (double)g[n * O + o] * x[n * I + i];
+            want_dw[o * I + i] = s;
+        }
+    matmul_forward(out, x, w, N, I, O);
+    matmul_backward(dx, dw, g, x, w, N, I, O);
+    assert_true(close_to("out", out, want_out, no, 1e-5, 1e-5));
+    assert_true(close_to("dx", dx, want_dx, nx, 1e-5, 1e-5));
+    assert_true(close_to("dw", dw, want_dw, nw, 1e-5, 1e-5));
+    free(x), free(w), free(g), free(out), free(dx), free(dw);
+    free(want_out), free(want_dx), free(want_dw);
+}
+
+static void test_matmul_naive(void **state)
+{
+    (void)state;
+    check_matmul_naive(7, 13, 5);
+    check_matmul_naive(5, 41, 3);   /* full lanes of the dot product and a tail */
+    check_matmul_naive(33, 70, 40); /* large enough to run on several threads */
+}
+
+static void test_grouped_matmul_naive(void **state)
+{
+    (void)state;
+    enum { G = 3, M = 6, I = 7, O = 3 };
+    const int offsets[G + 1] = {0, 2, 2, 6}; /* group 1 empty */
+    real *x = alloc_fill(M * I, 15), *w = alloc_fill(G * O * I, 16);
+    real out[M * O];
+    double want[M * O];
+    for (int g = 0; g < G; g++)
+        for (int m = offsets[g]; m < offsets[g + 1]; m++)
+            for (int o = 0; o < O; o++) {
+                double s = 0;
+                for (int i = 0; i < I; i++)
+                    s += (double)x[m * I + i] * w[(g * O + o) * I + i];
+                want[m * O + o] = s;
+            }
+    grouped_matmul_forward(out, x, w, offsets, G, I, O);
+    assert_true(close_to("grouped out", out, want, M * O, 1e-5, 1e-5));
+    free(x), free(w);
+}
+
+/* ---- determinism across thread counts ------------------------------------------- */
+
+typedef struct {
+    real *out, *dx, *dw, *att, *lse, *dq, *dk, *dv, *rms, *rstd, *drx, *drw;
+} det_result;
+
+enum { DN = 64, DI = 96, DO = 80, DB = 2, DT = 32, DH = 4, DHd = 16, RN = 300, RD = 256 };
+
+static void det_run(det_result *r, const real *x, const real *w, const real *g, const real *qkv,
+                    const real *rx, const real *rw)
+{
+    size_t na = DB * DT * DH * DHd;
+    r->out = malloc(DN * DO * sizeof(real));
+    r->dx = copy_of(g, DN * DI); /* nonzero starts, the same for both runs */
+    r->dw = copy_of(g, DO * DI);
+    matmul_forward(r->out, x, w, DN, DI, DO);
+    matmul_backward(r->dx, r->dw, g, x, w, DN, DI, DO);
+
+    const real *q = qkv, *k = qkv + na, *v = qkv + 2 * na;
+    r->att = malloc(na * sizeof(real));
+    r->lse = malloc(DB * DH * DT * sizeof(real));
+    r->dq = copy_of(g, na), r->dk = copy_of(g, na), r->dv = copy_of(g, na);
+    attention_forward(r->att, r->lse, q, k, v, DB, DT, DH, DHd);
+    attention_backward(r->dq, r->dk, r->dv, g, r->att, r->lse, q, k, v, DB, DT, DH, DHd);
+
+    r->rms = malloc(RN * RD * sizeof(real));
+    r->rstd = malloc(RN * sizeof(real));
+    r->drx = copy_of(g, RN * RD), r->drw = copy_of(g, RD);
+    rmsnorm_forward(r->rms, r->rstd, rx, rw, RN, RD, 1e-5f);
+    rmsnorm_backward(r->drx, r->drw, g, rx, rw, r->rstd, RN, RD);
+}
+
+static void det_free(det_result *r)
+{
+    real **p = (real **)r;
+    for (size_t i = 0; i < sizeof *r / sizeof(real *); i++)
+        free(p[i]);
+}
+
+static void test_determinism_threads(void **state)
+{
+    (void)state;
+    size_t na = DB * DT * DH * DHd;
+    real *x = alloc_fill(DN * DI, 20), *w = alloc_fill(DO * DI, 21), *g = alloc_fill(RN * RD, 22);
+    real *qkv = alloc_fill(3 * na, 23), *rx = alloc_fill(RN * RD, 24), *rw = alloc_fill(RD, 25);
+    int saved = omp_get_max_threads();
+    det_result r1, r2, r3;
+    omp_set_num_threads(1);
+    det_run(&r1, x, w, g, qkv, rx, rw);
+    omp_set_num_threads(2);
+    det_run(&r2, x, w, g, qkv, rx, rw);
+    omp_set_num_threads(3);
+    det_run(&r3, x, w, g, qkv, rx, rw);
+    omp_set_num_threads(saved);
+    const det_result *others[2] = {&r2, &r3};
+    for (int j = 0; j < 2; j++) {
+        const det_result *r = others[j];
+        assert_memory_equal(r1.out, r->out, DN * DO * sizeof(real));
+        assert_memory_equal(r1.dx, r->dx, DN * DI * sizeof(real));
+        assert_memory_equal(r1.dw, r->dw, DO * DI * sizeof(real));
+        assert_memory_equal(r1.att, r->att, na * sizeof(real));
+        assert_memory_equal(r1.lse, r->lse, DB * DH * DT * sizeof(real));
+        assert_memory_equal(r1.dq, r->dq, na * sizeof(real));
+        assert_memory_equal(r1.dk, r->dk, na * sizeof(real));
+        assert_memory_equal(r1.dv, r->dv, na * sizeof(real));
+        assert_memory_equal(r1.rms, r->rms, RN * RD * sizeof(real));
+        assert_memory_equal(r1.drx, r->drx, RN * RD * sizeof(real));
+        assert_memory_equal(r1.drw, r->drw, RD * sizeof(real));
+    }
+    det_free(&r1), det_free(&r2), det_free(&r3);
+    free(x), free(w), free(g), free(qkv), free(rx), free(rw);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_route_plan_dropless),
+        cmocka_unit_test(test_route_plan_capacity),
+        cmocka_unit_test(test_permute_combine_forward),
+        cmocka_unit_test(test_router_forward),
+        cmocka_unit_test(test_router_aux_partials),
+        cmocka_unit_test(test_attention_causal),
+        cmocka_unit_test(test_attention_t1),
+        cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_cross_entropy_forward),
+        cmocka_unit_test(test_adamw_update),
+        cmocka_unit_test(test_all_finite),
+        cmocka_unit_test(test_small_forwards),
+        cmocka_unit_test(test_matmul_naive),
+        cmocka_unit_test(test_grouped_matmul_naive),
+        cmocka_unit_test(test_determinism_threads),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
