@@ -116,8 +116,7 @@ void router_aux_backward(real *dprobs, real *dlogits, const real *probs, const r
 /* ---- routing plan: which (token, slot) goes to which expert row ------------- */
 /* Orders the N*K assignments stably by expert (then token, then slot) and applies the
  * capacity. Capacity is per group of `group` consecutive tokens (N % group == 0; the
- * runtime uses one sequence per group, so the result does not depend on how sequences
- * are split across ranks or micro-batches). capacity < 0: dropless. When an expert has
+ * runtime uses one group: the rank's micro-batch, as Megatron-Core). capacity < 0: dropless. When an expert has
  * more than `capacity` assignments within a group, it keeps those with the highest
  * weight (ties: lower token index, then lower slot) and drops the rest; a dropped
  * assignment contributes nothing to its token's output.

@@ -91,6 +91,7 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
         MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate the trainer");
     tr->cfg = *cfg;
     tr->comm = comm;
+    MOE_CHECK_GOTO(st, moe_fault_from_env(&tr->fault));
     tr->world = comm ? moe_comm_size(comm, MOE_GROUP_WORLD) : 1;
     tr->rank = comm ? moe_comm_rank(comm, MOE_GROUP_WORLD) : 0;
     MOE_CHECK_GOTO(st, moe_model_create(&tr->model, cfg, comm));
@@ -146,6 +147,7 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     res->step = tr->step;
     res->micro_batches = accum;
     res->sequences = S;
+    MOE_CHECK(moe_fault_check(&tr->fault, tr->rank, tr->step));
     memset(m->grads, 0, sizeof(real) * m->n_params);
     /* ce, aux, z, dropped, a2a bytes, a2a saved: summed over micro-batches and ranks */
     double sums[6] = {0};

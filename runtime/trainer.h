@@ -19,6 +19,7 @@
 #include "runtime/data.h"
 #include "runtime/model.h"
 #include "runtime/optimizer.h"
+#include "util/fault.h"
 #include "util/status.h"
 
 typedef struct {
@@ -58,6 +59,7 @@ typedef struct {
     int64_t consumed;       /* global sequences consumed by finished steps */
     int step;               /* next step to take */
     FILE *jsonl;            /* NULL when [log] jsonl is empty */
+    moe_fault fault;        /* MOE_FAULT, for tests */
 } moe_trainer;
 
 /* Builds the model, data source and optimizer for cfg on this rank. comm NULL: one

@@ -1,0 +1,34 @@
+# Helpers for the scripted tests: tests/<kind>/<name>.sh MOE_DIST SOURCE_DIR
+set -uo pipefail
+MOE=$1
+SRC=$2
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+export OMPI_MCA_rmaps_base_oversubscribe=1
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+FAILS=0
+PY=/usr/bin/python3
+
+pass() { echo "ok: $*"; }
+fail() { echo "FAIL: $*"; FAILS=$((FAILS + 1)); }
+
+# expect_exit CODE DESCRIPTION -- command...: runs the command, checks its exit status.
+expect_exit() {
+  local want=$1 what=$2
+  shift 3
+  "$@" >"$WORK/out" 2>"$WORK/err"
+  local got=$?
+  if [ "$got" -eq "$want" ]; then pass "$what (exit $got)"; else fail "$what: exit $got, want $want"; sed 's/^/    /' "$WORK/err" | head -5; fi
+}
+
+# expect_err PATTERN DESCRIPTION: the last command's stderr matches the extended regex.
+expect_err() {
+  if grep -Eq -- "$1" "$WORK/err"; then pass "$2"; else fail "$2: stderr lacks /$1/"; sed 's/^/    /' "$WORK/err" | head -5; fi
+}
+
+mpi() { mpirun --oversubscribe --bind-to none -np "$@"; }
+
+finish() {
+  if [ "$FAILS" -ne 0 ]; then echo "$FAILS check(s) failed"; exit 1; fi
+  echo "all checks passed"
+}
