@@ -56,9 +56,9 @@ moe_status moe_comm_allreduce_start(moe_comm *c, moe_group g, void *buf, size_t 
  * send + send_displs[p]; from each peer, recv_counts[p] bytes into recv + recv_displs[p].
  * Counts are in BYTES. Collective over the EP group. */
 moe_status moe_comm_exchange_start(moe_comm *c, const void *send, const size_t *send_counts,
-                                   const size_t *send_displs, void *recv,
-                                   const size_t *recv_counts, const size_t *recv_displs,
-                                   moe_comm_handle after, moe_comm_handle *done);
+                                   const size_t *send_displs, void *recv, const size_t *recv_counts,
+                                   const size_t *recv_displs, moe_comm_handle after,
+                                   moe_comm_handle *done);
 
 /* Blocking exchange of one int64 per peer inside the EP group (the counts before a
  * token exchange): recv[p] = what peer p put in its send[this rank]. */

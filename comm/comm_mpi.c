@@ -13,21 +13,21 @@ struct moe_comm {
     MPI_Comm groups[3]; /* world, ep, edp */
     int rank[3], size[3];
     int ep_size;
-    MPI_Request *req;   /* POOL_HANDLES * reqs_per_handle */
-    int *n_req;         /* requests in use per handle; -1 when the handle is free */
+    MPI_Request *req; /* POOL_HANDLES * reqs_per_handle */
+    int *n_req;       /* requests in use per handle; -1 when the handle is free */
     int reqs_per_handle;
-    int next;           /* where the search for a free handle starts */
+    int next; /* where the search for a free handle starts */
 };
 
-#define MPI_TRY(call, what)                                                              \
-    do {                                                                                 \
-        int rc_ = (call);                                                                \
-        if (rc_ != MPI_SUCCESS) {                                                        \
-            char msg_[MPI_MAX_ERROR_STRING];                                             \
-            int len_ = 0;                                                                \
-            MPI_Error_string(rc_, msg_, &len_);                                          \
-            MOE_FAIL(MOE_ERR_COMM, "%s: %s failed: %.*s", what, #call, len_, msg_);       \
-        }                                                                                \
+#define MPI_TRY(call, what)                                                                        \
+    do {                                                                                           \
+        int rc_ = (call);                                                                          \
+        if (rc_ != MPI_SUCCESS) {                                                                  \
+            char msg_[MPI_MAX_ERROR_STRING];                                                       \
+            int len_ = 0;                                                                          \
+            MPI_Error_string(rc_, msg_, &len_);                                                    \
+            MOE_FAIL(MOE_ERR_COMM, "%s: %s failed: %.*s", what, #call, len_, msg_);                \
+        }                                                                                          \
     } while (0)
 
 static MPI_Datatype real_type(size_t elem_bytes)
@@ -53,8 +53,8 @@ moe_status moe_comm_create(moe_comm **out, int ep)
     c->groups[MOE_GROUP_EP] = MPI_COMM_NULL;
     c->groups[MOE_GROUP_EDP] = MPI_COMM_NULL;
     moe_status st = MOE_OK;
-    int rc = MPI_Comm_split(MPI_COMM_WORLD, world_rank / ep, world_rank % ep,
-                            &c->groups[MOE_GROUP_EP]);
+    int rc =
+        MPI_Comm_split(MPI_COMM_WORLD, world_rank / ep, world_rank % ep, &c->groups[MOE_GROUP_EP]);
     if (rc == MPI_SUCCESS)
         rc = MPI_Comm_split(MPI_COMM_WORLD, world_rank % ep, world_rank / ep,
                             &c->groups[MOE_GROUP_EDP]);
@@ -144,8 +144,7 @@ void moe_comm_progress(moe_comm *c)
 }
 
 moe_status moe_comm_allreduce_start(moe_comm *c, moe_group g, void *buf, size_t count,
-                                    size_t elem_bytes, moe_comm_handle after,
-                                    moe_comm_handle *done)
+                                    size_t elem_bytes, moe_comm_handle after, moe_comm_handle *done)
 {
     MOE_CHECK(moe_comm_wait(c, after));
     MOE_CHECK(take_handle(c, done));
@@ -160,9 +159,9 @@ moe_status moe_comm_allreduce_start(moe_comm *c, moe_group g, void *buf, size_t 
 }
 
 moe_status moe_comm_exchange_start(moe_comm *c, const void *send, const size_t *send_counts,
-                                   const size_t *send_displs, void *recv,
-                                   const size_t *recv_counts, const size_t *recv_displs,
-                                   moe_comm_handle after, moe_comm_handle *done)
+                                   const size_t *send_displs, void *recv, const size_t *recv_counts,
+                                   const size_t *recv_displs, moe_comm_handle after,
+                                   moe_comm_handle *done)
 {
     MOE_CHECK(moe_comm_wait(c, after));
     MOE_CHECK(take_handle(c, done));
@@ -174,16 +173,16 @@ moe_status moe_comm_exchange_start(moe_comm *c, const void *send, const size_t *
             MOE_FAIL(MOE_ERR_INVALID, "token exchange of more than 2 GiB with one peer");
         if (recv_counts[p] == 0)
             continue;
-        MPI_TRY(MPI_Irecv((char *)recv + recv_displs[p], (int)recv_counts[p], MPI_BYTE, p, 17,
-                          comm, &r[n]),
+        MPI_TRY(MPI_Irecv((char *)recv + recv_displs[p], (int)recv_counts[p], MPI_BYTE, p, 17, comm,
+                          &r[n]),
                 "token exchange");
         n++;
     }
     for (int p = 0; p < c->ep_size; p++) {
         if (send_counts[p] == 0)
             continue;
-        MPI_TRY(MPI_Isend((const char *)send + send_displs[p], (int)send_counts[p], MPI_BYTE, p,
-                          17, comm, &r[n]),
+        MPI_TRY(MPI_Isend((const char *)send + send_displs[p], (int)send_counts[p], MPI_BYTE, p, 17,
+                          comm, &r[n]),
                 "token exchange");
         n++;
     }

@@ -67,8 +67,8 @@ void attention_forward(real *out, real *lse, const real *q, const real *k, const
         double p[T];
         double acc[Hd];
         for (int t = 0; t < T; t++) {
-            lse[(size_t)bh * T + t] = (real)attention_row(p, qb + (size_t)t * ld, kb, t, ld, Hd,
-                                                          scale);
+            lse[(size_t)bh * T + t] =
+                (real)attention_row(p, qb + (size_t)t * ld, kb, t, ld, Hd, scale);
             for (int d = 0; d < Hd; d++)
                 acc[d] = 0.0;
             for (int j = 0; j <= t; j++) {
@@ -152,8 +152,8 @@ static void attention_backward_dkv(real *dk, real *dv, const attn_slice *s)
 }
 
 void attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *out,
-                        const real *lse, const real *q, const real *k, const real *v, int B,
-                        int T, int H, int Hd)
+                        const real *lse, const real *q, const real *k, const real *v, int B, int T,
+                        int H, int Hd)
 {
     if (T <= 0 || Hd <= 0)
         return;

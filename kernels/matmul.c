@@ -86,8 +86,7 @@ void grouped_matmul_forward(real *out, const real *x, const real *w, const int *
         int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
         if (rows <= 0)
             continue;
-        matmul_forward(out + (size_t)m0 * O, x + (size_t)m0 * I, w + (size_t)g * O * I, rows, I,
-                       O);
+        matmul_forward(out + (size_t)m0 * O, x + (size_t)m0 * I, w + (size_t)g * O * I, rows, I, O);
     }
 }
 
@@ -99,7 +98,7 @@ void grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x
         if (rows <= 0)
             continue;
         matmul_backward(dx ? dx + (size_t)m0 * I : NULL, dw ? dw + (size_t)g * O * I : NULL,
-                        dout + (size_t)m0 * O, x + (size_t)m0 * I, w + (size_t)g * O * I, rows,
-                        I, O);
+                        dout + (size_t)m0 * O, x + (size_t)m0 * I, w + (size_t)g * O * I, rows, I,
+                        O);
     }
 }

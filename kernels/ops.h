@@ -42,8 +42,8 @@ void add_inplace(real *y, const real *x, size_t n);
 void rmsnorm_forward(real *out, real *rstd, const real *x, const real *weight, int N, int D,
                      real eps);
 /* dx (N,D) +=, dweight (D) +=. */
-void rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x,
-                      const real *weight, const real *rstd, int N, int D);
+void rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x, const real *weight,
+                      const real *rstd, int N, int D);
 
 /* ---- linear: out (N,O) = x (N,I) W^T, W (O,I) -------------------------------------- */
 void matmul_forward(real *out, const real *x, const real *w, int N, int I, int O);
@@ -83,15 +83,15 @@ void attention_forward(real *out, real *lse, const real *q, const real *k, const
                        int T, int H, int Hd);
 /* dq, dk, dv +=. */
 void attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *out,
-                        const real *lse, const real *q, const real *k, const real *v, int B,
-                        int T, int H, int Hd);
+                        const real *lse, const real *q, const real *k, const real *v, int B, int T,
+                        int H, int Hd);
 
 /* ---- router ------------------------------------------------------------------------- */
 /* From fp32 logits (N,E): probs (N,E) = softmax, lse (N) = logsumexp(logits), and the
  * top-k: idx (N,K) experts in order of decreasing probability (ties: lower index first),
  * w (N,K) their probabilities, divided by their sum when renorm != 0. */
-void router_forward(real *probs, real *lse, int32_t *idx, real *w, const real *logits, int N,
-                    int E, int K, int renorm);
+void router_forward(real *probs, real *lse, int32_t *idx, real *w, const real *logits, int N, int E,
+                    int K, int renorm);
 /* Gradient of the top-k weights dw (N,K) into dprobs (N,E) +=. */
 void router_topk_backward(real *dprobs, const real *dw, const real *probs, const int32_t *idx,
                           int N, int E, int K, int renorm);
@@ -116,8 +116,8 @@ void router_aux_backward(real *dprobs, real *dlogits, const real *probs, const r
 /* ---- routing plan: which (token, slot) goes to which expert row ------------- */
 /* Orders the N*K assignments stably by expert (then token, then slot) and applies the
  * capacity. Capacity is per group of `group` consecutive tokens (N % group == 0; the
- * runtime uses one group: the rank's micro-batch, as Megatron-Core). capacity < 0: dropless. When an expert has
- * more than `capacity` assignments within a group, it keeps those with the highest
+ * runtime uses one group: the rank's micro-batch, as Megatron-Core). capacity < 0: dropless. When
+ * an expert has more than `capacity` assignments within a group, it keeps those with the highest
  * weight (ties: lower token index, then lower slot) and drops the rest; a dropped
  * assignment contributes nothing to its token's output.
  * Outputs: offsets (E+1) row ranges per expert over the M kept rows,
@@ -126,8 +126,8 @@ void router_aux_backward(real *dprobs, real *dlogits, const real *probs, const r
  * here" (the experts' side of an exchange marks slots held by other ranks so): such a
  * slot is never a row and its slot_row is -1. Returns M. scratch: N*K ints. */
 int moe_route_plan(int *offsets, int32_t *row_token, int32_t *row_slot, int32_t *slot_row,
-                   int *scratch, const int32_t *idx, const real *w, int N, int E, int K,
-                   int group, int capacity);
+                   int *scratch, const int32_t *idx, const real *w, int N, int E, int K, int group,
+                   int capacity);
 
 /* out (M,D) = x[row_token[m]] (gather tokens into expert order). */
 void moe_permute(real *out, const real *x, const int32_t *row_token, int M, int D);

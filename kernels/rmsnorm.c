@@ -66,8 +66,8 @@ static void rmsnorm_backward_dweight(real *dweight, const real *dout, const real
     }
 }
 
-void rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x,
-                      const real *weight, const real *rstd, int N, int D)
+void rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x, const real *weight,
+                      const real *rstd, int N, int D)
 {
     if (dx)
         rmsnorm_backward_dx(dx, dout, x, weight, rstd, N, D);

@@ -20,8 +20,8 @@ void rope_tables(real *cos_t, real *sin_t, int T, int Hd, double theta)
 }
 
 /* Rotates every head of every row by +angle (dir = 1) or -angle (dir = -1). */
-static void rope_rotate(real *x, const real *cos_t, const real *sin_t, int B, int T, int H,
-                        int Hd, real dir)
+static void rope_rotate(real *x, const real *cos_t, const real *sin_t, int B, int T, int H, int Hd,
+                        real dir)
 {
     int half = Hd / 2;
     int rows = B * T;

@@ -35,8 +35,8 @@ static void sort_by_expert(int *list, int *ends, const int32_t *idx, int a0, int
  * group of tokens at a time. An expert over capacity keeps the `capacity` assignments
  * that no more than capacity-1 others beat. O(c^2) in an expert's count c, only when c
  * exceeds the capacity. */
-static void mark_capacity(int32_t *keep, int *scratch, int *ends, const int32_t *idx,
-                          const real *w, int N, int E, int K, int group, int capacity)
+static void mark_capacity(int32_t *keep, int *scratch, int *ends, const int32_t *idx, const real *w,
+                          int N, int E, int K, int group, int capacity)
 {
     for (int t0 = 0; t0 < N; t0 += group) {
         int rows = N - t0 < group ? N - t0 : group;
@@ -59,8 +59,8 @@ static void mark_capacity(int32_t *keep, int *scratch, int *ends, const int32_t 
 }
 
 int moe_route_plan(int *offsets, int32_t *row_token, int32_t *row_slot, int32_t *slot_row,
-                   int *scratch, const int32_t *idx, const real *w, int N, int E, int K,
-                   int group, int capacity)
+                   int *scratch, const int32_t *idx, const real *w, int N, int E, int K, int group,
+                   int capacity)
 {
     int NK = N * K;
     if (group <= 0)

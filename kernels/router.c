@@ -48,8 +48,8 @@ static void topk_row(int32_t *idx, real *w, const real *p, int E, int K, int ren
             w[k] = (real)(w[k] / sum);
 }
 
-void router_forward(real *probs, real *lse, int32_t *idx, real *w, const real *logits, int N,
-                    int E, int K, int renorm)
+void router_forward(real *probs, real *lse, int32_t *idx, real *w, const real *logits, int N, int E,
+                    int K, int renorm)
 {
 #pragma omp parallel for schedule(static) if ((long)N * E > 65536)
     for (int n = 0; n < N; n++) {

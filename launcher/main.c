@@ -106,8 +106,8 @@ static void print_banner(const moe_config *cfg, const moe_model *m, const char *
            MOE_VERSION, source, ranks.world, cfg->ep, m->El);
     printf("model: %d layers (%d dense), d_model %d, %d heads, %d experts top-%d, expert ffn %d, "
            "vocab %d, seq %d: %.2fM parameters\n",
-           cfg->n_layers, cfg->dense_layers, cfg->d_model, cfg->n_heads, cfg->experts,
-           cfg->top_k, cfg->expert_hidden, cfg->vocab_size, cfg->seq_len, m->n_params / 1e6);
+           cfg->n_layers, cfg->dense_layers, cfg->d_model, cfg->n_heads, cfg->experts, cfg->top_k,
+           cfg->expert_hidden, cfg->vocab_size, cfg->seq_len, m->n_params / 1e6);
     printf("train: %d steps, micro-batch %d, grad_accum %d%s, data %s\n", cfg->steps,
            cfg->micro_batch, cfg->accum[0].micro_batches, cfg->n_accum > 1 ? " (scheduled)" : "",
            cfg->data_source);
@@ -158,8 +158,7 @@ static moe_status write_file(const char *dir, const char *name, const void *data
     return MOE_OK;
 }
 
-static moe_status dump_tensors_json(const char *dir, const moe_model *m,
-                                    const moe_step_result *r)
+static moe_status dump_tensors_json(const char *dir, const moe_model *m, const moe_step_result *r)
 {
     moe_status st = MOE_OK;
     json_t *root = json_object(), *list = json_array();
@@ -228,8 +227,8 @@ static moe_status dump_step(const moe_config *cfg, const char *dir)
         buf[i] = (float)tr->model->grads[i];
     MOE_CHECK_GOTO(st, write_file(dir, "grads.bin", buf, sizeof(float) * n));
     MOE_CHECK_GOTO(st, dump_tensors_json(dir, tr->model, &r));
-    printf("dump: step 1 loss %.6f (ce %.6f aux %.6f z %.6f), %zu parameters -> %s\n", r.loss,
-           r.ce, r.aux, r.z, n, dir);
+    printf("dump: step 1 loss %.6f (ce %.6f aux %.6f z %.6f), %zu parameters -> %s\n", r.loss, r.ce,
+           r.aux, r.z, n, dir);
 fail:
     free(ini);
     free(tokens);

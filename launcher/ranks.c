@@ -40,8 +40,8 @@ int moe_ranks_init(int *argc, char ***argv, moe_ranks *r)
         strcpy(r->host, "?");
 
     MPI_Comm node;
-    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, r->rank, MPI_INFO_NULL,
-                            &node) != MPI_SUCCESS) {
+    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, r->rank, MPI_INFO_NULL, &node) !=
+        MPI_SUCCESS) {
         moe_log("MPI_Comm_split_type failed: cannot find the ranks of this node");
         return 1;
     }

@@ -37,12 +37,12 @@ typedef struct {
     const char *key;
     const char *full; /* "section.key" */
     key_type type;
-    size_t offset;    /* of the field in moe_config */
-    size_t size;      /* of the field (strings: the buffer) */
+    size_t offset; /* of the field in moe_config */
+    size_t size;   /* of the field (strings: the buffer) */
     double min, max;
-    int range;        /* R_* flags */
+    int range;           /* R_* flags */
     const char *choices; /* T_ENUM: "a|b|c" */
-    const char *def;  /* default, as INI text */
+    const char *def;     /* default, as INI text */
     const char *doc;
 } key_def;
 
@@ -52,10 +52,14 @@ typedef struct {
 #define GT(lo) (lo), 0, R_MIN | R_MIN_OPEN
 #define IN(lo, hi) (lo), (hi), R_MIN | R_MAX
 #define IN_CO(lo, hi) (lo), (hi), R_MIN | R_MAX | R_MAX_OPEN
-#define KEY(sec, name, type, field, range, def, doc) \
-    { sec, name, sec "." name, type, FIELD(field), range, NULL, def, doc }
-#define KEY_ENUM(sec, name, field, choices, def, doc) \
-    { sec, name, sec "." name, T_ENUM, FIELD(field), NONE, choices, def, doc }
+#define KEY(sec, name, type, field, range, def, doc)                                               \
+    {                                                                                              \
+        sec, name, sec "." name, type, FIELD(field), range, NULL, def, doc                         \
+    }
+#define KEY_ENUM(sec, name, field, choices, def, doc)                                              \
+    {                                                                                              \
+        sec, name, sec "." name, T_ENUM, FIELD(field), NONE, choices, def, doc                     \
+    }
 
 static const key_def keys[] = {
     KEY("model", "vocab_size", T_INT, vocab_size, GE(2), "256", "vocabulary size (V)"),
@@ -122,8 +126,7 @@ static const key_def keys[] = {
         "checkpoint directory (reserved)"),
     KEY("checkpoint", "interval", T_INT, ckpt_interval, GE(0), "0",
         "steps between checkpoints; 0 disables (reserved)"),
-    KEY("checkpoint", "keep", T_INT, ckpt_keep, GE(2), "2",
-        "checkpoints kept on disk (reserved)"),
+    KEY("checkpoint", "keep", T_INT, ckpt_keep, GE(2), "2", "checkpoints kept on disk (reserved)"),
 
     KEY("log", "interval", T_INT, log_interval, GE(1), "1", "progress line every N steps"),
     KEY("log", "expert_load_interval", T_INT, expert_load_interval, GE(0), "50",
@@ -264,8 +267,7 @@ static int parse_long(const char *s, long long lo, long long hi, long long *out)
 }
 
 /* grad_accum text -> phases (syntax only; check_accum judges the numbers). */
-static int parse_accum(const char *text, moe_accum_phase *phases, int *count, char *why,
-                       size_t cap)
+static int parse_accum(const char *text, moe_accum_phase *phases, int *count, char *why, size_t cap)
 {
     int n = 0;
     const char *s = text;
@@ -300,8 +302,8 @@ static int parse_accum(const char *text, moe_accum_phase *phases, int *count, ch
             (at && parse_long(trim(at + 1), INT_MIN, INT_MAX, &from) != 1)) {
             if (at)
                 *at = '@';
-            snprintf(why, cap, "phase %d '%s' is not N or N@STEP (integers, such as 4@1000)",
-                     n + 1, it);
+            snprintf(why, cap, "phase %d '%s' is not N or N@STEP (integers, such as 4@1000)", n + 1,
+                     it);
             return 0;
         }
         phases[n].micro_batches = (int)mb;
@@ -346,8 +348,8 @@ static void range_text(const key_def *k, char *buf, size_t cap)
 {
     int r = k->range;
     if ((r & R_MIN) && (r & R_MAX))
-        snprintf(buf, cap, "must be in %c%g, %g%c", r & R_MIN_OPEN ? '(' : '[', k->min,
-                 k->max, r & R_MAX_OPEN ? ')' : ']');
+        snprintf(buf, cap, "must be in %c%g, %g%c", r & R_MIN_OPEN ? '(' : '[', k->min, k->max,
+                 r & R_MAX_OPEN ? ')' : ']');
     else if (r & R_MIN)
         snprintf(buf, cap, "must be %s %g", r & R_MIN_OPEN ? ">" : ">=", k->min);
     else
@@ -881,8 +883,7 @@ static void describe(const moe_config *cfg, int i, char *buf, size_t cap)
         snprintf(from, sizeof from, "line %d", line);
     else
         snprintf(from, sizeof from, "%s", line < 0 ? "--set" : "default");
-    snprintf(buf, cap, "[%s] %s = %s (%s)", keys[i].section, keys[i].key, *v ? v : "\"\"",
-             from);
+    snprintf(buf, cap, "[%s] %s = %s (%s)", keys[i].section, keys[i].key, *v ? v : "\"\"", from);
 }
 
 /* Logs key i's failure where it was set: "path:line: [section] key = value: why",
@@ -956,8 +957,7 @@ moe_status moe_config_validate(const moe_config *cfg)
         bad++;
     }
     if (cfg->experts % cfg->ep != 0) {
-        rule_failed(cfg, "parallel.ep", "model.experts", "does not divide",
-                    "is not a multiple of");
+        rule_failed(cfg, "parallel.ep", "model.experts", "does not divide", "is not a multiple of");
         bad++;
     }
     if (cfg->min_lr > cfg->lr) {

@@ -25,18 +25,18 @@ typedef struct {
 
 typedef struct {
     /* [model] */
-    int vocab_size;      /* V */
-    int d_model;         /* D */
-    int n_layers;        /* L */
-    int n_heads;         /* H, divides D */
-    int seq_len;         /* T */
-    int experts;         /* E, per MoE layer */
-    int top_k;           /* K, 1 <= K <= E */
-    int expert_hidden;   /* F, hidden width of one expert */
-    int dense_layers;    /* the first dense_layers layers use a dense SwiGLU FFN */
-    int dense_hidden;    /* hidden width of the dense FFN */
-    int shared_experts;  /* shared experts added to every token, each of width F */
-    int renorm_topk;     /* divide the k weights by their sum */
+    int vocab_size;         /* V */
+    int d_model;            /* D */
+    int n_layers;           /* L */
+    int n_heads;            /* H, divides D */
+    int seq_len;            /* T */
+    int experts;            /* E, per MoE layer */
+    int top_k;              /* K, 1 <= K <= E */
+    int expert_hidden;      /* F, hidden width of one expert */
+    int dense_layers;       /* the first dense_layers layers use a dense SwiGLU FFN */
+    int dense_hidden;       /* hidden width of the dense FFN */
+    int shared_experts;     /* shared experts added to every token, each of width F */
+    int renorm_topk;        /* divide the k weights by their sum */
     double capacity_factor; /* 0: dropless; else capacity = ceil(cf * N*K / E) per expert */
     double aux_loss_coef;
     double z_loss_coef;
@@ -45,8 +45,8 @@ typedef struct {
     double init_std;
 
     /* [train] */
-    int steps;           /* optimizer steps */
-    int micro_batch;     /* sequences per rank per micro-batch */
+    int steps;                                   /* optimizer steps */
+    int micro_batch;                             /* sequences per rank per micro-batch */
     moe_accum_phase accum[MOE_MAX_ACCUM_PHASES]; /* grad_accum schedule, e.g. "8@0,4@1000" */
     int n_accum;
     double lr;
@@ -54,34 +54,34 @@ typedef struct {
     int warmup_steps;
     double weight_decay;
     double beta1, beta2, adam_eps;
-    double grad_clip;    /* max global norm; 0 disables */
+    double grad_clip; /* max global norm; 0 disables */
     uint64_t seed;
 
     /* [parallel] */
-    int ep;              /* expert-parallel degree */
-    char backend[16];    /* auto | cpu | cuda */
+    int ep;           /* expert-parallel degree */
+    char backend[16]; /* auto | cpu | cuda */
 
     /* [data] */
-    char data_source[16];          /* synthetic | shards */
-    char data_path[MOE_PATH_MAX];  /* llm.c shard file(s), comma-separated */
-    int synthetic_processes;       /* distinct token-generating processes */
+    char data_source[16];         /* synthetic | shards */
+    char data_path[MOE_PATH_MAX]; /* llm.c shard file(s), comma-separated */
+    int synthetic_processes;      /* distinct token-generating processes */
     uint64_t data_seed;
 
     /* [precision] */
-    char precision[8];   /* fp32 | bf16 | fp16 | auto */
+    char precision[8]; /* fp32 | bf16 | fp16 | auto */
 
     /* [checkpoint] */
     char ckpt_dir[MOE_PATH_MAX];
-    int ckpt_interval;   /* steps; 0 disables */
+    int ckpt_interval; /* steps; 0 disables */
     int ckpt_keep;
 
     /* [log] */
-    int log_interval;        /* progress line every N steps */
-    int expert_load_interval; /* per-layer expert-load summary every N steps; 0 disables */
+    int log_interval;              /* progress line every N steps */
+    int expert_load_interval;      /* per-layer expert-load summary every N steps; 0 disables */
     char jsonl_path[MOE_PATH_MAX]; /* "" disables */
 
     /* where each key was last set, for messages: config.c's key table indexes these */
-    char source_path[MOE_PATH_MAX]; /* the INI file loaded, "" if none */
+    char source_path[MOE_PATH_MAX];    /* the INI file loaded, "" if none */
     int key_line[MOE_CONFIG_MAX_KEYS]; /* 0: default, > 0: line in source_path, -1: --set */
 } moe_config;
 

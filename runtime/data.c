@@ -37,8 +37,7 @@ enum { SOURCE_SYNTHETIC, SOURCE_SHARDS };
 #define SYNTH_SEQ_PARAMS 8 /* draw indices 0..7 of a sequence's stream: its parameters */
 
 static const double synth_succ_prob[SYNTH_SUCCESSORS] = {0.6, 0.3, 0.1};
-static const char *const synth_kind_names[SYNTH_KINDS] = {"markov", "motif", "progression",
-                                                          "runs"};
+static const char *const synth_kind_names[SYNTH_KINDS] = {"markov", "motif", "progression", "runs"};
 
 typedef struct {
     moe_synth_kind kind;
@@ -344,8 +343,8 @@ static moe_status shard_open(data_shard *sh)
     int32_t magic = le32(sh->map), version = le32(sh->map + 4), count = le32(sh->map + 8);
     if (magic != MOE_SHARD_MAGIC)
         MOE_FAIL(MOE_ERR_INVALID,
-                 "data shard '%s': not an llm.c token shard: magic %d, expected %d", path,
-                 magic, MOE_SHARD_MAGIC);
+                 "data shard '%s': not an llm.c token shard: magic %d, expected %d", path, magic,
+                 MOE_SHARD_MAGIC);
     if (version != MOE_SHARD_VERSION)
         MOE_FAIL(MOE_ERR_INVALID, "data shard '%s': version %d, expected %d", path, version,
                  MOE_SHARD_VERSION);
@@ -470,8 +469,7 @@ moe_status moe_data_create(moe_data **out, const moe_config *cfg)
     if (cfg->seq_len < 1)
         MOE_FAIL(MOE_ERR_INVALID, "[model] seq_len = %d: must be at least 1", cfg->seq_len);
     if (cfg->vocab_size < 1)
-        MOE_FAIL(MOE_ERR_INVALID, "[model] vocab_size = %d: must be at least 1",
-                 cfg->vocab_size);
+        MOE_FAIL(MOE_ERR_INVALID, "[model] vocab_size = %d: must be at least 1", cfg->vocab_size);
 
     moe_data *d = calloc(1, sizeof *d);
     if (d == NULL)

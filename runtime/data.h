@@ -47,7 +47,7 @@ typedef enum {
 } moe_synth_kind;
 
 typedef struct {
-    int process;        /* 0 .. synthetic_processes-1 */
+    int process; /* 0 .. synthetic_processes-1 */
     moe_synth_kind kind;
     int32_t band_lo;    /* first token of the process's vocabulary band; also the marker
                            that starts each of its sequences */

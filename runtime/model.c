@@ -54,10 +54,10 @@ static moe_status layout_tensors(moe_model *m)
 
     MOE_CHECK_GOTO(st, layout_add(&lb, "embedding", -1, 0, 1, 2, m->V, D, 0));
     for (int l = 0; l < m->L; l++) {
-#define ADD(suffix, decay, ndim, d0, d1)                                                  \
-    do {                                                                                  \
-        snprintf(name, sizeof name, "layers.%d.%s", l, suffix);                           \
-        MOE_CHECK_GOTO(st, layout_add(&lb, name, l, 0, decay, ndim, d0, d1, 0));         \
+#define ADD(suffix, decay, ndim, d0, d1)                                                           \
+    do {                                                                                           \
+        snprintf(name, sizeof name, "layers.%d.%s", l, suffix);                                    \
+        MOE_CHECK_GOTO(st, layout_add(&lb, name, l, 0, decay, ndim, d0, d1, 0));                   \
     } while (0)
         ADD("attn_norm", 0, 1, D, 0);
         ADD("attn.wq", 1, 2, D, D);
@@ -338,8 +338,8 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
     m->ep = comm ? moe_comm_size(comm, MOE_GROUP_EP) : 1;
     m->ep_rank = comm ? moe_comm_rank(comm, MOE_GROUP_EP) : 0;
     if (m->ep != cfg->ep) {
-        moe_log_at(__FILE__, __LINE__, "[parallel] ep = %d but the EP group has %d ranks",
-                   cfg->ep, m->ep);
+        moe_log_at(__FILE__, __LINE__, "[parallel] ep = %d but the EP group has %d ranks", cfg->ep,
+                   m->ep);
         free(m);
         return MOE_ERR_INVALID;
     }
@@ -351,8 +351,8 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
     /* worst case of dropless routing: every peer sends all its tokens here */
     m->Rmax = m->ep * m->N;
     m->Mmax = m->Rmax * (m->K < m->El ? m->K : m->El);
-    m->row_bytes = ((size_t)(m->D + m->K) * sizeof(real) + (size_t)m->K * sizeof(int32_t) + 7) &
-                   ~(size_t)7;
+    m->row_bytes =
+        ((size_t)(m->D + m->K) * sizeof(real) + (size_t)m->K * sizeof(int32_t) + 7) & ~(size_t)7;
     m->capacity = cfg->capacity_factor > 0
                       ? (int)ceil(cfg->capacity_factor * m->N * m->K / (double)m->E)
                       : -1;
@@ -432,8 +432,7 @@ static void attention_block_forward(moe_model *m, int l)
 
 /* SwiGLU FFN of width F on rows x (n, D): out (n, D) = (silu(x W1^T) * x W3^T) W2^T. */
 static void swiglu_ffn_forward(real *out, real *fa, real *fb, real *fh, const real *x,
-                               const real *w1, const real *w3, const real *w2, int n, int D,
-                               int F)
+                               const real *w1, const real *w3, const real *w2, int n, int D, int F)
 {
     matmul_forward(fa, x, w1, n, D, F);
     matmul_forward(fb, x, w3, n, D, F);
@@ -452,8 +451,8 @@ static void router_forward_layer(moe_model *m, int l, moe_fwd_stats *stats)
     router_forward(a->probs, a->rlse, a->idx, a->w, a->logits, N, E, K, m->cfg.renorm_topk);
     memset(a->mb_counts, 0, sizeof(int64_t) * E);
     memset(m->aux_psum, 0, sizeof(double) * E);
-    stats->z_sum += router_aux_partials(a->mb_counts, m->aux_psum, a->probs, a->rlse, a->idx, N,
-                                        E, K);
+    stats->z_sum +=
+        router_aux_partials(a->mb_counts, m->aux_psum, a->probs, a->rlse, a->idx, N, E, K);
     double aux = 0;
     for (int e = 0; e < E; e++) {
         aux += (double)a->mb_counts[e] / ((double)N * K) * (m->aux_psum[e] / N);
@@ -548,8 +547,7 @@ static moe_status moe_dispatch(moe_model *m, int l, moe_fwd_stats *stats)
     if (a->n_recv > m->Rmax)
         MOE_FAIL(MOE_ERR_COMM, "layer %d: %d rows received, more than the %d sized for", l,
                  a->n_recv, m->Rmax);
-    MOE_CHECK(exchange_rows(m, m->send_buf, a->send_rows, m->recv_buf, a->recv_rows,
-                            m->row_bytes));
+    MOE_CHECK(exchange_rows(m, m->send_buf, a->send_rows, m->recv_buf, a->recv_rows, m->row_bytes));
     for (int r = 0; r < a->n_recv; r++) {
         const real *row = (const real *)(m->recv_buf + (size_t)r * m->row_bytes);
         memcpy(a->xrecv + (size_t)r * D, row, sizeof(real) * D);
@@ -588,8 +586,8 @@ static moe_status moe_block_forward(moe_model *m, int l, real *out, moe_fwd_stat
     MOE_CHECK(moe_dispatch(m, l, stats));
     moe_experts_forward(m, l, (real *)m->send_buf);
     /* combine: partial sums go back to the rows' owners (sizes reversed) */
-    MOE_CHECK(exchange_rows(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows,
-                            sizeof(real) * D));
+    MOE_CHECK(
+        exchange_rows(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows, sizeof(real) * D));
     if (m->Fs > 0)
         swiglu_ffn_forward(out, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N, D, m->Fs);
     else
@@ -622,8 +620,10 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
             int32_t in = tokens[(size_t)b * (T + 1) + t];
             int32_t tg = tokens[(size_t)b * (T + 1) + t + 1];
             if (in < 0 || in >= m->V || tg < 0 || tg >= m->V)
-                MOE_FAIL(MOE_ERR_INVALID, "token %d at sequence %d position %d is outside the "
-                         "vocabulary [0, %d)", in < 0 || in >= m->V ? in : tg, b, t, m->V);
+                MOE_FAIL(MOE_ERR_INVALID,
+                         "token %d at sequence %d position %d is outside the "
+                         "vocabulary [0, %d)",
+                         in < 0 || in >= m->V ? in : tg, b, t, m->V);
             m->tokens[(size_t)b * T + t] = in;
             m->targets[(size_t)b * T + t] = tg;
         }
@@ -691,8 +691,7 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
     const int R = a->n_recv, D = m->D, K = m->K, F = m->F, M = a->n_rows;
     memset(m->deout, 0, sizeof(real) * (size_t)M * D);
     memset(m->dlw, 0, sizeof(real) * (size_t)R * K);
-    moe_combine_backward(m->deout, m->dlw, dy, a->eout, a->lw, a->row_token, a->row_slot, M, D,
-                         K);
+    moe_combine_backward(m->deout, m->dlw, dy, a->eout, a->lw, a->row_token, a->row_slot, M, D, K);
     memset(m->deh, 0, sizeof(real) * (size_t)M * F);
     memset(m->dea, 0, sizeof(real) * (size_t)M * F);
     memset(m->deb, 0, sizeof(real) * (size_t)M * F);
@@ -710,8 +709,7 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
 }
 
 /* dffn: gradient of the MoE output (N, D); adds the gradient of h2 into m->dh. */
-static moe_status moe_block_backward(moe_model *m, int l, const real *dffn,
-                                     int64_t step_sequences)
+static moe_status moe_block_backward(moe_model *m, int l, const real *dffn, int64_t step_sequences)
 {
     const moe_layer_view *w = &m->p.layers[l];
     const moe_layer_view *g = &m->g.layers[l];
@@ -722,8 +720,8 @@ static moe_status moe_block_backward(moe_model *m, int l, const real *dffn,
                             w->sw1, w->sw3, w->sw2, N, D, m->Fs);
     /* the gradient of each sent row's partial sum goes to the rank that computed it */
     moe_permute((real *)m->send_buf, dffn, a->send_token, a->n_send, D);
-    MOE_CHECK(exchange_rows(m, m->send_buf, a->send_rows, m->dyrecv, a->recv_rows,
-                            sizeof(real) * D));
+    MOE_CHECK(
+        exchange_rows(m, m->send_buf, a->send_rows, m->dyrecv, a->recv_rows, sizeof(real) * D));
     moe_experts_backward(m, l, m->dyrecv, (real *)m->send_buf);
     MOE_CHECK(exchange_rows(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows,
                             sizeof(real) * (D + K)));

@@ -51,58 +51,58 @@ typedef struct {
 
 /* Pointers into an arena (parameters or gradients), one set per layer. */
 typedef struct {
-    real *attn_norm;             /* (D) */
-    real *wq, *wk, *wv, *wo;     /* (D, D) */
-    real *ffn_norm;              /* (D) */
-    real *w1, *w3, *w2;          /* dense FFN: (Fd, D), (Fd, D), (D, Fd); NULL in MoE layers */
-    real *router;                /* (E, D); NULL in dense layers */
-    real *sw1, *sw3, *sw2;       /* shared experts: (Fs, D), (Fs, D), (D, Fs); NULL if none */
-    real *ew1, *ew3, *ew2;       /* local experts: (El, F, D), (El, F, D), (El, D, F) */
+    real *attn_norm;         /* (D) */
+    real *wq, *wk, *wv, *wo; /* (D, D) */
+    real *ffn_norm;          /* (D) */
+    real *w1, *w3, *w2;      /* dense FFN: (Fd, D), (Fd, D), (D, Fd); NULL in MoE layers */
+    real *router;            /* (E, D); NULL in dense layers */
+    real *sw1, *sw3, *sw2;   /* shared experts: (Fs, D), (Fs, D), (D, Fs); NULL if none */
+    real *ew1, *ew3, *ew2;   /* local experts: (El, F, D), (El, F, D), (El, D, F) */
 } moe_layer_view;
 
 typedef struct {
-    real *embedding;  /* (V, D) */
-    real *final_norm; /* (D) */
-    real *lm_head;    /* (V, D) */
+    real *embedding;        /* (V, D) */
+    real *final_norm;       /* (D) */
+    real *lm_head;          /* (V, D) */
     moe_layer_view *layers; /* L */
 } moe_view;
 
 /* Activations of one layer for one micro-batch (saved for backward). */
 typedef struct {
-    real *h1, *rstd1;           /* (N, D), (N): attention-norm output and 1/rms */
-    real *q, *k, *v;            /* (N, D): q, k after RoPE */
-    real *att, *att_lse;        /* (N, D), (B, H, T) */
-    real *xmid;                 /* (N, D): residual after attention */
-    real *h2, *rstd2;           /* (N, D), (N): ffn-norm output */
-    real *fa, *fb, *fh;         /* dense: (N, Fd) gate, up, swiglu */
+    real *h1, *rstd1;    /* (N, D), (N): attention-norm output and 1/rms */
+    real *q, *k, *v;     /* (N, D): q, k after RoPE */
+    real *att, *att_lse; /* (N, D), (B, H, T) */
+    real *xmid;          /* (N, D): residual after attention */
+    real *h2, *rstd2;    /* (N, D), (N): ffn-norm output */
+    real *fa, *fb, *fh;  /* dense: (N, Fd) gate, up, swiglu */
     /* MoE, the side that owns the tokens */
     real *logits, *probs, *rlse; /* router: (N, E), (N, E), (N) */
-    int32_t *idx;               /* (N, K) global expert ids */
-    real *w;                    /* (N, K) */
-    int64_t *mb_counts;         /* (E): top-k assignments per expert in this micro-batch */
-    int32_t *slot_row;          /* (N*K): -1 where the capacity dropped the assignment */
-    int32_t *send_token;        /* (N*min(K,ep)): token of each row sent, by destination */
-    int *send_rows, *recv_rows; /* (ep): rows sent to / received from each EP peer */
+    int32_t *idx;                /* (N, K) global expert ids */
+    real *w;                     /* (N, K) */
+    int64_t *mb_counts;          /* (E): top-k assignments per expert in this micro-batch */
+    int32_t *slot_row;           /* (N*K): -1 where the capacity dropped the assignment */
+    int32_t *send_token;         /* (N*min(K,ep)): token of each row sent, by destination */
+    int *send_rows, *recv_rows;  /* (ep): rows sent to / received from each EP peer */
     int n_send, n_recv;
     /* MoE, the side that holds the experts: rows received from every EP peer */
-    real *xrecv;                /* (R, D): R = n_recv <= ep*N */
-    int32_t *lidx;              /* (R, K): local expert of each slot, -1 if elsewhere */
-    real *lw;                   /* (R, K): router weight of each slot */
-    int *offsets;               /* (El + 1) rows per local expert */
+    real *xrecv;                   /* (R, D): R = n_recv <= ep*N */
+    int32_t *lidx;                 /* (R, K): local expert of each slot, -1 if elsewhere */
+    real *lw;                      /* (R, K): router weight of each slot */
+    int *offsets;                  /* (El + 1) rows per local expert */
     int32_t *row_token, *row_slot; /* (R*K): received row and slot of each expert row */
-    int n_rows;                 /* M: expert rows */
-    real *xperm;                /* (M, D) inputs in expert order */
-    real *ea, *eb, *eh;         /* (M, F) */
-    real *eout;                 /* (M, D) */
-    real *sa, *sb, *sh;         /* shared: (N, Fs) */
+    int n_rows;                    /* M: expert rows */
+    real *xperm;                   /* (M, D) inputs in expert order */
+    real *ea, *eb, *eh;            /* (M, F) */
+    real *eout;                    /* (M, D) */
+    real *sa, *sb, *sh;            /* shared: (N, Fs) */
 } moe_layer_acts;
 
 typedef struct {
-    double ce_sum;   /* sum of token cross-entropies */
-    double aux_sum;  /* sum over MoE layers and sequences of aux(l, s) */
-    double z_sum;    /* sum over MoE layers and tokens of lse^2 */
-    int64_t tokens;  /* N */
-    int64_t dropped; /* assignments dropped by the capacity */
+    double ce_sum;           /* sum of token cross-entropies */
+    double aux_sum;          /* sum over MoE layers and sequences of aux(l, s) */
+    double z_sum;            /* sum over MoE layers and tokens of lse^2 */
+    int64_t tokens;          /* N */
+    int64_t dropped;         /* assignments dropped by the capacity */
     int64_t a2a_bytes;       /* bytes this rank sent to other ranks in token exchanges */
     int64_t a2a_bytes_saved; /* bytes not sent because a token goes once to a rank */
 } moe_fwd_stats;
@@ -115,12 +115,12 @@ typedef void (*moe_grad_ready_fn)(void *ctx, int stage);
 typedef struct moe_model {
     moe_config cfg;
     int B, T, N, D, H, Hd, V, L, E, El, K, F, Fd, Fs;
-    int capacity;     /* per expert per micro-batch, -1 dropless */
-    int ep, ep_rank;  /* expert-parallel degree and this rank's place in its EP group */
-    int *expert_rank;   /* (E): EP rank holding each expert */
-    int *expert_local;  /* (E): its index among that rank's El experts */
-    int *local_experts; /* (El): global ids of this rank's experts */
-    struct moe_comm *comm; /* NULL: one process */
+    int capacity;                 /* per expert per micro-batch, -1 dropless */
+    int ep, ep_rank;              /* expert-parallel degree and this rank's place in its EP group */
+    int *expert_rank;             /* (E): EP rank holding each expert */
+    int *expert_local;            /* (E): its index among that rank's El experts */
+    int *local_experts;           /* (El): global ids of this rank's experts */
+    struct moe_comm *comm;        /* NULL: one process */
     moe_grad_ready_fn grad_ready; /* NULL: nobody listens */
     void *grad_ready_ctx;
 
@@ -132,35 +132,35 @@ typedef struct moe_model {
     moe_view p, g;
 
     /* activations */
-    int32_t *tokens, *targets;  /* (N) */
-    real **x;                   /* L+1 residual streams (N, D): x[0] embedding, x[L] final */
-    moe_layer_acts *acts;       /* L */
-    real *hf, *rstdf;           /* final norm (N, D), (N) */
+    int32_t *tokens, *targets;       /* (N) */
+    real **x;                        /* L+1 residual streams (N, D): x[0] embedding, x[L] final */
+    moe_layer_acts *acts;            /* L */
+    real *hf, *rstdf;                /* final norm (N, D), (N) */
     real *logits, *ce_lse, *ce_loss; /* (N, V), (N), (N) */
-    real *rope_cos, *rope_sin;  /* (T, Hd/2), computed once */
+    real *rope_cos, *rope_sin;       /* (T, Hd/2), computed once */
 
     /* backward scratch, reused across layers */
     real *dres, *dh, *dq, *dk, *dv, *datt, *dffn; /* (N, D) */
-    real *dfa, *dfb, *dfh;      /* (N, max(Fd, Fs)) */
-    real *dxperm, *deout;       /* (Mmax, D) */
-    real *dea, *deb, *deh;      /* (Mmax, F) */
-    real *dyrecv, *dxrecv;      /* (Rmax, D) */
-    real *dlw;                  /* (Rmax, K) */
-    real *dw, *dprobs, *drlogits; /* (N, K), (N, E), (N, E) */
-    char *send_buf, *recv_buf;  /* packed exchange rows: max(rows) * row_bytes */
-    size_t row_bytes;           /* D reals + K reals + K int32, 8-aligned */
-    int Rmax, Mmax;             /* rows received / expert rows, worst case */
-    real *dlogits;              /* (N, V) */
-    int *route_scratch;         /* (Rmax*K) */
-    int *src_offsets;           /* (E+1): the source-side plan (capacity drops) */
-    int32_t *lslot_row;         /* (Rmax*K): expert-side plan scratch */
-    size_t *xc_size;            /* (4*ep): byte counts and displacements of an exchange */
-    int64_t *xc_count;          /* (2*ep): row counts sent and received */
+    real *dfa, *dfb, *dfh;                        /* (N, max(Fd, Fs)) */
+    real *dxperm, *deout;                         /* (Mmax, D) */
+    real *dea, *deb, *deh;                        /* (Mmax, F) */
+    real *dyrecv, *dxrecv;                        /* (Rmax, D) */
+    real *dlw;                                    /* (Rmax, K) */
+    real *dw, *dprobs, *drlogits;                 /* (N, K), (N, E), (N, E) */
+    char *send_buf, *recv_buf;                    /* packed exchange rows: max(rows) * row_bytes */
+    size_t row_bytes;                             /* D reals + K reals + K int32, 8-aligned */
+    int Rmax, Mmax;                               /* rows received / expert rows, worst case */
+    real *dlogits;                                /* (N, V) */
+    int *route_scratch;                           /* (Rmax*K) */
+    int *src_offsets;                             /* (E+1): the source-side plan (capacity drops) */
+    int32_t *lslot_row;                           /* (Rmax*K): expert-side plan scratch */
+    size_t *xc_size;   /* (4*ep): byte counts and displacements of an exchange */
+    int64_t *xc_count; /* (2*ep): row counts sent and received */
     int32_t *src_row_token, *src_row_slot; /* (N*K) */
-    double *aux_psum;           /* (E) */
+    double *aux_psum;                      /* (E) */
 
-    int64_t *load;              /* (L, E): assignments per expert since the last reset */
-    void *act_base;             /* the one block all activation buffers are carved from */
+    int64_t *load;  /* (L, E): assignments per expert since the last reset */
+    void *act_base; /* the one block all activation buffers are carved from */
 } moe_model;
 
 /* Lays out the tensors for cfg on this rank (its experts: those the placement gives

@@ -59,8 +59,8 @@ void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *
         real *g = model->grads + t->offset;
         if (grad_scale != 1.0)
             scale_inplace(g, (real)grad_scale, t->count);
-        adamw_update(model->params + t->offset, g, opt->m + t->offset, opt->v + t->offset,
-                     t->count, (real)lr, (real)cfg->beta1, (real)cfg->beta2, (real)cfg->adam_eps,
+        adamw_update(model->params + t->offset, g, opt->m + t->offset, opt->v + t->offset, t->count,
+                     (real)lr, (real)cfg->beta1, (real)cfg->beta2, (real)cfg->adam_eps,
                      t->decay ? (real)cfg->weight_decay : 0, opt->t);
     }
 }

@@ -12,9 +12,9 @@
 #include "util/status.h"
 
 typedef struct {
-    real *m, *v;     /* (n_params) each */
+    real *m, *v; /* (n_params) each */
     size_t n_params;
-    int t;           /* AdamW steps taken */
+    int t; /* AdamW steps taken */
 } moe_optimizer;
 
 /* Allocates zeroed state for n_params elements. On failure *out is NULL. */

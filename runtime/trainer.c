@@ -62,8 +62,7 @@ static void on_grad_ready(void *ctx, int stage)
         st = moe_comm_allreduce_start(tr->comm, MOE_GROUP_WORLD, g + b->dense_lo,
                                       b->dense_hi - b->dense_lo, sizeof(real), MOE_COMM_NONE,
                                       &b->handles[0]);
-    if (st == MOE_OK && b->expert_hi > b->expert_lo &&
-        moe_comm_size(tr->comm, MOE_GROUP_EDP) > 1)
+    if (st == MOE_OK && b->expert_hi > b->expert_lo && moe_comm_size(tr->comm, MOE_GROUP_EDP) > 1)
         st = moe_comm_allreduce_start(tr->comm, MOE_GROUP_EDP, g + b->expert_lo,
                                       b->expert_hi - b->expert_lo, sizeof(real), MOE_COMM_NONE,
                                       &b->handles[1]);
@@ -285,9 +284,9 @@ static void write_jsonl(FILE *f, const moe_step_result *r, double tok_per_s)
             "{\"step\":%d,\"loss\":%.9g,\"ce\":%.9g,\"aux\":%.9g,\"z\":%.9g,\"grad_norm\":%.9g,"
             "\"lr\":%.9g,\"sequences\":%lld,\"dropped\":%lld,\"a2a_bytes\":%lld,"
             "\"a2a_bytes_saved\":%lld,\"step_s\":%.6f,\"tok_per_s\":%.1f}\n",
-            r->step + 1, r->loss, r->ce, r->aux, r->z, r->grad_norm, r->lr,
-            (long long)r->sequences, (long long)r->dropped, (long long)r->a2a_bytes,
-            (long long)r->a2a_saved, r->seconds, tok_per_s);
+            r->step + 1, r->loss, r->ce, r->aux, r->z, r->grad_norm, r->lr, (long long)r->sequences,
+            (long long)r->dropped, (long long)r->a2a_bytes, (long long)r->a2a_saved, r->seconds,
+            tok_per_s);
     fflush(f);
 }
 
@@ -317,8 +316,8 @@ moe_status moe_trainer_run(moe_trainer *tr, FILE *out)
         double elapsed = now_seconds() - start;
         if (tty)
             fputc('\n', out);
-        fprintf(out, "done: %d steps, final loss %.4f, %.0f tokens/s, %.1fs\n", tr->cfg.steps,
-                r.ce, tokens / elapsed, elapsed);
+        fprintf(out, "done: %d steps, final loss %.4f, %.0f tokens/s, %.1fs\n", tr->cfg.steps, r.ce,
+                tokens / elapsed, elapsed);
     }
     return MOE_OK;
 }

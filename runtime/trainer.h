@@ -23,17 +23,17 @@
 #include "util/status.h"
 
 typedef struct {
-    int step;            /* 0-based step just taken */
-    int micro_batches;   /* accumulation of this step */
-    int64_t sequences;   /* S: sequences in the global batch */
-    double loss;         /* ce + aux_coef*aux + z_coef*z */
-    double ce, aux, z;   /* mean cross-entropy, aux and z losses (see model.h) */
-    double grad_norm;    /* global norm before clipping */
+    int step;          /* 0-based step just taken */
+    int micro_batches; /* accumulation of this step */
+    int64_t sequences; /* S: sequences in the global batch */
+    double loss;       /* ce + aux_coef*aux + z_coef*z */
+    double ce, aux, z; /* mean cross-entropy, aux and z losses (see model.h) */
+    double grad_norm;  /* global norm before clipping */
     double lr;
-    int64_t dropped;     /* assignments dropped by the capacity in this step */
-    int64_t a2a_bytes;   /* token bytes sent between ranks (all ranks) */
-    int64_t a2a_saved;   /* bytes not sent because a token goes once to a rank */
-    double seconds;      /* wall time of the step */
+    int64_t dropped;   /* assignments dropped by the capacity in this step */
+    int64_t a2a_bytes; /* token bytes sent between ranks (all ranks) */
+    int64_t a2a_saved; /* bytes not sent because a token goes once to a rank */
+    double seconds;    /* wall time of the step */
 } moe_step_result;
 
 /* A gradient bucket: the tensors of one backward stage, dense and expert ranges. */
@@ -47,19 +47,19 @@ struct moe_comm;
 
 typedef struct {
     moe_config cfg;
-    struct moe_comm *comm;  /* NULL: one process */
+    struct moe_comm *comm; /* NULL: one process */
     int world, rank;
     moe_grad_bucket *buckets; /* L + 2, indexed by stage + 1 (stage -1 = embedding) */
-    int reduce_now;         /* the last micro-batch of a step: reduce as stages finish */
+    int reduce_now;           /* the last micro-batch of a step: reduce as stages finish */
     moe_status reduce_status;
     moe_model *model;
     moe_data *data;
     moe_optimizer *opt;
-    int32_t *tokens;        /* (micro_batch, T+1) */
-    int64_t consumed;       /* global sequences consumed by finished steps */
-    int step;               /* next step to take */
-    FILE *jsonl;            /* NULL when [log] jsonl is empty */
-    moe_fault fault;        /* MOE_FAULT, for tests */
+    int32_t *tokens;  /* (micro_batch, T+1) */
+    int64_t consumed; /* global sequences consumed by finished steps */
+    int step;         /* next step to take */
+    FILE *jsonl;      /* NULL when [log] jsonl is empty */
+    moe_fault fault;  /* MOE_FAULT, for tests */
 } moe_trainer;
 
 /* Builds the model, data source and optimizer for cfg on this rank. comm NULL: one

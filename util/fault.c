@@ -24,8 +24,7 @@ moe_status moe_fault_from_env(moe_fault *f)
     else if (strcmp(kind, "hang") == 0)
         f->kind = MOE_FAULT_HANG;
     else
-        MOE_FAIL(MOE_ERR_INVALID, "MOE_FAULT='%s': unknown kind '%s' (fail, exit, hang)", v,
-                 kind);
+        MOE_FAIL(MOE_ERR_INVALID, "MOE_FAULT='%s': unknown kind '%s' (fail, exit, hang)", v, kind);
     f->rank = rank;
     f->step = step;
     return MOE_OK;
@@ -36,17 +35,13 @@ moe_status moe_fault_check(const moe_fault *f, int rank, int step)
     if (f->kind == MOE_FAULT_NONE || f->rank != rank || f->step != step)
         return MOE_OK;
     switch (f->kind) {
-    case MOE_FAULT_FAIL:
-        MOE_FAIL(MOE_ERR_INVALID, "MOE_FAULT: injected failure at step %d", step);
-    case MOE_FAULT_EXIT:
-        moe_log("MOE_FAULT: injected exit at step %d", step);
-        _exit(9);
+    case MOE_FAULT_FAIL: MOE_FAIL(MOE_ERR_INVALID, "MOE_FAULT: injected failure at step %d", step);
+    case MOE_FAULT_EXIT: moe_log("MOE_FAULT: injected exit at step %d", step); _exit(9);
     case MOE_FAULT_HANG:
         moe_log("MOE_FAULT: injected hang at step %d", step);
         for (;;)
             pause();
-    case MOE_FAULT_NONE:
-        break;
+    case MOE_FAULT_NONE: break;
     }
     return MOE_OK;
 }

@@ -35,30 +35,30 @@ void moe_log_at(const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 /* Evaluate a moe_status expression; on failure log this file:line and return it. */
-#define MOE_CHECK(expr)                                                                  \
-    do {                                                                                 \
-        moe_status moe_st_ = (expr);                                                     \
-        if (moe_st_ != MOE_OK) {                                                         \
-            moe_log_at(__FILE__, __LINE__, "%s <- %s", moe_status_str(moe_st_), #expr); \
-            return moe_st_;                                                              \
-        }                                                                                \
+#define MOE_CHECK(expr)                                                                            \
+    do {                                                                                           \
+        moe_status moe_st_ = (expr);                                                               \
+        if (moe_st_ != MOE_OK) {                                                                   \
+            moe_log_at(__FILE__, __LINE__, "%s <- %s", moe_status_str(moe_st_), #expr);            \
+            return moe_st_;                                                                        \
+        }                                                                                          \
     } while (0)
 
 /* Same, but jump to the function's cleanup label `fail` with `st` set. */
-#define MOE_CHECK_GOTO(st, expr)                                                        \
-    do {                                                                                \
-        (st) = (expr);                                                                  \
-        if ((st) != MOE_OK) {                                                           \
-            moe_log_at(__FILE__, __LINE__, "%s <- %s", moe_status_str(st), #expr);      \
-            goto fail;                                                                  \
-        }                                                                               \
+#define MOE_CHECK_GOTO(st, expr)                                                                   \
+    do {                                                                                           \
+        (st) = (expr);                                                                             \
+        if ((st) != MOE_OK) {                                                                      \
+            moe_log_at(__FILE__, __LINE__, "%s <- %s", moe_status_str(st), #expr);                 \
+            goto fail;                                                                             \
+        }                                                                                          \
     } while (0)
 
 /* Log a message at this file:line and return `code`. */
-#define MOE_FAIL(code, ...)                                                             \
-    do {                                                                                \
-        moe_log_at(__FILE__, __LINE__, __VA_ARGS__);                                    \
-        return (code);                                                                  \
+#define MOE_FAIL(code, ...)                                                                        \
+    do {                                                                                           \
+        moe_log_at(__FILE__, __LINE__, __VA_ARGS__);                                               \
+        return (code);                                                                             \
     } while (0)
 
 #endif

@@ -106,8 +106,8 @@ static void expect_create_error(const moe_config *cfg, moe_status want, ...)
     moe_status st = moe_data_create(&d, cfg);
     capture_end(&cap, msg, sizeof msg);
     if (st != want)
-        fprintf(stderr, "status %d (%s), expected %d; message:\n%s\n", st, moe_status_str(st),
-                want, msg);
+        fprintf(stderr, "status %d (%s), expected %d; message:\n%s\n", st, moe_status_str(st), want,
+                msg);
     assert_int_equal(st, want);
     assert_null(d);
     va_list ap;
@@ -187,8 +187,8 @@ static void check_bands(int V, int T, int P, int n_seq)
         for (int i = 0; i <= T; i++) {
             assert_in_range(tok[i], 0, V - 1);
             if (tok[i] < info.band_lo || tok[i] >= info.band_lo + info.band_width) {
-                fprintf(stderr, "V=%d P=%d seq %d (process %d, band [%d, %d)): token %d = %d\n",
-                        V, P, s, info.process, info.band_lo, info.band_lo + info.band_width, i,
+                fprintf(stderr, "V=%d P=%d seq %d (process %d, band [%d, %d)): token %d = %d\n", V,
+                        P, s, info.process, info.band_lo, info.band_lo + info.band_width, i,
                         tok[i]);
                 fail();
             }
@@ -219,7 +219,7 @@ static void check_bands(int V, int T, int P, int n_seq)
 static void test_synthetic_bands(void **state)
 {
     (void)state;
-    check_bands(256, 64, 4, 4000); /* the tiny config */
+    check_bands(256, 64, 4, 4000);  /* the tiny config */
     check_bands(1000, 32, 7, 2000); /* bands of 143 and 142 tokens, every kind twice */
     check_bands(8, 16, 4, 400);     /* the smallest vocabulary: bands of 2 */
     check_bands(9, 16, 4, 400);
@@ -243,8 +243,8 @@ static void test_synthetic_rules(void **state)
     assert_int_equal(moe_data_create(&d, &cfg), MOE_OK);
 
     static int32_t tok[T + 1];
-    static int markov_counts[V][V];       /* transitions within markov sequences */
-    static int runs_change_counts[V][V];  /* value changes within runs sequences */
+    static int markov_counts[V][V];      /* transitions within markov sequences */
+    static int runs_change_counts[V][V]; /* value changes within runs sequences */
     int steps_seen[V] = {0};
     long runs_equal = 0, runs_pairs = 0;
     int n_kind[4] = {0};
@@ -271,8 +271,7 @@ static void test_synthetic_rules(void **state)
                     best = (double)match / (T - L);
             }
             if (best < 0.5) {
-                fprintf(stderr, "motif sequence %d has no period in 3..8 (best %.2f)\n", s,
-                        best);
+                fprintf(stderr, "motif sequence %d has no period in 3..8 (best %.2f)\n", s, best);
                 fail();
             }
             motif_sum += best;
@@ -340,7 +339,8 @@ static void test_synthetic_rules(void **state)
 
     /* motif and progression: on average ~90% of tokens follow the rule (noise 5%
      * breaks up to two comparisons); no sequence falls below 50% (checked above) */
-    fprintf(stderr, "motif: %.3f of tokens repeat with the period; progression: %.3f of "
+    fprintf(stderr,
+            "motif: %.3f of tokens repeat with the period; progression: %.3f of "
             "differences equal the step\n",
             motif_sum / n_kind[MOE_SYNTH_MOTIF], progression_sum / n_kind[MOE_SYNTH_PROGRESSION]);
     assert_true(motif_sum >= 0.85 * n_kind[MOE_SYNTH_MOTIF]);
@@ -433,9 +433,9 @@ static void test_synthetic_entropy(void **state)
                 "log V %.3f (bigram/logV %.2f)\n",
                 cases[c].V, cases[c].T, cases[c].P, h, floor_h, logv, h / logv);
         assert_true(h < 0.6 * logv);
-        assert_true(floor_h > 0.3);   /* noise keeps it off zero */
-        assert_true(floor_h < h);     /* a full-context predictor beats bigrams */
-        if (c == 0) /* docs/data.md quotes the tiny config's figures */
+        assert_true(floor_h > 0.3); /* noise keeps it off zero */
+        assert_true(floor_h < h);   /* a full-context predictor beats bigrams */
+        if (c == 0)                 /* docs/data.md quotes the tiny config's figures */
             assert_true(fabs(floor_h - 0.61) < 0.01 && fabs(h - 1.27) < 0.05);
     }
 }
@@ -504,9 +504,9 @@ static void put_le32(uint8_t *p, int32_t v)
 /* Writes tmp_dir/name: header (magic, version, count), then n_written tokens
  * (little-endian uint16), then `extra` zero bytes. header_bytes < 1024 writes only that
  * much of the header and nothing else. Returns the path (static storage per call). */
-static const char *write_shard_raw(const char *name, int32_t magic, int32_t version,
-                                   int32_t count, const uint16_t *tokens, int n_written,
-                                   int extra, int header_bytes)
+static const char *write_shard_raw(const char *name, int32_t magic, int32_t version, int32_t count,
+                                   const uint16_t *tokens, int n_written, int extra,
+                                   int header_bytes)
 {
     static char paths[16][512];
     static int next;
@@ -656,14 +656,13 @@ static void test_shards_errors(void **state)
     /* truncated: header says 64 tokens, 60 written: 1144 bytes of 1152 */
     p = write_shard_raw("trunc.bin", MOE_SHARD_MAGIC, 1, 64, t, 60, 0, 1024);
     shard_config(&cfg, 256, 4, p);
-    expect_create_error(&cfg, MOE_ERR_INVALID, p, "truncated", "1144 bytes", "expected 1152",
-                        NULL);
+    expect_create_error(&cfg, MOE_ERR_INVALID, p, "truncated", "1144 bytes", "expected 1152", NULL);
 
     /* trailing bytes: 3 after the last token */
     p = write_shard_raw("trail.bin", MOE_SHARD_MAGIC, 1, 64, t, 64, 3, 1024);
     shard_config(&cfg, 256, 4, p);
-    expect_create_error(&cfg, MOE_ERR_INVALID, p, "3 trailing bytes", "1155 bytes",
-                        "expected 1152", NULL);
+    expect_create_error(&cfg, MOE_ERR_INVALID, p, "3 trailing bytes", "1155 bytes", "expected 1152",
+                        NULL);
 
     /* an empty file, and one shorter than the header */
     p = write_shard_raw("empty.bin", 0, 0, 0, NULL, 0, 0, 0);
@@ -690,8 +689,7 @@ static void test_shards_errors(void **state)
     expect_create_error(&cfg, MOE_ERR_INVALID, "hold 4 tokens", "seq_len + 1 = 5", NULL);
 
     /* an empty entry in the list, and a directory */
-    snprintf(list, sizeof list, "%s,,%s", write_shard("e1.bin", t, 8),
-             write_shard("e2.bin", t, 8));
+    snprintf(list, sizeof list, "%s,,%s", write_shard("e1.bin", t, 8), write_shard("e2.bin", t, 8));
     shard_config(&cfg, 256, 4, list);
     expect_create_error(&cfg, MOE_ERR_INVALID, "entry 2 is empty", NULL);
     shard_config(&cfg, 256, 4, tmp_dir);
@@ -735,10 +733,8 @@ static void test_shards_bad_token(void **state)
 int main(void)
 {
     const struct CMUnitTest synthetic[] = {
-        cmocka_unit_test(test_synthetic_deterministic),
-        cmocka_unit_test(test_synthetic_bands),
-        cmocka_unit_test(test_synthetic_rules),
-        cmocka_unit_test(test_synthetic_entropy),
+        cmocka_unit_test(test_synthetic_deterministic), cmocka_unit_test(test_synthetic_bands),
+        cmocka_unit_test(test_synthetic_rules),         cmocka_unit_test(test_synthetic_entropy),
         cmocka_unit_test(test_synthetic_invalid),
     };
     const struct CMUnitTest shards[] = {

@@ -186,10 +186,8 @@ static void test_detects_wrong_gradient(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_dropless_k2_shared_dense),
-        cmocka_unit_test(test_dropless_k1),
-        cmocka_unit_test(test_dropless_k3_norenorm),
-        cmocka_unit_test(test_capacity_k2),
+        cmocka_unit_test(test_dropless_k2_shared_dense), cmocka_unit_test(test_dropless_k1),
+        cmocka_unit_test(test_dropless_k3_norenorm),     cmocka_unit_test(test_capacity_k2),
         cmocka_unit_test(test_detects_wrong_gradient),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -110,31 +110,22 @@ static void test_route_plan_capacity(void **state)
     (void)state;
     /* one group, capacity 2: expert 1 keeps t1s0 (0.7) and, of the three tied at 0.5,
      * the lowest token t0s0; t2s1 and t3s1 are dropped. */
-    const plan_want cap2 = {6,
-                            {0, 2, 4, 6, 6},
-                            {0, 2, 0, 1, 1, 3},
-                            {1, 0, 0, 0, 1, 0},
-                            {2, 0, 3, 4, 1, -1, 5, -1}};
+    const plan_want cap2 = {
+        6, {0, 2, 4, 6, 6}, {0, 2, 0, 1, 1, 3}, {1, 0, 0, 0, 1, 0}, {2, 0, 3, 4, 1, -1, 5, -1}};
     check_plan(PN, 2, &cap2);
     check_plan(0, 2, &cap2); /* group <= 0 is taken as one group of all N tokens */
 
     /* one group, capacity 1: the weight decides before the token index:
      * e0 keeps t2s0 (0.6 over t0s1 0.3), e1 keeps t1s0 (0.7), e2 keeps t3s0 (0.8). */
-    const plan_want cap1 = {3,
-                            {0, 1, 2, 3, 3},
-                            {2, 1, 3},
-                            {0, 0, 0},
-                            {-1, -1, 1, -1, 0, -1, 2, -1}};
+    const plan_want cap1 = {
+        3, {0, 1, 2, 3, 3}, {2, 1, 3}, {0, 0, 0}, {-1, -1, 1, -1, 0, -1, 2, -1}};
     check_plan(PN, 1, &cap1);
 
     /* two groups of 2 tokens, capacity 1 per group:
      * group {t0,t1}: e0 t0s1; e1 t1s0 (0.7 over t0s0 0.5); e2 t1s1.
      * group {t2,t3}: e0 t2s0; e1 t2s1 (tie 0.5 with t3s1: lower token); e2 t3s0. */
-    const plan_want groups = {6,
-                              {0, 2, 4, 6, 6},
-                              {0, 2, 1, 2, 1, 3},
-                              {1, 0, 0, 1, 1, 0},
-                              {-1, 0, 2, 4, 1, 3, 5, -1}};
+    const plan_want groups = {
+        6, {0, 2, 4, 6, 6}, {0, 2, 1, 2, 1, 3}, {1, 0, 0, 1, 1, 0}, {-1, 0, 2, 4, 1, 3, 5, -1}};
     check_plan(2, 1, &groups);
 
     /* capacity 0: everything dropped */
@@ -158,8 +149,8 @@ static void test_permute_combine_forward(void **state)
     real y[PN * D] = {1, 1, 1, 1, 1, 1, 1, 1};
     moe_combine_forward(y, eo, plan_w, row_token, row_slot, M, D, PK);
     /* token 0: all dropped; t1: 0.7*2; t2: 0.6*1; t3: 0.8*3, each added to 1 */
-    const double want_y[PN * D] = {1, 1, 1 + 0.7 * 2, 1 + 0.7 * 2, 1 + 0.6, 1 + 0.6,
-                                   1 + 0.8 * 3, 1 + 0.8 * 3};
+    const double want_y[PN * D] = {1,       1,       1 + 0.7 * 2, 1 + 0.7 * 2,
+                                   1 + 0.6, 1 + 0.6, 1 + 0.8 * 3, 1 + 0.8 * 3};
     assert_true(close_to("y", y, want_y, PN * D, 1e-6, 1e-6));
 }
 
@@ -169,9 +160,9 @@ static void test_router_forward(void **state)
 {
     (void)state;
     enum { N = 3, E = 4, K = 2 };
-    const real logits[N * E] = {1, 3, 3, 0,        /* tie between experts 1 and 2 */
+    const real logits[N * E] = {1,    3,  3, 0,    /* tie between experts 1 and 2 */
                                 0.5f, -1, 2, 0.5f, /* top 2, then tie 0 / 3 */
-                                0, 0, 0, 0};       /* all tied */
+                                0,    0,  0, 0};   /* all tied */
     double want_p[N * E], want_lse[N];
     for (int n = 0; n < N; n++) {
         double s = 0.0;

@@ -101,8 +101,8 @@ typedef double (*objective)(void *ctx);
 
 /* Compares grad (n, printed as rows of `cols`) with central differences of f w.r.t. the
  * n values at x, perturbed in place and restored. Returns 1 when all match. */
-static int check_fd(const char *what, real *x, const real *grad, size_t n, int cols,
-                    objective f, void *ctx)
+static int check_fd(const char *what, real *x, const real *grad, size_t n, int cols, objective f,
+                    void *ctx)
 {
     int bad = 0;
     double worst = 0.0;
@@ -150,8 +150,12 @@ static void test_embedding_backward(void **state)
     pool pl = {0};
     enum { N = 6, D = 3, V = 4 };
     static const int32_t tokens[N] = {1, 3, 1, 0, 2, 1};
-    emb_ctx e = {buf_zero(&pl, N * D), buf_rand(&pl, V * D, 0.1, 1), buf_rand(&pl, N * D, 0.1, 1),
-                 tokens, N, D};
+    emb_ctx e = {buf_zero(&pl, N * D),
+                 buf_rand(&pl, V * D, 0.1, 1),
+                 buf_rand(&pl, N * D, 0.1, 1),
+                 tokens,
+                 N,
+                 D};
     real *g0 = buf_rand(&pl, V * D, 0.1, 1), *g = buf_copy(&pl, g0, V * D);
     embedding_backward(g, e.R, tokens, N, D);
     assert_true(check_fd("dtable", e.table, added(&pl, g, g0, V * D), V * D, D, emb_loss, &e));
@@ -177,8 +181,13 @@ static void test_rmsnorm_backward(void **state)
     (void)state;
     pool pl = {0};
     enum { N = 3, D = 70 }; /* D > 64: two column blocks of dweight */
-    rms_ctx r = {buf_zero(&pl, N * D), buf_zero(&pl, N), buf_rand(&pl, N * D, 0.1, 2),
-                 buf_rand(&pl, D, 0.5, 1.5), buf_rand(&pl, N * D, 0.1, 1), N, D};
+    rms_ctx r = {buf_zero(&pl, N * D),
+                 buf_zero(&pl, N),
+                 buf_rand(&pl, N * D, 0.1, 2),
+                 buf_rand(&pl, D, 0.5, 1.5),
+                 buf_rand(&pl, N * D, 0.1, 1),
+                 N,
+                 D};
     rms_loss(&r); /* rstd */
     real *dx0 = buf_rand(&pl, N * D, 0.1, 1), *dx = buf_copy(&pl, dx0, N * D);
     real *dw0 = buf_rand(&pl, D, 0.1, 1), *dw = buf_copy(&pl, dw0, D);
@@ -218,8 +227,15 @@ static void check_matmul(int N, int I, int O)
 {
     pool pl = {0};
     size_t nx = (size_t)N * I, nw = (size_t)O * I, no = (size_t)N * O;
-    mm_ctx m = {buf_zero(&pl, no), buf_rand(&pl, nx, 0.1, 1), buf_rand(&pl, nw, 0.1, 1),
-                buf_rand(&pl, no, 0.1, 1), NULL, N, I, O, 1};
+    mm_ctx m = {buf_zero(&pl, no),
+                buf_rand(&pl, nx, 0.1, 1),
+                buf_rand(&pl, nw, 0.1, 1),
+                buf_rand(&pl, no, 0.1, 1),
+                NULL,
+                N,
+                I,
+                O,
+                1};
     real *dx0 = buf_rand(&pl, nx, 0.1, 1), *dx = buf_copy(&pl, dx0, nx);
     real *dw0 = buf_rand(&pl, nw, 0.1, 1), *dw = buf_copy(&pl, dw0, nw);
     matmul_backward(dx, dw, m.R, m.x, m.w, N, I, O);
@@ -248,8 +264,15 @@ static void test_grouped_matmul_backward(void **state)
     enum { G = 4, M = 7, I = 5, O = 4 };
     static const int offsets[G + 1] = {0, 3, 3, 4, 7}; /* group 1 empty, group 2 one row */
     size_t nx = M * I, nw = G * O * I, no = M * O;
-    mm_ctx m = {buf_zero(&pl, no), buf_rand(&pl, nx, 0.1, 1), buf_rand(&pl, nw, 0.1, 1),
-                buf_rand(&pl, no, 0.1, 1), offsets, M, I, O, G};
+    mm_ctx m = {buf_zero(&pl, no),
+                buf_rand(&pl, nx, 0.1, 1),
+                buf_rand(&pl, nw, 0.1, 1),
+                buf_rand(&pl, no, 0.1, 1),
+                offsets,
+                M,
+                I,
+                O,
+                G};
     real *dx0 = buf_rand(&pl, nx, 0.1, 1), *dx = buf_copy(&pl, dx0, nx);
     real *dw0 = buf_rand(&pl, nw, 0.1, 1), *dw = buf_copy(&pl, dw0, nw);
     grouped_matmul_backward(dx, dw, m.R, m.x, m.w, offsets, G, I, O);
@@ -313,8 +336,15 @@ static void test_rope_backward(void **state)
     pool pl = {0};
     enum { B = 2, T = 4, H = 2, Hd = 6 };
     size_t n = B * T * H * Hd;
-    rope_ctx r = {buf_zero(&pl, n), buf_rand(&pl, n, 0.1, 1), buf_rand(&pl, n, 0.1, 1),
-                  buf_zero(&pl, T * Hd / 2), buf_zero(&pl, T * Hd / 2), B, T, H, Hd};
+    rope_ctx r = {buf_zero(&pl, n),
+                  buf_rand(&pl, n, 0.1, 1),
+                  buf_rand(&pl, n, 0.1, 1),
+                  buf_zero(&pl, T * Hd / 2),
+                  buf_zero(&pl, T * Hd / 2),
+                  B,
+                  T,
+                  H,
+                  Hd};
     rope_tables(r.cos_t, r.sin_t, T, Hd, 10.0);
     real *g = buf_copy(&pl, r.R, n);
     rope_backward(g, r.cos_t, r.sin_t, B, T, H, Hd);
@@ -342,9 +372,16 @@ static void test_attention_backward(void **state)
     pool pl = {0};
     enum { B = 2, T = 5, H = 2, Hd = 4 };
     size_t n = B * T * H * Hd;
-    att_ctx a = {buf_zero(&pl, n), buf_zero(&pl, B * H * T), buf_rand(&pl, n, 0.1, 1.5),
-                 buf_rand(&pl, n, 0.1, 1.5), buf_rand(&pl, n, 0.1, 1), buf_rand(&pl, n, 0.1, 1),
-                 B, T, H, Hd};
+    att_ctx a = {buf_zero(&pl, n),
+                 buf_zero(&pl, B * H * T),
+                 buf_rand(&pl, n, 0.1, 1.5),
+                 buf_rand(&pl, n, 0.1, 1.5),
+                 buf_rand(&pl, n, 0.1, 1),
+                 buf_rand(&pl, n, 0.1, 1),
+                 B,
+                 T,
+                 H,
+                 Hd};
     att_loss(&a); /* out, lse */
     real *dq0 = buf_rand(&pl, n, 0.1, 1), *dq = buf_copy(&pl, dq0, n);
     real *dk0 = buf_rand(&pl, n, 0.1, 1), *dk = buf_copy(&pl, dk0, n);
@@ -370,7 +407,7 @@ static void test_attention_backward(void **state)
 
 typedef struct {
     real *probs, *lse, *w, *logits, *R;
-    int32_t *idx, *idx_ref; /* idx_ref: the base top-k; FD must not change it */
+    int32_t *idx, *idx_ref;     /* idx_ref: the base top-k; FD must not change it */
     int N, E, K, renorm, wrt_w; /* wrt_w: L = R.w, else L = R.probs */
     int topk_changed;
 } rt_ctx;
@@ -391,9 +428,19 @@ static void test_softmax_backward(void **state)
     (void)state;
     pool pl = {0};
     enum { N = 4, E = 6, K = 2 };
-    rt_ctx r = {buf_zero(&pl, N * E), buf_zero(&pl, N), buf_zero(&pl, N * K),
-                buf_rand(&pl, N * E, 0.1, 2), buf_rand(&pl, N * E, 0.1, 1),
-                pool_alloc(&pl, N * K * sizeof(int32_t)), NULL, N, E, K, 0, 0, 0};
+    rt_ctx r = {buf_zero(&pl, N * E),
+                buf_zero(&pl, N),
+                buf_zero(&pl, N * K),
+                buf_rand(&pl, N * E, 0.1, 2),
+                buf_rand(&pl, N * E, 0.1, 1),
+                pool_alloc(&pl, N * K * sizeof(int32_t)),
+                NULL,
+                N,
+                E,
+                K,
+                0,
+                0,
+                0};
     rt_loss(&r);
     real *dl0 = buf_rand(&pl, N * E, 0.1, 1), *dl = buf_copy(&pl, dl0, N * E);
     softmax_backward(dl, r.R, r.probs, N, E);
@@ -406,10 +453,19 @@ static void check_router_topk(int renorm)
 {
     pool pl = {0};
     enum { N = 4, E = 6, K = 2 };
-    rt_ctx r = {buf_zero(&pl, N * E), buf_zero(&pl, N), buf_zero(&pl, N * K),
-                buf_rand(&pl, N * E, 0.1, 2), buf_rand(&pl, N * K, 0.1, 1),
-                pool_alloc(&pl, N * K * sizeof(int32_t)), pool_alloc(&pl, N * K * sizeof(int32_t)),
-                N, E, K, renorm, 1, 0};
+    rt_ctx r = {buf_zero(&pl, N * E),
+                buf_zero(&pl, N),
+                buf_zero(&pl, N * K),
+                buf_rand(&pl, N * E, 0.1, 2),
+                buf_rand(&pl, N * K, 0.1, 1),
+                pool_alloc(&pl, N * K * sizeof(int32_t)),
+                pool_alloc(&pl, N * K * sizeof(int32_t)),
+                N,
+                E,
+                K,
+                renorm,
+                1,
+                0};
     int32_t *ref = r.idx_ref;
     r.idx_ref = NULL;
     rt_loss(&r);
@@ -474,8 +530,8 @@ static double aux_loss(void *c)
         counts[e] = aux_other_counts[e];
         psum[e] = aux_other_psum[e];
     }
-    double lse2 = aux_other_lse2 + router_aux_partials(counts, psum, a->probs, a->lse, a->idx, N,
-                                                       E, K);
+    double lse2 =
+        aux_other_lse2 + router_aux_partials(counts, psum, a->probs, a->lse, a->idx, N, E, K);
     double Ng = N + AUX_N_OTHER, aux = 0.0;
     for (int e = 0; e < E; e++)
         aux += (double)counts[e] / (Ng * K) * (psum[e] / Ng);
@@ -488,9 +544,14 @@ static void test_router_aux_backward(void **state)
     (void)state;
     pool pl = {0};
     enum { N = AUX_N, E = AUX_E, K = AUX_K };
-    aux_ctx a = {buf_zero(&pl, N * E), buf_zero(&pl, N), buf_zero(&pl, N * K),
-                 buf_rand(&pl, N * E, 0.1, 2), pool_alloc(&pl, N * K * sizeof(int32_t)),
-                 pool_alloc(&pl, N * K * sizeof(int32_t)), 1, 0};
+    aux_ctx a = {buf_zero(&pl, N * E),
+                 buf_zero(&pl, N),
+                 buf_zero(&pl, N * K),
+                 buf_rand(&pl, N * E, 0.1, 2),
+                 pool_alloc(&pl, N * K * sizeof(int32_t)),
+                 pool_alloc(&pl, N * K * sizeof(int32_t)),
+                 1,
+                 0};
     router_forward(a.probs, a.lse, a.idx, a.w, a.logits, N, E, K, 1);
     memcpy(a.idx_ref, a.idx, N * K * sizeof(int32_t));
     int64_t counts[E];
@@ -581,15 +642,20 @@ static void test_moe_combine_backward(void **state)
         w[i] = fabs(w[i]);
     make_plan(&p, w);
     size_t ne = (size_t)p.M * RT_D;
-    route_ctx r = {buf_zero(&pl, RT_N * RT_D), buf_rand(&pl, RT_N * RT_D, 0.1, 1),
-                   buf_rand(&pl, ne, 0.1, 1), w, buf_rand(&pl, RT_N * RT_D, 0.1, 1), NULL, &p};
+    route_ctx r = {buf_zero(&pl, RT_N * RT_D),
+                   buf_rand(&pl, RT_N * RT_D, 0.1, 1),
+                   buf_rand(&pl, ne, 0.1, 1),
+                   w,
+                   buf_rand(&pl, RT_N * RT_D, 0.1, 1),
+                   NULL,
+                   &p};
     real *de0 = buf_rand(&pl, ne, 0.1, 1), *de = buf_copy(&pl, de0, ne);
     real *dw0 = buf_rand(&pl, RT_N * RT_K, 0.1, 1), *dw = buf_copy(&pl, dw0, RT_N * RT_K);
     moe_combine_backward(de, dw, r.R, r.eo, r.w, p.row_token, p.row_slot, p.M, RT_D, RT_K);
     assert_true(check_fd("dexpert_out", r.eo, added(&pl, de, de0, ne), ne, RT_D, combine_loss, &r));
     /* dropped slots get a zero gradient: FD agrees, since they contribute nothing */
-    assert_true(check_fd("dw", r.w, added(&pl, dw, dw0, RT_N * RT_K), RT_N * RT_K, RT_K,
-                         combine_loss, &r));
+    assert_true(
+        check_fd("dw", r.w, added(&pl, dw, dw0, RT_N * RT_K), RT_N * RT_K, RT_K, combine_loss, &r));
 
     real *deb = buf_copy(&pl, de0, ne), *dwb = buf_copy(&pl, dw0, RT_N * RT_K);
     moe_combine_backward(deb, NULL, r.R, r.eo, r.w, p.row_token, p.row_slot, p.M, RT_D, RT_K);
@@ -609,12 +675,17 @@ static void test_moe_permute_backward(void **state)
         w[i] = fabs(w[i]);
     make_plan(&p, w);
     size_t ne = (size_t)p.M * RT_D;
-    route_ctx r = {buf_zero(&pl, ne), NULL, NULL, w, buf_rand(&pl, ne, 0.1, 1),
-                   buf_rand(&pl, RT_N * RT_D, 0.1, 1), &p};
+    route_ctx r = {buf_zero(&pl, ne),
+                   NULL,
+                   NULL,
+                   w,
+                   buf_rand(&pl, ne, 0.1, 1),
+                   buf_rand(&pl, RT_N * RT_D, 0.1, 1),
+                   &p};
     real *dx0 = buf_rand(&pl, RT_N * RT_D, 0.1, 1), *dx = buf_copy(&pl, dx0, RT_N * RT_D);
     moe_permute_backward(dx, r.R, p.row_token, p.M, RT_D);
-    assert_true(check_fd("dx", r.x, added(&pl, dx, dx0, RT_N * RT_D), RT_N * RT_D, RT_D,
-                         permute_loss, &r));
+    assert_true(
+        check_fd("dx", r.x, added(&pl, dx, dx0, RT_N * RT_D), RT_N * RT_D, RT_D, permute_loss, &r));
     pool_free(&pl);
 }
 
@@ -644,8 +715,8 @@ static void test_cross_entropy_backward(void **state)
     pool pl = {0};
     enum { N = 4, V = 7 };
     static const int32_t targets[N] = {3, 0, 6, 3};
-    ce_ctx e = {buf_zero(&pl, N), buf_zero(&pl, N), buf_rand(&pl, N * V, 0.1, 3), targets, 0.37,
-                N, V};
+    ce_ctx e = {
+        buf_zero(&pl, N), buf_zero(&pl, N), buf_rand(&pl, N * V, 0.1, 3), targets, 0.37, N, V};
     ce_loss(&e);
     real *dl0 = buf_rand(&pl, N * V, 0.1, 1), *dl = buf_copy(&pl, dl0, N * V);
     cross_entropy_backward(dl, e.logits, e.lse, targets, e.dloss, N, V);
