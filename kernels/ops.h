@@ -27,6 +27,10 @@
 
 #include "kernels/real.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* ---- embedding ---------------------------------------------------------------- */
 /* out (N,D) = table[tokens[n]] ; table (V,D). */
 void embedding_forward(real *out, const int32_t *tokens, const real *table, int N, int D);
@@ -142,6 +146,31 @@ void moe_combine_backward(real *dexpert_out, real *dw, const real *dy, const rea
                           const real *w, const int32_t *row_token, const int32_t *row_slot, int M,
                           int D, int K);
 
+/* ---- packing rows for the exchange between ranks --------------------------------- */
+/* Row layout of a dispatch row (row_bytes bytes, row_bytes >= D*sizeof(real) +
+ * K*sizeof(real) + K*4): D reals (the token), K reals (the weight of each slot whose
+ * expert is on the destination, else 0), K int32 (that expert's local id there, else -1).
+ *
+ * Builds one row per (token n, destination p) such that some kept slot of n (slot_row
+ * >= 0) has its expert on p (expert_rank[e] == p), grouped by p in order, tokens in
+ * order within a p. send_token (rows): the token of each row. Host outputs: send_rows (P)
+ * rows per destination, send_assign (P) kept assignments per destination (so the caller
+ * can count what sending a token once saves). expert_rank/expert_local: (E). Returns
+ * the number of rows. */
+int moe_pack_dispatch(char *rows, int32_t *send_token, int *send_rows, int *send_assign,
+                      const real *x, const int32_t *idx, const real *w, const int32_t *slot_row,
+                      const int32_t *expert_rank, const int32_t *expert_local, int N, int D,
+                      int K, int P, size_t row_bytes);
+/* Splits R dispatch rows into x (R,D), w (R,K), lidx (R,K). */
+void moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int R, int D, int K,
+                         size_t row_bytes);
+/* rows (R, D+K) = [dx | dw] row by row (the gradient rows sent back). */
+void moe_pack_grad_rows(real *rows, const real *dx, const real *dw, int R, int D, int K);
+/* dx (N,D) += dx part and dw (N,K) += dw part of rows (n, D+K), row r for token
+ * send_token[r] (several rows may name one token). */
+void moe_scatter_grad_rows(real *dx, real *dw, const real *rows, const int32_t *send_token, int n,
+                           int D, int K);
+
 /* ---- loss ----------------------------------------------------------------------------- */
 /* losses (N) = lse_n - logits[n, targets[n]], lse (N) saved. logits (N,V). */
 void cross_entropy_forward(real *losses, real *lse, const real *logits, const int32_t *targets,
@@ -152,6 +181,8 @@ void cross_entropy_backward(real *dlogits, const real *logits, const real *lse,
                             const int32_t *targets, real dloss, int N, int V);
 
 /* ---- optimizer ------------------------------------------------------------------------ */
+/* Sum of x (n), accumulated in double. */
+double sum_values(const real *x, size_t n);
 /* Sum of squares of x (n), accumulated in double. */
 double sum_squares(const real *x, size_t n);
 /* x *= s. */
@@ -163,4 +194,7 @@ int all_finite(const real *x, size_t n);
 void adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr, real beta1,
                   real beta2, real eps, real wd, int t);
 
+#ifdef __cplusplus
+}
+#endif
 #endif

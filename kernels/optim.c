@@ -5,6 +5,14 @@
 
 #include "kernels/ops.h"
 
+double sum_values(const real *x, size_t n)
+{
+    double s = 0.0;
+    for (size_t i = 0; i < n; i++)
+        s += (double)x[i];
+    return s;
+}
+
 double sum_squares(const real *x, size_t n)
 {
     double s = 0.0;

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "comm/comm.h"
+#include "kernels/backend.h"
 #include "util/rng.h"
 
 /* ---- layout --------------------------------------------------------------------- */
@@ -150,13 +151,16 @@ static moe_status build_view(moe_model *m, real *arena, moe_view *v)
 /* Norm weights are 1. Matrices are N(0, init_std); output projections (attn.wo and the
  * FFN/expert w2) are scaled by 1/sqrt(2L) (GPT-2). Each expert's slice draws from a
  * stream named by its global expert id, so it is the same on whichever rank holds it. */
-static void init_weights(moe_model *m)
+static moe_status init_weights(moe_model *m)
 {
     const double std = m->cfg.init_std;
     const double out_std = std / sqrt(2.0 * m->L);
+    real *host = malloc(sizeof(real) * m->n_params);
+    if (!host)
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate %zu parameters on the host", m->n_params);
     for (int i = 0; i < m->n_tensors; i++) {
         const moe_tensor *t = &m->tensors[i];
-        real *p = m->params + t->offset;
+        real *p = host + t->offset;
         if (t->ndim == 1) {
             for (size_t j = 0; j < t->count; j++)
                 p[j] = 1;
@@ -177,6 +181,25 @@ static void init_weights(moe_model *m)
                 p[(size_t)e * part + j] = (real)(s * moe_rng_normal(m->cfg.seed, stream, j));
         }
     }
+    m->be->copy(m->params, host, sizeof(real) * m->n_params, MOE_COPY_H2D);
+    free(host);
+    return MOE_OK;
+}
+
+/* The placement tables in backend memory, for the dispatch kernel. */
+static moe_status upload_placement(moe_model *m)
+{
+    int32_t *tmp = malloc(sizeof(int32_t) * 2 * (size_t)m->E);
+    if (!tmp)
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot stage the expert placement");
+    for (int e = 0; e < m->E; e++) {
+        tmp[e] = m->expert_rank[e];
+        tmp[m->E + e] = m->expert_local[e];
+    }
+    m->be->copy(m->expert_rank_dev, tmp, sizeof(int32_t) * m->E, MOE_COPY_H2D);
+    m->be->copy(m->expert_local_dev, tmp + m->E, sizeof(int32_t) * m->E, MOE_COPY_H2D);
+    free(tmp);
+    return MOE_OK;
 }
 
 /* ---- allocation ---------------------------------------------------------------------- */
@@ -197,13 +220,18 @@ static void *carve_take(carve *c, size_t nbytes)
 
 #define TAKE(c, type, count) ((type *)carve_take((c), sizeof(type) * (size_t)(count)))
 
-static void carve_activations(moe_model *m, carve *c)
+/* c: memory of the backend (device for cuda); h: host memory for what the host reads. */
+static void carve_activations(moe_model *m, carve *c, carve *h)
 {
     const size_t N = (size_t)m->N, D = (size_t)m->D, NK = N * (size_t)m->K;
     const size_t Fmax = (size_t)(m->Fd > m->Fs ? m->Fd : m->Fs);
     const size_t R = (size_t)m->Rmax, Mx = (size_t)m->Mmax;
     m->tokens = TAKE(c, int32_t, N);
     m->targets = TAKE(c, int32_t, N);
+    m->tokens_h = TAKE(h, int32_t, 2 * N);
+    m->send_assign = TAKE(h, int, m->ep);
+    m->expert_rank_dev = TAKE(c, int32_t, m->E);
+    m->expert_local_dev = TAKE(c, int32_t, m->E);
     for (int l = 0; l <= m->L; l++) {
         real *x = TAKE(c, real, N * D);
         if (m->x)
@@ -232,15 +260,15 @@ static void carve_activations(moe_model *m, carve *c)
             a.rlse = TAKE(c, real, N);
             a.idx = TAKE(c, int32_t, NK);
             a.w = TAKE(c, real, NK);
-            a.mb_counts = TAKE(c, int64_t, m->E);
+            a.mb_counts = TAKE(h, int64_t, m->E);
             a.slot_row = TAKE(c, int32_t, NK);
             a.send_token = TAKE(c, int32_t, N * (size_t)(m->K < m->ep ? m->K : m->ep));
-            a.send_rows = TAKE(c, int, m->ep);
-            a.recv_rows = TAKE(c, int, m->ep);
+            a.send_rows = TAKE(h, int, m->ep);
+            a.recv_rows = TAKE(h, int, m->ep);
             a.xrecv = TAKE(c, real, R * D);
             a.lidx = TAKE(c, int32_t, R * m->K);
             a.lw = TAKE(c, real, R * m->K);
-            a.offsets = TAKE(c, int, m->El + 1);
+            a.offsets = TAKE(h, int, m->El + 1);
             a.row_token = TAKE(c, int32_t, Mx);
             a.row_slot = TAKE(c, int32_t, Mx);
             a.xperm = TAKE(c, real, Mx * D);
@@ -287,16 +315,16 @@ static void carve_activations(moe_model *m, carve *c)
     m->drlogits = TAKE(c, real, N * m->E);
     m->dlogits = TAKE(c, real, N * m->V);
     m->route_scratch = TAKE(c, int, R * m->K);
-    m->src_offsets = TAKE(c, int, m->E + 1);
+    m->src_offsets = TAKE(h, int, m->E + 1);
     m->lslot_row = TAKE(c, int32_t, R * m->K);
-    m->xc_size = TAKE(c, size_t, 4 * (size_t)m->ep);
-    m->xc_count = TAKE(c, int64_t, 2 * (size_t)m->ep);
+    m->xc_size = TAKE(h, size_t, 4 * (size_t)m->ep);
+    m->xc_count = TAKE(h, int64_t, 2 * (size_t)m->ep);
     m->src_row_token = TAKE(c, int32_t, NK);
     m->src_row_slot = TAKE(c, int32_t, NK);
     m->send_buf = TAKE(c, char, (R > N * (size_t)m->K ? R : N * (size_t)m->K) * m->row_bytes);
     m->recv_buf = TAKE(c, char, (R > N * (size_t)m->K ? R : N * (size_t)m->K) * m->row_bytes);
-    m->aux_psum = TAKE(c, double, m->E);
-    m->load = TAKE(c, int64_t, (size_t)m->L * m->E);
+    m->aux_psum = TAKE(h, double, m->E);
+    m->load = TAKE(h, int64_t, (size_t)m->L * m->E);
 }
 
 /* Contiguous placement: expert e on EP rank e / El. The tables are the only place that
@@ -317,7 +345,8 @@ static moe_status place_experts(moe_model *m)
     return MOE_OK;
 }
 
-moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_comm *comm)
+moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_comm *comm,
+                            const moe_backend *be)
 {
     moe_status st = MOE_OK;
     moe_model *m = calloc(1, sizeof *m);
@@ -325,6 +354,8 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
     if (!m)
         MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate the model");
     m->cfg = *cfg;
+    m->be = be ? be : &moe_backend_cpu;
+    be = m->be;
     m->B = cfg->micro_batch;
     m->T = cfg->seq_len;
     m->N = m->B * m->T;
@@ -359,8 +390,8 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
 
     MOE_CHECK_GOTO(st, place_experts(m));
     MOE_CHECK_GOTO(st, layout_tensors(m));
-    m->params = calloc(m->n_params, sizeof(real));
-    m->grads = calloc(m->n_params, sizeof(real));
+    m->params = be->alloc(m->n_params * sizeof(real));
+    m->grads = be->alloc(m->n_params * sizeof(real));
     m->x = calloc((size_t)m->L + 1, sizeof *m->x);
     m->acts = calloc((size_t)m->L, sizeof *m->acts);
     if (!m->params || !m->grads || !m->x || !m->acts) {
@@ -372,21 +403,26 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
     MOE_CHECK_GOTO(st, build_view(m, m->params, &m->p));
     MOE_CHECK_GOTO(st, build_view(m, m->grads, &m->g));
 
-    carve c = {0};
-    carve_activations(m, &c); /* sizing pass */
-    size_t nbytes = c.used;
-    c.base = calloc(1, nbytes);
-    c.used = 0;
-    if (!c.base) {
-        moe_log_at(__FILE__, __LINE__, "cannot allocate %zu bytes of activations", nbytes);
+    carve c = {0}, h = {0};
+    carve_activations(m, &c, &h); /* sizing pass */
+    size_t nbytes = c.used, host_nbytes = h.used;
+    c.base = be->alloc(nbytes);
+    h.base = calloc(1, host_nbytes);
+    c.used = h.used = 0;
+    m->act_base = c.base;
+    m->host_base = h.base;
+    if (!c.base || !h.base) {
+        moe_log_at(__FILE__, __LINE__, "cannot allocate %zu bytes of activations (%s)", nbytes,
+                   be->name);
         st = MOE_ERR_NOMEM;
         goto fail;
     }
-    m->act_base = c.base;
-    carve_activations(m, &c);
+    carve_activations(m, &c, &h);
 
-    rope_tables(m->rope_cos, m->rope_sin, m->T, m->Hd, cfg->rope_theta);
-    init_weights(m);
+    be->rope_tables(m->rope_cos, m->rope_sin, m->T, m->Hd, cfg->rope_theta);
+    MOE_CHECK_GOTO(st, init_weights(m));
+    MOE_CHECK_GOTO(st, upload_placement(m));
+    MOE_CHECK_GOTO(st, be->sync());
     *out = m;
     return MOE_OK;
 fail:
@@ -398,13 +434,15 @@ void moe_model_destroy(moe_model *m)
 {
     if (!m)
         return;
-    free(m->act_base);
+    const moe_backend *be = m->be;
+    be->release(m->act_base);
+    free(m->host_base);
     free(m->p.layers);
     free(m->g.layers);
     free(m->x);
     free(m->acts);
-    free(m->params);
-    free(m->grads);
+    be->release(m->params);
+    be->release(m->grads);
     free(m->tensors);
     free(m->expert_rank);
     free(m->expert_local);
@@ -419,25 +457,26 @@ static void attention_block_forward(moe_model *m, int l)
     const moe_layer_view *w = &m->p.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int N = m->N, D = m->D;
-    rmsnorm_forward(a->h1, a->rstd1, m->x[l], w->attn_norm, N, D, (real)m->cfg.norm_eps);
-    matmul_forward(a->q, a->h1, w->wq, N, D, D);
-    matmul_forward(a->k, a->h1, w->wk, N, D, D);
-    matmul_forward(a->v, a->h1, w->wv, N, D, D);
-    rope_forward(a->q, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
-    rope_forward(a->k, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
-    attention_forward(a->att, a->att_lse, a->q, a->k, a->v, m->B, m->T, m->H, m->Hd);
-    matmul_forward(a->xmid, a->att, w->wo, N, D, D);
-    add_inplace(a->xmid, m->x[l], (size_t)N * D);
+    m->be->rmsnorm_forward(a->h1, a->rstd1, m->x[l], w->attn_norm, N, D, (real)m->cfg.norm_eps);
+    m->be->matmul_forward(a->q, a->h1, w->wq, N, D, D);
+    m->be->matmul_forward(a->k, a->h1, w->wk, N, D, D);
+    m->be->matmul_forward(a->v, a->h1, w->wv, N, D, D);
+    m->be->rope_forward(a->q, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
+    m->be->rope_forward(a->k, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
+    m->be->attention_forward(a->att, a->att_lse, a->q, a->k, a->v, m->B, m->T, m->H, m->Hd);
+    m->be->matmul_forward(a->xmid, a->att, w->wo, N, D, D);
+    m->be->add_inplace(a->xmid, m->x[l], (size_t)N * D);
 }
 
 /* SwiGLU FFN of width F on rows x (n, D): out (n, D) = (silu(x W1^T) * x W3^T) W2^T. */
-static void swiglu_ffn_forward(real *out, real *fa, real *fb, real *fh, const real *x,
-                               const real *w1, const real *w3, const real *w2, int n, int D, int F)
+static void swiglu_ffn_forward(const moe_model *m, real *out, real *fa, real *fb, real *fh,
+                               const real *x, const real *w1, const real *w3, const real *w2, int n,
+                               int D, int F)
 {
-    matmul_forward(fa, x, w1, n, D, F);
-    matmul_forward(fb, x, w3, n, D, F);
-    swiglu_forward(fh, fa, fb, (size_t)n * F);
-    matmul_forward(out, fh, w2, n, F, D);
+    m->be->matmul_forward(fa, x, w1, n, D, F);
+    m->be->matmul_forward(fb, x, w3, n, D, F);
+    m->be->swiglu_forward(fh, fa, fb, (size_t)n * F);
+    m->be->matmul_forward(out, fh, w2, n, F, D);
 }
 
 /* Router: logits, probabilities, top-k, the per-sequence aux partials and the plan of
@@ -447,12 +486,12 @@ static void router_forward_layer(moe_model *m, int l, moe_fwd_stats *stats)
     const moe_layer_view *w = &m->p.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int N = m->N, E = m->E, K = m->K;
-    matmul_forward(a->logits, a->h2, w->router, N, m->D, E);
-    router_forward(a->probs, a->rlse, a->idx, a->w, a->logits, N, E, K, m->cfg.renorm_topk);
+    m->be->matmul_forward(a->logits, a->h2, w->router, N, m->D, E);
+    m->be->router_forward(a->probs, a->rlse, a->idx, a->w, a->logits, N, E, K, m->cfg.renorm_topk);
     memset(a->mb_counts, 0, sizeof(int64_t) * E);
     memset(m->aux_psum, 0, sizeof(double) * E);
     stats->z_sum +=
-        router_aux_partials(a->mb_counts, m->aux_psum, a->probs, a->rlse, a->idx, N, E, K);
+        m->be->router_aux_partials(a->mb_counts, m->aux_psum, a->probs, a->rlse, a->idx, N, E, K);
     double aux = 0;
     for (int e = 0; e < E; e++) {
         aux += (double)a->mb_counts[e] / ((double)N * K) * (m->aux_psum[e] / N);
@@ -469,7 +508,7 @@ static moe_status exchange_rows(moe_model *m, const void *send, const int *send_
                                 const int *recv_rows, size_t row_nbytes)
 {
     if (m->ep == 1) {
-        memcpy(recv, send, (size_t)send_rows[0] * row_nbytes);
+        m->be->copy(recv, send, (size_t)send_rows[0] * row_nbytes, MOE_COPY_D2D);
         return MOE_OK;
     }
     size_t *sc = m->xc_size, *sd = sc + m->ep, *rc = sd + m->ep, *rd = rc + m->ep;
@@ -497,40 +536,21 @@ static moe_status moe_dispatch(moe_model *m, int l, moe_fwd_stats *stats)
 {
     moe_layer_acts *a = &m->acts[l];
     const int N = m->N, K = m->K, D = m->D, ep = m->ep;
-    int M = moe_route_plan(m->src_offsets, m->src_row_token, m->src_row_slot, a->slot_row,
-                           m->route_scratch, a->idx, a->w, N, m->E, K, N, m->capacity);
+    int M = m->be->moe_route_plan(m->src_offsets, m->src_row_token, m->src_row_slot, a->slot_row,
+                                  m->route_scratch, a->idx, a->w, N, m->E, K, N, m->capacity);
     stats->dropped += (int64_t)N * K - M;
 
-    int64_t remote_assign = 0, remote_rows = 0;
-    int n = 0;
-    for (int p = 0; p < ep; p++) {
-        a->send_rows[p] = 0;
-        for (int t = 0; t < N; t++) {
-            real *row = (real *)(m->send_buf + (size_t)n * m->row_bytes);
-            int32_t *lid = (int32_t *)(row + D + K);
-            int hits = 0;
-            for (int k = 0; k < K; k++) {
-                int a_k = t * K + k, e = a->idx[a_k];
-                int here = a->slot_row[a_k] >= 0 && m->expert_rank[e] == p;
-                row[D + k] = here ? a->w[a_k] : 0;
-                lid[k] = here ? m->expert_local[e] : -1;
-                hits += here;
-            }
-            if (!hits)
-                continue;
-            memcpy(row, a->h2 + (size_t)t * D, sizeof(real) * D);
-            a->send_token[n++] = t;
-            a->send_rows[p]++;
-            if (p != m->ep_rank) {
-                remote_assign += hits;
-                remote_rows++;
-            }
-        }
-    }
-    a->n_send = n;
+    a->n_send = m->be->moe_pack_dispatch(m->send_buf, a->send_token, a->send_rows, m->send_assign,
+                                         a->h2, a->idx, a->w, a->slot_row, m->expert_rank_dev,
+                                         m->expert_local_dev, N, D, K, ep, m->row_bytes);
     /* token payload of dispatch and combine, with and without sending a token once */
-    stats->a2a_bytes += 2 * remote_rows * D * (int64_t)sizeof(real);
-    stats->a2a_bytes_saved += 2 * (remote_assign - remote_rows) * D * (int64_t)sizeof(real);
+    for (int p = 0; p < ep; p++) {
+        if (p == m->ep_rank)
+            continue;
+        stats->a2a_bytes += 2 * (int64_t)a->send_rows[p] * D * (int64_t)sizeof(real);
+        stats->a2a_bytes_saved +=
+            2 * (int64_t)(m->send_assign[p] - a->send_rows[p]) * D * (int64_t)sizeof(real);
+    }
 
     int64_t *scount = m->xc_count, *rcount = m->xc_count + ep;
     for (int p = 0; p < ep; p++)
@@ -548,12 +568,8 @@ static moe_status moe_dispatch(moe_model *m, int l, moe_fwd_stats *stats)
         MOE_FAIL(MOE_ERR_COMM, "layer %d: %d rows received, more than the %d sized for", l,
                  a->n_recv, m->Rmax);
     MOE_CHECK(exchange_rows(m, m->send_buf, a->send_rows, m->recv_buf, a->recv_rows, m->row_bytes));
-    for (int r = 0; r < a->n_recv; r++) {
-        const real *row = (const real *)(m->recv_buf + (size_t)r * m->row_bytes);
-        memcpy(a->xrecv + (size_t)r * D, row, sizeof(real) * D);
-        memcpy(a->lw + (size_t)r * K, row + D, sizeof(real) * K);
-        memcpy(a->lidx + (size_t)r * K, row + D + K, sizeof(int32_t) * K);
-    }
+    m->be->moe_unpack_dispatch(a->xrecv, a->lw, a->lidx, m->recv_buf, a->n_recv, D, K,
+                               m->row_bytes);
     return MOE_OK;
 }
 
@@ -565,16 +581,17 @@ static void moe_experts_forward(moe_model *m, int l, real *out)
     const moe_layer_view *w = &m->p.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int R = a->n_recv, D = m->D, K = m->K, F = m->F;
-    a->n_rows = moe_route_plan(a->offsets, a->row_token, a->row_slot, m->lslot_row,
-                               m->route_scratch, a->lidx, a->lw, R, m->El, K, R > 0 ? R : 1, -1);
+    a->n_rows =
+        m->be->moe_route_plan(a->offsets, a->row_token, a->row_slot, m->lslot_row, m->route_scratch,
+                              a->lidx, a->lw, R, m->El, K, R > 0 ? R : 1, -1);
     const int M = a->n_rows;
-    moe_permute(a->xperm, a->xrecv, a->row_token, M, D);
-    grouped_matmul_forward(a->ea, a->xperm, w->ew1, a->offsets, m->El, D, F);
-    grouped_matmul_forward(a->eb, a->xperm, w->ew3, a->offsets, m->El, D, F);
-    swiglu_forward(a->eh, a->ea, a->eb, (size_t)M * F);
-    grouped_matmul_forward(a->eout, a->eh, w->ew2, a->offsets, m->El, F, D);
-    memset(out, 0, sizeof(real) * (size_t)R * D);
-    moe_combine_forward(out, a->eout, a->lw, a->row_token, a->row_slot, M, D, K);
+    m->be->moe_permute(a->xperm, a->xrecv, a->row_token, M, D);
+    m->be->grouped_matmul_forward(a->ea, a->xperm, w->ew1, a->offsets, m->El, D, F);
+    m->be->grouped_matmul_forward(a->eb, a->xperm, w->ew3, a->offsets, m->El, D, F);
+    m->be->swiglu_forward(a->eh, a->ea, a->eb, (size_t)M * F);
+    m->be->grouped_matmul_forward(a->eout, a->eh, w->ew2, a->offsets, m->El, F, D);
+    m->be->zero(out, sizeof(real) * (size_t)R * D);
+    m->be->moe_combine_forward(out, a->eout, a->lw, a->row_token, a->row_slot, M, D, K);
 }
 
 static moe_status moe_block_forward(moe_model *m, int l, real *out, moe_fwd_stats *stats)
@@ -589,10 +606,10 @@ static moe_status moe_block_forward(moe_model *m, int l, real *out, moe_fwd_stat
     MOE_CHECK(
         exchange_rows(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows, sizeof(real) * D));
     if (m->Fs > 0)
-        swiglu_ffn_forward(out, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N, D, m->Fs);
+        swiglu_ffn_forward(m, out, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N, D, m->Fs);
     else
-        memset(out, 0, sizeof(real) * (size_t)N * D);
-    moe_permute_backward(out, (const real *)m->recv_buf, a->send_token, a->n_send, D);
+        m->be->zero(out, sizeof(real) * (size_t)N * D);
+    m->be->moe_permute_backward(out, (const real *)m->recv_buf, a->send_token, a->n_send, D);
     return MOE_OK;
 }
 
@@ -602,12 +619,12 @@ static moe_status ffn_block_forward(moe_model *m, int l, moe_fwd_stats *stats)
     moe_layer_acts *a = &m->acts[l];
     const int N = m->N, D = m->D;
     real *out = m->x[l + 1];
-    rmsnorm_forward(a->h2, a->rstd2, a->xmid, w->ffn_norm, N, D, (real)m->cfg.norm_eps);
+    m->be->rmsnorm_forward(a->h2, a->rstd2, a->xmid, w->ffn_norm, N, D, (real)m->cfg.norm_eps);
     if (l < m->cfg.dense_layers)
-        swiglu_ffn_forward(out, a->fa, a->fb, a->fh, a->h2, w->w1, w->w3, w->w2, N, D, m->Fd);
+        swiglu_ffn_forward(m, out, a->fa, a->fb, a->fh, a->h2, w->w1, w->w3, w->w2, N, D, m->Fd);
     else
         MOE_CHECK(moe_block_forward(m, l, out, stats));
-    add_inplace(out, a->xmid, (size_t)N * D);
+    m->be->add_inplace(out, a->xmid, (size_t)N * D);
     return MOE_OK;
 }
 
@@ -624,24 +641,24 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
                          "token %d at sequence %d position %d is outside the "
                          "vocabulary [0, %d)",
                          in < 0 || in >= m->V ? in : tg, b, t, m->V);
-            m->tokens[(size_t)b * T + t] = in;
-            m->targets[(size_t)b * T + t] = tg;
+            m->tokens_h[(size_t)b * T + t] = in;
+            m->tokens_h[(size_t)N + (size_t)b * T + t] = tg;
         }
     }
-    embedding_forward(m->x[0], m->tokens, m->p.embedding, N, D);
+    m->be->copy(m->tokens, m->tokens_h, sizeof(int32_t) * N, MOE_COPY_H2D);
+    m->be->copy(m->targets, m->tokens_h + N, sizeof(int32_t) * N, MOE_COPY_H2D);
+    m->be->embedding_forward(m->x[0], m->tokens, m->p.embedding, N, D);
     for (int l = 0; l < m->L; l++) {
         attention_block_forward(m, l);
         MOE_CHECK(ffn_block_forward(m, l, stats));
     }
-    rmsnorm_forward(m->hf, m->rstdf, m->x[m->L], m->p.final_norm, N, D, (real)m->cfg.norm_eps);
-    matmul_forward(m->logits, m->hf, m->p.lm_head, N, D, m->V);
-    cross_entropy_forward(m->ce_loss, m->ce_lse, m->logits, m->targets, N, m->V);
-    double ce = 0;
-    for (int n = 0; n < N; n++)
-        ce += m->ce_loss[n];
-    stats->ce_sum = ce;
+    m->be->rmsnorm_forward(m->hf, m->rstdf, m->x[m->L], m->p.final_norm, N, D,
+                           (real)m->cfg.norm_eps);
+    m->be->matmul_forward(m->logits, m->hf, m->p.lm_head, N, D, m->V);
+    m->be->cross_entropy_forward(m->ce_loss, m->ce_lse, m->logits, m->targets, N, m->V);
+    stats->ce_sum = m->be->sum_values(m->ce_loss, (size_t)N);
     stats->tokens = N;
-    return MOE_OK;
+    return m->be->sync();
 }
 
 /* ---- backward ---------------------------------------------------------------------- */
@@ -653,13 +670,13 @@ static void swiglu_ffn_backward(moe_model *m, real *dx, real *gw1, real *gw3, re
                                 int n, int D, int F)
 {
     size_t nf = (size_t)n * F;
-    memset(m->dfh, 0, sizeof(real) * nf);
-    memset(m->dfa, 0, sizeof(real) * nf);
-    memset(m->dfb, 0, sizeof(real) * nf);
-    matmul_backward(m->dfh, gw2, dout, fh, w2, n, F, D);
-    swiglu_backward(m->dfa, m->dfb, m->dfh, fa, fb, nf);
-    matmul_backward(dx, gw1, m->dfa, x, w1, n, D, F);
-    matmul_backward(dx, gw3, m->dfb, x, w3, n, D, F);
+    m->be->zero(m->dfh, sizeof(real) * nf);
+    m->be->zero(m->dfa, sizeof(real) * nf);
+    m->be->zero(m->dfb, sizeof(real) * nf);
+    m->be->matmul_backward(m->dfh, gw2, dout, fh, w2, n, F, D);
+    m->be->swiglu_backward(m->dfa, m->dfb, m->dfh, fa, fb, nf);
+    m->be->matmul_backward(dx, gw1, m->dfa, x, w1, n, D, F);
+    m->be->matmul_backward(dx, gw3, m->dfb, x, w3, n, D, F);
 }
 
 /* Gradient of the router: top-k weights (dw), aux and z terms, softmax, linear. */
@@ -669,15 +686,15 @@ static void router_backward_layer(moe_model *m, int l, int64_t step_sequences)
     const moe_layer_view *g = &m->g.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int N = m->N, E = m->E, K = m->K;
-    memset(m->dprobs, 0, sizeof(real) * (size_t)N * E);
-    memset(m->drlogits, 0, sizeof(real) * (size_t)N * E);
-    router_topk_backward(m->dprobs, m->dw, a->probs, a->idx, N, E, K, m->cfg.renorm_topk);
+    m->be->zero(m->dprobs, sizeof(real) * (size_t)N * E);
+    m->be->zero(m->drlogits, sizeof(real) * (size_t)N * E);
+    m->be->router_topk_backward(m->dprobs, m->dw, a->probs, a->idx, N, E, K, m->cfg.renorm_topk);
     /* aux: averaged over the step's micro-batches; z: over its tokens */
     const double n_micro = (double)step_sequences / m->B;
-    router_aux_backward(m->dprobs, m->drlogits, a->probs, a->rlse, a->mb_counts, N, N, E, K,
-                        m->cfg.aux_loss_coef / n_micro, m->cfg.z_loss_coef / n_micro);
-    softmax_backward(m->drlogits, m->dprobs, a->probs, N, E);
-    matmul_backward(m->dh, g->router, m->drlogits, a->h2, w->router, N, m->D, E);
+    m->be->router_aux_backward(m->dprobs, m->drlogits, a->probs, a->rlse, a->mb_counts, N, N, E, K,
+                               m->cfg.aux_loss_coef / n_micro, m->cfg.z_loss_coef / n_micro);
+    m->be->softmax_backward(m->drlogits, m->dprobs, a->probs, N, E);
+    m->be->matmul_backward(m->dh, g->router, m->drlogits, a->h2, w->router, N, m->D, E);
 }
 
 /* Experts' side of backward: from dy (R, D), the gradient of each received row's
@@ -689,23 +706,24 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
     const moe_layer_view *g = &m->g.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int R = a->n_recv, D = m->D, K = m->K, F = m->F, M = a->n_rows;
-    memset(m->deout, 0, sizeof(real) * (size_t)M * D);
-    memset(m->dlw, 0, sizeof(real) * (size_t)R * K);
-    moe_combine_backward(m->deout, m->dlw, dy, a->eout, a->lw, a->row_token, a->row_slot, M, D, K);
-    memset(m->deh, 0, sizeof(real) * (size_t)M * F);
-    memset(m->dea, 0, sizeof(real) * (size_t)M * F);
-    memset(m->deb, 0, sizeof(real) * (size_t)M * F);
-    memset(m->dxperm, 0, sizeof(real) * (size_t)M * D);
-    grouped_matmul_backward(m->deh, g->ew2, m->deout, a->eh, w->ew2, a->offsets, m->El, F, D);
-    swiglu_backward(m->dea, m->deb, m->deh, a->ea, a->eb, (size_t)M * F);
-    grouped_matmul_backward(m->dxperm, g->ew1, m->dea, a->xperm, w->ew1, a->offsets, m->El, D, F);
-    grouped_matmul_backward(m->dxperm, g->ew3, m->deb, a->xperm, w->ew3, a->offsets, m->El, D, F);
-    memset(m->dxrecv, 0, sizeof(real) * (size_t)R * D);
-    moe_permute_backward(m->dxrecv, m->dxperm, a->row_token, M, D);
-    for (int r = 0; r < R; r++) {
-        memcpy(out + (size_t)r * (D + K), m->dxrecv + (size_t)r * D, sizeof(real) * D);
-        memcpy(out + (size_t)r * (D + K) + D, m->dlw + (size_t)r * K, sizeof(real) * K);
-    }
+    m->be->zero(m->deout, sizeof(real) * (size_t)M * D);
+    m->be->zero(m->dlw, sizeof(real) * (size_t)R * K);
+    m->be->moe_combine_backward(m->deout, m->dlw, dy, a->eout, a->lw, a->row_token, a->row_slot, M,
+                                D, K);
+    m->be->zero(m->deh, sizeof(real) * (size_t)M * F);
+    m->be->zero(m->dea, sizeof(real) * (size_t)M * F);
+    m->be->zero(m->deb, sizeof(real) * (size_t)M * F);
+    m->be->zero(m->dxperm, sizeof(real) * (size_t)M * D);
+    m->be->grouped_matmul_backward(m->deh, g->ew2, m->deout, a->eh, w->ew2, a->offsets, m->El, F,
+                                   D);
+    m->be->swiglu_backward(m->dea, m->deb, m->deh, a->ea, a->eb, (size_t)M * F);
+    m->be->grouped_matmul_backward(m->dxperm, g->ew1, m->dea, a->xperm, w->ew1, a->offsets, m->El,
+                                   D, F);
+    m->be->grouped_matmul_backward(m->dxperm, g->ew3, m->deb, a->xperm, w->ew3, a->offsets, m->El,
+                                   D, F);
+    m->be->zero(m->dxrecv, sizeof(real) * (size_t)R * D);
+    m->be->moe_permute_backward(m->dxrecv, m->dxperm, a->row_token, M, D);
+    m->be->moe_pack_grad_rows(out, m->dxrecv, m->dlw, R, D, K);
 }
 
 /* dffn: gradient of the MoE output (N, D); adds the gradient of h2 into m->dh. */
@@ -719,19 +737,15 @@ static moe_status moe_block_backward(moe_model *m, int l, const real *dffn, int6
         swiglu_ffn_backward(m, m->dh, g->sw1, g->sw3, g->sw2, dffn, a->h2, a->sa, a->sb, a->sh,
                             w->sw1, w->sw3, w->sw2, N, D, m->Fs);
     /* the gradient of each sent row's partial sum goes to the rank that computed it */
-    moe_permute((real *)m->send_buf, dffn, a->send_token, a->n_send, D);
+    m->be->moe_permute((real *)m->send_buf, dffn, a->send_token, a->n_send, D);
     MOE_CHECK(
         exchange_rows(m, m->send_buf, a->send_rows, m->dyrecv, a->recv_rows, sizeof(real) * D));
     moe_experts_backward(m, l, m->dyrecv, (real *)m->send_buf);
     MOE_CHECK(exchange_rows(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows,
                             sizeof(real) * (D + K)));
-    memset(m->dw, 0, sizeof(real) * (size_t)N * K);
-    for (int r = 0; r < a->n_send; r++) {
-        const real *row = (const real *)m->recv_buf + (size_t)r * (D + K);
-        int t = a->send_token[r];
-        add_inplace(m->dh + (size_t)t * D, row, (size_t)D);
-        add_inplace(m->dw + (size_t)t * K, row + D, (size_t)K);
-    }
+    m->be->zero(m->dw, sizeof(real) * (size_t)N * K);
+    m->be->moe_scatter_grad_rows(m->dh, m->dw, (const real *)m->recv_buf, a->send_token, a->n_send,
+                                 D, K);
     router_backward_layer(m, l, step_sequences);
     return MOE_OK;
 }
@@ -746,29 +760,29 @@ static moe_status layer_backward(moe_model *m, int l, int64_t step_sequences)
     const size_t ND = (size_t)N * D;
 
     /* FFN branch: x[l+1] = xmid + ffn(norm(xmid)) */
-    memset(m->dh, 0, sizeof(real) * ND);
+    m->be->zero(m->dh, sizeof(real) * ND);
     if (l < m->cfg.dense_layers)
         swiglu_ffn_backward(m, m->dh, g->w1, g->w3, g->w2, m->dres, a->h2, a->fa, a->fb, a->fh,
                             w->w1, w->w3, w->w2, N, D, m->Fd);
     else
         MOE_CHECK(moe_block_backward(m, l, m->dres, step_sequences));
-    rmsnorm_backward(m->dres, g->ffn_norm, m->dh, a->xmid, w->ffn_norm, a->rstd2, N, D);
+    m->be->rmsnorm_backward(m->dres, g->ffn_norm, m->dh, a->xmid, w->ffn_norm, a->rstd2, N, D);
 
     /* attention branch: xmid = x[l] + attn(norm(x[l])) */
-    memset(m->datt, 0, sizeof(real) * ND);
-    memset(m->dq, 0, sizeof(real) * ND);
-    memset(m->dk, 0, sizeof(real) * ND);
-    memset(m->dv, 0, sizeof(real) * ND);
-    memset(m->dh, 0, sizeof(real) * ND);
-    matmul_backward(m->datt, g->wo, m->dres, a->att, w->wo, N, D, D);
-    attention_backward(m->dq, m->dk, m->dv, m->datt, a->att, a->att_lse, a->q, a->k, a->v, m->B,
-                       m->T, m->H, m->Hd);
-    rope_backward(m->dq, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
-    rope_backward(m->dk, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
-    matmul_backward(m->dh, g->wq, m->dq, a->h1, w->wq, N, D, D);
-    matmul_backward(m->dh, g->wk, m->dk, a->h1, w->wk, N, D, D);
-    matmul_backward(m->dh, g->wv, m->dv, a->h1, w->wv, N, D, D);
-    rmsnorm_backward(m->dres, g->attn_norm, m->dh, m->x[l], w->attn_norm, a->rstd1, N, D);
+    m->be->zero(m->datt, sizeof(real) * ND);
+    m->be->zero(m->dq, sizeof(real) * ND);
+    m->be->zero(m->dk, sizeof(real) * ND);
+    m->be->zero(m->dv, sizeof(real) * ND);
+    m->be->zero(m->dh, sizeof(real) * ND);
+    m->be->matmul_backward(m->datt, g->wo, m->dres, a->att, w->wo, N, D, D);
+    m->be->attention_backward(m->dq, m->dk, m->dv, m->datt, a->att, a->att_lse, a->q, a->k, a->v,
+                              m->B, m->T, m->H, m->Hd);
+    m->be->rope_backward(m->dq, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
+    m->be->rope_backward(m->dk, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
+    m->be->matmul_backward(m->dh, g->wq, m->dq, a->h1, w->wq, N, D, D);
+    m->be->matmul_backward(m->dh, g->wk, m->dk, a->h1, w->wk, N, D, D);
+    m->be->matmul_backward(m->dh, g->wv, m->dv, a->h1, w->wv, N, D, D);
+    m->be->rmsnorm_backward(m->dres, g->attn_norm, m->dh, m->x[l], w->attn_norm, a->rstd1, N, D);
     return MOE_OK;
 }
 
@@ -783,18 +797,19 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
     const int N = m->N, D = m->D;
     const size_t ND = (size_t)N * D;
     real dloss = (real)(1.0 / ((double)step_sequences * m->T));
-    memset(m->dlogits, 0, sizeof(real) * (size_t)N * m->V);
-    cross_entropy_backward(m->dlogits, m->logits, m->ce_lse, m->targets, dloss, N, m->V);
-    memset(m->dh, 0, sizeof(real) * ND);
-    matmul_backward(m->dh, m->g.lm_head, m->dlogits, m->hf, m->p.lm_head, N, D, m->V);
-    memset(m->dres, 0, sizeof(real) * ND);
-    rmsnorm_backward(m->dres, m->g.final_norm, m->dh, m->x[m->L], m->p.final_norm, m->rstdf, N, D);
+    m->be->zero(m->dlogits, sizeof(real) * (size_t)N * m->V);
+    m->be->cross_entropy_backward(m->dlogits, m->logits, m->ce_lse, m->targets, dloss, N, m->V);
+    m->be->zero(m->dh, sizeof(real) * ND);
+    m->be->matmul_backward(m->dh, m->g.lm_head, m->dlogits, m->hf, m->p.lm_head, N, D, m->V);
+    m->be->zero(m->dres, sizeof(real) * ND);
+    m->be->rmsnorm_backward(m->dres, m->g.final_norm, m->dh, m->x[m->L], m->p.final_norm, m->rstdf,
+                            N, D);
     grad_ready(m, m->L);
     for (int l = m->L - 1; l >= 0; l--) {
         MOE_CHECK(layer_backward(m, l, step_sequences));
         grad_ready(m, l);
     }
-    embedding_backward(m->g.embedding, m->dres, m->tokens, N, D);
+    m->be->embedding_backward(m->g.embedding, m->dres, m->tokens, N, D);
     grad_ready(m, -1);
     return MOE_OK;
 }

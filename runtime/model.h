@@ -108,6 +108,7 @@ typedef struct {
 } moe_fwd_stats;
 
 struct moe_comm;
+struct moe_backend;
 /* Called by backward when the gradients of a stage are final: stage L (final norm and
  * LM head), L-1 ... 0 (layers), -1 (embedding). */
 typedef void (*moe_grad_ready_fn)(void *ctx, int stage);
@@ -121,7 +122,9 @@ typedef struct moe_model {
     int *expert_local;            /* (E): its index among that rank's El experts */
     int *local_experts;           /* (El): global ids of this rank's experts */
     struct moe_comm *comm;        /* NULL: one process */
-    moe_grad_ready_fn grad_ready; /* NULL: nobody listens */
+    const struct moe_backend *be; /* where buffers live and ops run */
+    int32_t *expert_rank_dev, *expert_local_dev; /* (E) copies in backend memory */
+    moe_grad_ready_fn grad_ready;                /* NULL: nobody listens */
     void *grad_ready_ctx;
 
     moe_tensor *tensors;
@@ -133,6 +136,8 @@ typedef struct moe_model {
 
     /* activations */
     int32_t *tokens, *targets;       /* (N) */
+    int32_t *tokens_h;               /* (2N) host staging of tokens then targets */
+    int *send_assign;                /* (ep) host: kept assignments sent to each EP rank */
     real **x;                        /* L+1 residual streams (N, D): x[0] embedding, x[L] final */
     moe_layer_acts *acts;            /* L */
     real *hf, *rstdf;                /* final norm (N, D), (N) */
@@ -159,8 +164,9 @@ typedef struct moe_model {
     int32_t *src_row_token, *src_row_slot; /* (N*K) */
     double *aux_psum;                      /* (E) */
 
-    int64_t *load;  /* (L, E): assignments per expert since the last reset */
-    void *act_base; /* the one block all activation buffers are carved from */
+    int64_t *load;   /* (L, E): assignments per expert since the last reset */
+    void *act_base;  /* the one backend block all activations are carved from */
+    void *host_base; /* the one host block for what the host reads */
 } moe_model;
 
 /* Lays out the tensors for cfg on this rank (its experts: those the placement gives
@@ -168,8 +174,10 @@ typedef struct moe_model {
  * buffer (micro-batch of cfg->micro_batch sequences; exchange buffers for the worst
  * case of dropless routing), and initialises the weights from cfg->seed. The weights of
  * a tensor (and of each expert) depend only on its global name and the seed, not on the
- * rank or ep. comm NULL: one process, cfg->ep must be 1. On failure *out is NULL. */
-moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_comm *comm);
+ * rank or ep. comm NULL: one process, cfg->ep must be 1. be: the backend (NULL: cpu);
+ * params, grads and activations live in its memory. On failure *out is NULL. */
+moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_comm *comm,
+                            const struct moe_backend *be);
 
 /* Destroying NULL does nothing. */
 void moe_model_destroy(moe_model *m);

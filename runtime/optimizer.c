@@ -1,17 +1,20 @@
 /* runtime/optimizer.c: AdamW, the warmup + cosine schedule, clipping. */
 #include "runtime/optimizer.h"
 
+#include "kernels/backend.h"
+
 #include <math.h>
 #include <stdlib.h>
 
-moe_status moe_optimizer_create(moe_optimizer **out, size_t n_params)
+moe_status moe_optimizer_create(moe_optimizer **out, size_t n_params, const moe_backend *be)
 {
     moe_optimizer *opt = calloc(1, sizeof *opt);
     *out = NULL;
     if (!opt)
         MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate the optimizer");
-    opt->m = calloc(n_params, sizeof(real));
-    opt->v = calloc(n_params, sizeof(real));
+    opt->be = be;
+    opt->m = be->alloc(n_params * sizeof(real));
+    opt->v = be->alloc(n_params * sizeof(real));
     opt->n_params = n_params;
     if (!opt->m || !opt->v) {
         moe_optimizer_destroy(opt);
@@ -25,8 +28,8 @@ void moe_optimizer_destroy(moe_optimizer *opt)
 {
     if (!opt)
         return;
-    free(opt->m);
-    free(opt->v);
+    opt->be->release(opt->m);
+    opt->be->release(opt->v);
     free(opt);
 }
 
@@ -58,9 +61,9 @@ void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *
         const moe_tensor *t = &model->tensors[i];
         real *g = model->grads + t->offset;
         if (grad_scale != 1.0)
-            scale_inplace(g, (real)grad_scale, t->count);
-        adamw_update(model->params + t->offset, g, opt->m + t->offset, opt->v + t->offset, t->count,
-                     (real)lr, (real)cfg->beta1, (real)cfg->beta2, (real)cfg->adam_eps,
-                     t->decay ? (real)cfg->weight_decay : 0, opt->t);
+            opt->be->scale_inplace(g, (real)grad_scale, t->count);
+        opt->be->adamw_update(model->params + t->offset, g, opt->m + t->offset, opt->v + t->offset,
+                              t->count, (real)lr, (real)cfg->beta1, (real)cfg->beta2,
+                              (real)cfg->adam_eps, t->decay ? (real)cfg->weight_decay : 0, opt->t);
     }
 }

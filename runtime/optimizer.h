@@ -11,14 +11,18 @@
 #include "runtime/model.h"
 #include "util/status.h"
 
+struct moe_backend;
+
 typedef struct {
-    real *m, *v; /* (n_params) each */
+    const struct moe_backend *be; /* where the state lives */
+    real *m, *v;                  /* (n_params) each */
     size_t n_params;
     int t; /* AdamW steps taken */
 } moe_optimizer;
 
-/* Allocates zeroed state for n_params elements. On failure *out is NULL. */
-moe_status moe_optimizer_create(moe_optimizer **out, size_t n_params);
+/* Allocates zeroed state for n_params elements in the backend's memory. On failure
+ * *out is NULL. */
+moe_status moe_optimizer_create(moe_optimizer **out, size_t n_params, const struct moe_backend *be);
 void moe_optimizer_destroy(moe_optimizer *opt);
 
 /* Learning rate at optimizer step `step` (0-based): linear warmup from lr/warmup to lr

@@ -2,6 +2,7 @@
 #include "runtime/trainer.h"
 
 #include "comm/comm.h"
+#include "kernels/backend.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -93,12 +94,22 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
     MOE_CHECK_GOTO(st, moe_fault_from_env(&tr->fault));
     tr->world = comm ? moe_comm_size(comm, MOE_GROUP_WORLD) : 1;
     tr->rank = comm ? moe_comm_rank(comm, MOE_GROUP_WORLD) : 0;
-    MOE_CHECK_GOTO(st, moe_model_create(&tr->model, cfg, comm));
+    const moe_backend *be = NULL;
+    MOE_CHECK_GOTO(st, moe_backend_select(cfg->backend, &be));
+    if (be->on_device && tr->world > 1) {
+        moe_log_at(__FILE__, __LINE__,
+                   "the %s backend runs one process for now; several ranks use "
+                   "[parallel] backend = cpu",
+                   be->name);
+        st = MOE_ERR_INVALID;
+        goto fail;
+    }
+    MOE_CHECK_GOTO(st, moe_model_create(&tr->model, cfg, comm, be));
     tr->model->grad_ready = on_grad_ready;
     tr->model->grad_ready_ctx = tr;
     MOE_CHECK_GOTO(st, build_buckets(tr));
     MOE_CHECK_GOTO(st, moe_data_create(&tr->data, cfg));
-    MOE_CHECK_GOTO(st, moe_optimizer_create(&tr->opt, tr->model->n_params));
+    MOE_CHECK_GOTO(st, moe_optimizer_create(&tr->opt, tr->model->n_params, be));
     tr->tokens = malloc(sizeof(int32_t) * (size_t)cfg->micro_batch * (cfg->seq_len + 1));
     if (!tr->tokens) {
         st = MOE_ERR_NOMEM;
@@ -147,7 +158,7 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     res->micro_batches = accum;
     res->sequences = S;
     MOE_CHECK(moe_fault_check(&tr->fault, tr->rank, tr->step));
-    memset(m->grads, 0, sizeof(real) * m->n_params);
+    m->be->zero(m->grads, sizeof(real) * m->n_params);
     /* ce, aux, z, dropped, a2a bytes, a2a saved: summed over micro-batches and ranks */
     double sums[6] = {0};
     for (int j = 0; j < accum; j++) {
@@ -186,8 +197,8 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
 static moe_status global_grad_norm(moe_trainer *tr, double *norm)
 {
     const moe_model *m = tr->model;
-    double sq[2] = {sum_squares(m->grads, m->n_dense),
-                    sum_squares(m->grads + m->n_dense, m->n_params - m->n_dense)};
+    double sq[2] = {m->be->sum_squares(m->grads, m->n_dense),
+                    m->be->sum_squares(m->grads + m->n_dense, m->n_params - m->n_dense)};
     if (tr->comm && moe_comm_size(tr->comm, MOE_GROUP_EP) > 1)
         MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_EP, &sq[1], 1));
     *norm = sqrt(sq[0] + sq[1]);

@@ -70,7 +70,7 @@ static void check_case(const model_case *c)
 {
     moe_config cfg = small_config(c);
     moe_model *m = NULL;
-    assert_int_equal(moe_model_create(&m, &cfg, NULL), MOE_OK);
+    assert_int_equal(moe_model_create(&m, &cfg, NULL, NULL), MOE_OK);
     /* random weights everywhere, norms included, large enough that routing is decisive */
     for (size_t i = 0; i < m->n_params; i++)
         m->params[i] = 0.5 * moe_rng_normal(99, 1, i);
@@ -160,7 +160,7 @@ static void test_detects_wrong_gradient(void **state)
     model_case c = {"broken", 0, 0, 2, 1, 0};
     moe_config cfg = small_config(&c);
     moe_model *m = NULL;
-    assert_int_equal(moe_model_create(&m, &cfg, NULL), MOE_OK);
+    assert_int_equal(moe_model_create(&m, &cfg, NULL, NULL), MOE_OK);
     int32_t tokens[12];
     for (int i = 0; i < 12; i++)
         tokens[i] = i % cfg.vocab_size;

@@ -1,0 +1,98 @@
+/* kernels/backend.h: a backend is a named table of every op of ops.h plus the memory
+ * operations the runtime needs, chosen once at start ("cpu" or "cuda"). The runtime calls
+ * ops only through the table, so one model and trainer run on either.
+ *
+ * Memory: buffers from alloc live where the backend computes (host for cpu, device for
+ * cuda). Host memory is required where ops.h says so: moe_route_plan's offsets and
+ * return value, grouped_matmul's offsets, router_aux_partials' counts and psum,
+ * moe_pack_dispatch's send_rows and send_assign; every value an op returns is on the
+ * host (the cuda backend synchronises to return it). */
+#ifndef MOE_KERNELS_BACKEND_H
+#define MOE_KERNELS_BACKEND_H
+
+#include <stddef.h>
+
+#include "kernels/ops.h"
+#include "util/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Every op of ops.h, for tables and for declaring a backend's implementations. */
+#define MOE_OPS_LIST(X)                                                                        \
+    X(embedding_forward)                                                                       \
+    X(embedding_backward)                                                                      \
+    X(add_inplace)                                                                             \
+    X(rmsnorm_forward)                                                                         \
+    X(rmsnorm_backward)                                                                        \
+    X(matmul_forward)                                                                          \
+    X(matmul_backward)                                                                         \
+    X(grouped_matmul_forward)                                                                  \
+    X(grouped_matmul_backward)                                                                 \
+    X(swiglu_forward)                                                                          \
+    X(swiglu_backward)                                                                         \
+    X(rope_tables)                                                                             \
+    X(rope_forward)                                                                            \
+    X(rope_backward)                                                                           \
+    X(attention_forward)                                                                       \
+    X(attention_backward)                                                                      \
+    X(router_forward)                                                                          \
+    X(router_topk_backward)                                                                    \
+    X(softmax_backward)                                                                        \
+    X(router_aux_partials)                                                                     \
+    X(router_aux_backward)                                                                     \
+    X(moe_route_plan)                                                                          \
+    X(moe_permute)                                                                             \
+    X(moe_permute_backward)                                                                    \
+    X(moe_combine_forward)                                                                     \
+    X(moe_combine_backward)                                                                    \
+    X(moe_pack_dispatch)                                                                       \
+    X(moe_unpack_dispatch)                                                                     \
+    X(moe_pack_grad_rows)                                                                      \
+    X(moe_scatter_grad_rows)                                                                   \
+    X(cross_entropy_forward)                                                                   \
+    X(cross_entropy_backward)                                                                  \
+    X(sum_values)                                                                              \
+    X(sum_squares)                                                                             \
+    X(scale_inplace)                                                                           \
+    X(all_finite)                                                                              \
+    X(adamw_update)
+
+typedef enum { MOE_COPY_H2D, MOE_COPY_D2H, MOE_COPY_D2D } moe_copy_kind;
+
+typedef struct moe_backend {
+    const char *name; /* "cpu", "cuda" */
+    int on_device;    /* buffers are device memory */
+    /* zeroed memory, or NULL */
+    void *(*alloc)(size_t nbytes);
+    /* freeing NULL does nothing */
+    void (*release)(void *p);
+    void (*zero)(void *p, size_t nbytes);
+    void (*copy)(void *dst, const void *src, size_t nbytes, moe_copy_kind kind);
+    /* waits for queued work; reports an asynchronous failure with its message */
+    moe_status (*sync)(void);
+#ifdef __cplusplus
+#define MOE_OP_FIELD(fn) decltype(&::fn) fn;
+#else
+#define MOE_OP_FIELD(fn) __typeof__(fn) *fn;
+#endif
+    MOE_OPS_LIST(MOE_OP_FIELD)
+#undef MOE_OP_FIELD
+} moe_backend;
+
+/* The CPU reference. */
+extern const moe_backend moe_backend_cpu;
+
+/* The CUDA backend when this build has it and a GPU is usable, else NULL with the reason
+ * in why (a static string). */
+const moe_backend *moe_backend_cuda(const char **why);
+
+/* Picks the backend for `request` ("auto", "cpu", "cuda"): auto takes cuda when usable.
+ * Asking cuda without one is an error that says why. */
+moe_status moe_backend_select(const char *request, const moe_backend **out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,52 @@
+/* kernels/backend_cpu.c: the "cpu" backend: the reference ops on host memory, and the
+ * backend choice. */
+#include "kernels/backend.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static void *cpu_alloc(size_t nbytes) { return calloc(1, nbytes ? nbytes : 1); }
+static void cpu_release(void *p) { free(p); }
+static void cpu_zero(void *p, size_t nbytes) { memset(p, 0, nbytes); }
+static void cpu_copy(void *dst, const void *src, size_t nbytes, moe_copy_kind kind)
+{
+    (void)kind;
+    memmove(dst, src, nbytes);
+}
+static moe_status cpu_sync(void) { return MOE_OK; }
+
+#define MOE_OP_INIT(fn) .fn = fn,
+const moe_backend moe_backend_cpu = {
+    .name = "cpu",
+    .on_device = 0,
+    .alloc = cpu_alloc,
+    .release = cpu_release,
+    .zero = cpu_zero,
+    .copy = cpu_copy,
+    .sync = cpu_sync,
+    MOE_OPS_LIST(MOE_OP_INIT)};
+#undef MOE_OP_INIT
+
+#if !defined(MOE_HAVE_CUDA) || defined(MOE_REAL_DOUBLE)
+const moe_backend *moe_backend_cuda(const char **why)
+{
+    *why = "this build has no CUDA (configure with the CUDA toolkit installed)";
+    return NULL;
+}
+#endif
+
+moe_status moe_backend_select(const char *request, const moe_backend **out)
+{
+    const char *why = NULL;
+    const moe_backend *cuda = NULL;
+    *out = NULL;
+    if (strcmp(request, "cpu") == 0) {
+        *out = &moe_backend_cpu;
+        return MOE_OK;
+    }
+    cuda = moe_backend_cuda(&why);
+    if (strcmp(request, "cuda") == 0 && !cuda)
+        MOE_FAIL(MOE_ERR_INVALID, "[parallel] backend = cuda, but CUDA is not usable: %s", why);
+    *out = cuda ? cuda : &moe_backend_cpu;
+    return MOE_OK;
+}
