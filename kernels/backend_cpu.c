@@ -16,15 +16,14 @@ static void cpu_copy(void *dst, const void *src, size_t nbytes, moe_copy_kind ki
 static moe_status cpu_sync(void) { return MOE_OK; }
 
 #define MOE_OP_INIT(fn) .fn = fn,
-const moe_backend moe_backend_cpu = {
-    .name = "cpu",
-    .on_device = 0,
-    .alloc = cpu_alloc,
-    .release = cpu_release,
-    .zero = cpu_zero,
-    .copy = cpu_copy,
-    .sync = cpu_sync,
-    MOE_OPS_LIST(MOE_OP_INIT)};
+const moe_backend moe_backend_cpu = {.name = "cpu",
+                                     .on_device = 0,
+                                     .alloc = cpu_alloc,
+                                     .release = cpu_release,
+                                     .zero = cpu_zero,
+                                     .copy = cpu_copy,
+                                     .sync = cpu_sync,
+                                     MOE_OPS_LIST(MOE_OP_INIT)};
 #undef MOE_OP_INIT
 
 #if !defined(MOE_HAVE_CUDA) || defined(MOE_REAL_DOUBLE)

@@ -6,8 +6,8 @@
 
 int moe_pack_dispatch(char *rows, int32_t *send_token, int *send_rows, int *send_assign,
                       const real *x, const int32_t *idx, const real *w, const int32_t *slot_row,
-                      const int32_t *expert_rank, const int32_t *expert_local, int N, int D,
-                      int K, int P, size_t row_bytes)
+                      const int32_t *expert_rank, const int32_t *expert_local, int N, int D, int K,
+                      int P, size_t row_bytes)
 {
     int n = 0;
     for (int p = 0; p < P; p++) {

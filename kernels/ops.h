@@ -159,8 +159,8 @@ void moe_combine_backward(real *dexpert_out, real *dw, const real *dy, const rea
  * the number of rows. */
 int moe_pack_dispatch(char *rows, int32_t *send_token, int *send_rows, int *send_assign,
                       const real *x, const int32_t *idx, const real *w, const int32_t *slot_row,
-                      const int32_t *expert_rank, const int32_t *expert_local, int N, int D,
-                      int K, int P, size_t row_bytes);
+                      const int32_t *expert_rank, const int32_t *expert_local, int N, int D, int K,
+                      int P, size_t row_bytes);
 /* Splits R dispatch rows into x (R,D), w (R,K), lidx (R,K). */
 void moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int R, int D, int K,
                          size_t row_bytes);
