@@ -16,7 +16,16 @@
  * completion; moe_comm_wait() waits for one. On the CPU a handle is a set of MPI
  * requests; the GPU backend will use CUDA events at the same call sites.
  *
- * Backends are named tables chosen once at create; "mpi" is the CPU backend. */
+ * Backends are named tables chosen once at create; "mpi" is the CPU backend.
+ *
+ * Timeouts: every wait polls with a deadline of moe_comm_set_timeout() seconds (default
+ * 600, [parallel] comm_timeout_s) from its start. A wait that passes it returns
+ * MOE_ERR_COMM after logging what it waited for, the context the caller set
+ * (moe_comm_set_context: "forward", layer 1) and, where the operation is point to point
+ * (token counts, token rows), the ranks that sent nothing: "timeout after 5 s in the
+ * token-count exchange of layer 1 (forward): no message from rank 2". Collectives
+ * (sums, gradient reductions, barrier) cannot tell which peer is missing; they name the
+ * group. The launcher then ends the job (MPI_Abort). */
 #ifndef MOE_COMM_COMM_H
 #define MOE_COMM_COMM_H
 
@@ -46,6 +55,14 @@ int moe_comm_size(const moe_comm *c, moe_group g);
 /* Name of the backend ("mpi"). */
 const char *moe_comm_backend(const moe_comm *c);
 
+/* Seconds any wait may take before it fails (> 0). Local; call it on every rank. */
+void moe_comm_set_timeout(moe_comm *c, double seconds);
+
+/* What the caller is doing, for timeout messages: a phase ("forward", "backward",
+ * "gradient reduction", "checkpoint") and a layer (-1: none). phase must outlive the
+ * calls that follow (a string literal). c NULL does nothing. Local. */
+void moe_comm_set_context(moe_comm *c, const char *phase, int layer);
+
 /* Starts an in-place sum of buf (count floats of the element type `real` of the
  * caller's build: elem_bytes 4 or 8) over group g. Collective over g. */
 moe_status moe_comm_allreduce_start(moe_comm *c, moe_group g, void *buf, size_t count,
@@ -61,7 +78,8 @@ moe_status moe_comm_exchange_start(moe_comm *c, const void *send, const size_t *
                                    moe_comm_handle *done);
 
 /* Blocking exchange of one int64 per peer inside the EP group (the counts before a
- * token exchange): recv[p] = what peer p put in its send[this rank]. */
+ * token exchange): recv[p] = what peer p put in its send[this rank]. Point to point
+ * (one message per peer), so a timeout names the peers that sent nothing. */
 moe_status moe_comm_exchange_counts(moe_comm *c, const int64_t *send, int64_t *recv);
 
 /* Waits for a handle (MOE_COMM_NONE returns at once) and releases it. */
@@ -76,6 +94,13 @@ moe_status moe_comm_sum_int64(moe_comm *c, moe_group g, int64_t *vals, int n);
 
 /* Blocking barrier over the world. */
 moe_status moe_comm_barrier(moe_comm *c);
+
+/* Gathers nbytes from every rank of the world at world rank 0. On rank 0, *out receives
+ * a malloc'ed buffer with every rank's bytes in rank order (the caller frees it) and
+ * sizes[r] (world entries, caller-sized) the bytes of rank r; elsewhere *out is NULL
+ * and sizes is not touched (may be NULL). Collective over the world. */
+moe_status moe_comm_gather_bytes(moe_comm *c, const void *data, size_t nbytes, void **out,
+                                 size_t *sizes);
 
 /* Ends every process of the job with `code`. For launcher/ only. Never returns. */
 void moe_comm_abort(int code) __attribute__((noreturn));

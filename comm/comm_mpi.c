@@ -1,23 +1,46 @@
 /* comm/comm_mpi.c: the "mpi" backend of comm.h, for CPU runs. Every MPI call is
  * checked; a failure logs the operation and MPI's message and returns MOE_ERR_COMM.
- * Requests live in a fixed pool sized at create: nothing is allocated per call. */
+ * Requests live in a fixed pool sized at create: nothing is allocated per call (except
+ * the gather of checkpoint manifests).
+ *
+ * Waiting: no call blocks inside MPI. Blocking collectives are their non-blocking forms
+ * followed by poll_requests(), which tests each request, sleeps briefly between rounds
+ * (so oversubscribed ranks leave the cores to those that compute) and gives up at the
+ * deadline, naming the peers of the point-to-point requests still open. */
 #include "comm/comm.h"
 
 #include <mpi.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define POOL_HANDLES 256
+#define PEER_COLLECTIVE (-1) /* a request of a collective: no single peer */
+#define TAG_COUNTS 16
+#define TAG_ROWS 17
 
 struct moe_comm {
     MPI_Comm groups[3]; /* world, ep, edp */
     int rank[3], size[3];
     int ep_size;
-    MPI_Request *req; /* POOL_HANDLES * reqs_per_handle */
-    int *n_req;       /* requests in use per handle; -1 when the handle is free */
+    MPI_Request *req;  /* POOL_HANDLES * reqs_per_handle */
+    int *req_peer;     /* same shape: EP peer of a p2p request (recv: >= 0), or -1 - peer
+                          for a send, or PEER_COLLECTIVE - ... see peer_of() */
+    int *n_req;        /* requests in use per handle; -1 when the handle is free */
+    const char **what; /* per handle: the operation, for timeout messages */
+    moe_group *group;  /* per handle: the group of a collective */
     int reqs_per_handle;
     int next; /* where the search for a free handle starts */
+    double timeout_s;
+    const char *ctx_phase; /* moe_comm_set_context */
+    int ctx_layer;
+    MPI_Request *scratch; /* 2 * ep requests for the count exchange */
+    int *scratch_peer;
 };
+
+/* req_peer encoding: recv from EP peer p = p; send to p = -2 - p; collective = -1. */
+static int send_peer(int p) { return -2 - p; }
 
 #define MPI_TRY(call, what)                                                                        \
     do {                                                                                           \
@@ -35,6 +58,105 @@ static MPI_Datatype real_type(size_t elem_bytes)
     return elem_bytes == 8 ? MPI_DOUBLE : MPI_FLOAT;
 }
 
+static double now_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static const char *group_name(moe_group g)
+{
+    return g == MOE_GROUP_WORLD ? "world"
+           : g == MOE_GROUP_EP  ? "expert-parallel"
+                                : "expert-data-parallel";
+}
+
+/* World rank of EP peer p of this rank. */
+static int ep_world_rank(const moe_comm *c, int p)
+{
+    return c->rank[MOE_GROUP_WORLD] / c->ep_size * c->ep_size + p;
+}
+
+/* " of layer 1 (forward)" / " (checkpoint)" / "" from the caller's context. */
+static void context_text(const moe_comm *c, char *buf, size_t cap)
+{
+    if (c->ctx_phase && c->ctx_layer >= 0)
+        snprintf(buf, cap, " of layer %d (%s)", c->ctx_layer, c->ctx_phase);
+    else if (c->ctx_phase)
+        snprintf(buf, cap, " (%s)", c->ctx_phase);
+    else
+        buf[0] = '\0';
+}
+
+/* Logs the timeout of `what`: the peers whose messages never came (open receives),
+ * else those that never took ours (open sends), else the group of a collective. */
+static moe_status report_timeout(const moe_comm *c, const MPI_Request *reqs, const int *peers,
+                                 int n, const char *what, moe_group g)
+{
+    char ctx[96], who[512];
+    size_t len = 0;
+    context_text(c, ctx, sizeof ctx);
+    who[0] = '\0';
+    for (int pass = 0; pass < 2 && len == 0; pass++) {
+        for (int i = 0; i < n; i++) {
+            if (reqs[i] == MPI_REQUEST_NULL || peers[i] == PEER_COLLECTIVE)
+                continue;
+            int is_recv = peers[i] >= 0;
+            if (is_recv != (pass == 0))
+                continue;
+            int p = is_recv ? peers[i] : -2 - peers[i];
+            int wrote =
+                snprintf(who + len, sizeof who - len, "%s%d", len ? ", " : "", ep_world_rank(c, p));
+            if (wrote > 0 && (size_t)wrote < sizeof who - len)
+                len += (size_t)wrote;
+        }
+        if (len)
+            MOE_FAIL(MOE_ERR_COMM, "timeout after %.0f s in the %s%s: %s rank %s", c->timeout_s,
+                     what, ctx, pass == 0 ? "no message from" : "no receive posted by", who);
+    }
+    MOE_FAIL(MOE_ERR_COMM,
+             "timeout after %.0f s in the %s%s: some rank of the %s group (%d ranks) did not "
+             "answer",
+             c->timeout_s, what, ctx, group_name(g), c->size[g]);
+}
+
+/* Waits for n requests with the deadline; completed ones become MPI_REQUEST_NULL. */
+static moe_status poll_requests(moe_comm *c, MPI_Request *reqs, const int *peers, int n,
+                                const char *what, moe_group g)
+{
+    const double deadline = now_seconds() + c->timeout_s;
+    for (long round = 0;; round++) {
+        int open = 0;
+        for (int i = 0; i < n; i++) {
+            if (reqs[i] == MPI_REQUEST_NULL)
+                continue;
+            int done = 0;
+            int rc = MPI_Test(&reqs[i], &done, MPI_STATUS_IGNORE);
+            if (rc != MPI_SUCCESS) {
+                char msg[MPI_MAX_ERROR_STRING], ctx[96];
+                int mlen = 0;
+                MPI_Error_string(rc, msg, &mlen);
+                context_text(c, ctx, sizeof ctx);
+                if (peers[i] != PEER_COLLECTIVE)
+                    MOE_FAIL(MOE_ERR_COMM, "%s%s with rank %d failed: %.*s", what, ctx,
+                             ep_world_rank(c, peers[i] >= 0 ? peers[i] : -2 - peers[i]), mlen, msg);
+                MOE_FAIL(MOE_ERR_COMM, "%s%s over the %s group failed: %.*s", what, ctx,
+                         group_name(g), mlen, msg);
+            }
+            open += !done;
+        }
+        if (!open)
+            return MOE_OK;
+        if (round < 64)
+            continue; /* short waits: spin */
+        if (now_seconds() > deadline)
+            return report_timeout(c, reqs, peers, n, what, g);
+        struct timespec nap = {0, 20000}; /* 20 us */
+        nanosleep(&nap, NULL);
+    }
+}
+
 moe_status moe_comm_create(moe_comm **out, int ep)
 {
     *out = NULL;
@@ -49,6 +171,8 @@ moe_status moe_comm_create(moe_comm **out, int ep)
     if (!c)
         MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate the communicator");
     c->ep_size = ep;
+    c->timeout_s = 600;
+    c->ctx_layer = -1;
     c->groups[MOE_GROUP_WORLD] = MPI_COMM_WORLD;
     c->groups[MOE_GROUP_EP] = MPI_COMM_NULL;
     c->groups[MOE_GROUP_EDP] = MPI_COMM_NULL;
@@ -64,14 +188,26 @@ moe_status moe_comm_create(moe_comm **out, int ep)
         goto fail;
     }
     for (int g = 0; g < 3; g++) {
-        MPI_Comm_set_errhandler(c->groups[g], MPI_ERRORS_RETURN);
-        MPI_Comm_rank(c->groups[g], &c->rank[g]);
-        MPI_Comm_size(c->groups[g], &c->size[g]);
+        if (MPI_Comm_set_errhandler(c->groups[g], MPI_ERRORS_RETURN) != MPI_SUCCESS ||
+            MPI_Comm_rank(c->groups[g], &c->rank[g]) != MPI_SUCCESS ||
+            MPI_Comm_size(c->groups[g], &c->size[g]) != MPI_SUCCESS) {
+            moe_log_at(__FILE__, __LINE__, "comm create: cannot query the %s group",
+                       group_name((moe_group)g));
+            st = MOE_ERR_COMM;
+            goto fail;
+        }
     }
     c->reqs_per_handle = 2 * ep > 1 ? 2 * ep : 1;
-    c->req = malloc(sizeof(MPI_Request) * POOL_HANDLES * (size_t)c->reqs_per_handle);
+    size_t pool = POOL_HANDLES * (size_t)c->reqs_per_handle;
+    c->req = malloc(sizeof(MPI_Request) * pool);
+    c->req_peer = malloc(sizeof(int) * pool);
     c->n_req = malloc(sizeof(int) * POOL_HANDLES);
-    if (!c->req || !c->n_req) {
+    c->what = calloc(POOL_HANDLES, sizeof *c->what);
+    c->group = calloc(POOL_HANDLES, sizeof *c->group);
+    c->scratch = malloc(sizeof(MPI_Request) * 2 * (size_t)ep);
+    c->scratch_peer = malloc(sizeof(int) * 2 * (size_t)ep);
+    if (!c->req || !c->req_peer || !c->n_req || !c->what || !c->group || !c->scratch ||
+        !c->scratch_peer) {
         st = MOE_ERR_NOMEM;
         moe_log_at(__FILE__, __LINE__, "cannot allocate the request pool");
         goto fail;
@@ -93,7 +229,12 @@ void moe_comm_destroy(moe_comm *c)
         if (c->groups[g] != MPI_COMM_NULL)
             MPI_Comm_free(&c->groups[g]);
     free(c->req);
+    free(c->req_peer);
     free(c->n_req);
+    free(c->what);
+    free(c->group);
+    free(c->scratch);
+    free(c->scratch_peer);
     free(c);
 }
 
@@ -105,12 +246,28 @@ const char *moe_comm_backend(const moe_comm *c)
     return "mpi";
 }
 
-static moe_status take_handle(moe_comm *c, moe_comm_handle *h)
+void moe_comm_set_timeout(moe_comm *c, double seconds)
+{
+    if (c && seconds > 0)
+        c->timeout_s = seconds;
+}
+
+void moe_comm_set_context(moe_comm *c, const char *phase, int layer)
+{
+    if (!c)
+        return;
+    c->ctx_phase = phase;
+    c->ctx_layer = layer;
+}
+
+static moe_status take_handle(moe_comm *c, const char *what, moe_group g, moe_comm_handle *h)
 {
     for (int i = 0; i < POOL_HANDLES; i++) {
         int j = (c->next + i) % POOL_HANDLES;
         if (c->n_req[j] < 0) {
             c->n_req[j] = 0;
+            c->what[j] = what;
+            c->group[j] = g;
             c->next = (j + 1) % POOL_HANDLES;
             *h = j;
             return MOE_OK;
@@ -128,9 +285,9 @@ moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h)
         MOE_FAIL(MOE_ERR_INVALID, "wait on an invalid communication handle %d", h);
     int n = c->n_req[h];
     c->n_req[h] = -1;
+    size_t at = (size_t)h * c->reqs_per_handle;
     if (n > 0)
-        MPI_TRY(MPI_Waitall(n, c->req + (size_t)h * c->reqs_per_handle, MPI_STATUSES_IGNORE),
-                "wait");
+        MOE_CHECK(poll_requests(c, c->req + at, c->req_peer + at, n, c->what[h], c->group[h]));
     return MOE_OK;
 }
 
@@ -147,13 +304,20 @@ moe_status moe_comm_allreduce_start(moe_comm *c, moe_group g, void *buf, size_t 
                                     size_t elem_bytes, moe_comm_handle after, moe_comm_handle *done)
 {
     MOE_CHECK(moe_comm_wait(c, after));
-    MOE_CHECK(take_handle(c, done));
     if (count > (size_t)INT32_MAX)
         MOE_FAIL(MOE_ERR_INVALID, "allreduce of %zu elements exceeds MPI's int count", count);
-    MPI_Request *r = c->req + (size_t)*done * c->reqs_per_handle;
-    MPI_TRY(MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, real_type(elem_bytes), MPI_SUM,
-                           c->groups[g], r),
-            "gradient allreduce");
+    MOE_CHECK(take_handle(
+        c, g == MOE_GROUP_WORLD ? "gradient allreduce over the world" : "expert gradient allreduce",
+        g, done));
+    size_t at = (size_t)*done * c->reqs_per_handle;
+    c->req_peer[at] = PEER_COLLECTIVE;
+    int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, real_type(elem_bytes), MPI_SUM,
+                            c->groups[g], &c->req[at]);
+    if (rc != MPI_SUCCESS) {
+        c->n_req[*done] = -1;
+        *done = MOE_COMM_NONE;
+        MPI_TRY(rc, "gradient allreduce");
+    }
     c->n_req[*done] = 1;
     return MOE_OK;
 }
@@ -164,55 +328,157 @@ moe_status moe_comm_exchange_start(moe_comm *c, const void *send, const size_t *
                                    moe_comm_handle *done)
 {
     MOE_CHECK(moe_comm_wait(c, after));
-    MOE_CHECK(take_handle(c, done));
-    MPI_Comm comm = c->groups[MOE_GROUP_EP];
-    MPI_Request *r = c->req + (size_t)*done * c->reqs_per_handle;
-    int n = 0;
-    for (int p = 0; p < c->ep_size; p++) {
+    for (int p = 0; p < c->ep_size; p++)
         if (recv_counts[p] > (size_t)INT32_MAX || send_counts[p] > (size_t)INT32_MAX)
             MOE_FAIL(MOE_ERR_INVALID, "token exchange of more than 2 GiB with one peer");
+    MOE_CHECK(take_handle(c, "token exchange", MOE_GROUP_EP, done));
+    MPI_Comm comm = c->groups[MOE_GROUP_EP];
+    size_t at = (size_t)*done * c->reqs_per_handle;
+    MPI_Request *r = c->req + at;
+    int *peer = c->req_peer + at;
+    int n = 0, rc = MPI_SUCCESS;
+    for (int p = 0; p < c->ep_size && rc == MPI_SUCCESS; p++) {
         if (recv_counts[p] == 0)
             continue;
-        MPI_TRY(MPI_Irecv((char *)recv + recv_displs[p], (int)recv_counts[p], MPI_BYTE, p, 17, comm,
-                          &r[n]),
-                "token exchange");
-        n++;
+        rc = MPI_Irecv((char *)recv + recv_displs[p], (int)recv_counts[p], MPI_BYTE, p, TAG_ROWS,
+                       comm, &r[n]);
+        peer[n++] = p;
     }
-    for (int p = 0; p < c->ep_size; p++) {
+    for (int p = 0; p < c->ep_size && rc == MPI_SUCCESS; p++) {
         if (send_counts[p] == 0)
             continue;
-        MPI_TRY(MPI_Isend((const char *)send + send_displs[p], (int)send_counts[p], MPI_BYTE, p, 17,
-                          comm, &r[n]),
-                "token exchange");
-        n++;
+        rc = MPI_Isend((const char *)send + send_displs[p], (int)send_counts[p], MPI_BYTE, p,
+                       TAG_ROWS, comm, &r[n]);
+        peer[n++] = send_peer(p);
     }
     c->n_req[*done] = n;
+    MPI_TRY(rc, "token exchange");
     return MOE_OK;
 }
 
 moe_status moe_comm_exchange_counts(moe_comm *c, const int64_t *send, int64_t *recv)
 {
-    MPI_TRY(MPI_Alltoall(send, 1, MPI_INT64_T, recv, 1, MPI_INT64_T, c->groups[MOE_GROUP_EP]),
-            "count exchange");
+    MPI_Comm comm = c->groups[MOE_GROUP_EP];
+    const int me = c->rank[MOE_GROUP_EP];
+    int n = 0, rc = MPI_SUCCESS;
+    recv[me] = send[me];
+    for (int p = 0; p < c->ep_size && rc == MPI_SUCCESS; p++) {
+        if (p == me)
+            continue;
+        rc = MPI_Irecv(&recv[p], 1, MPI_INT64_T, p, TAG_COUNTS, comm, &c->scratch[n]);
+        c->scratch_peer[n++] = p;
+    }
+    for (int p = 0; p < c->ep_size && rc == MPI_SUCCESS; p++) {
+        if (p == me)
+            continue;
+        rc = MPI_Isend(&send[p], 1, MPI_INT64_T, p, TAG_COUNTS, comm, &c->scratch[n]);
+        c->scratch_peer[n++] = send_peer(p);
+    }
+    MPI_TRY(rc, "token-count exchange");
+    MOE_CHECK(
+        poll_requests(c, c->scratch, c->scratch_peer, n, "token-count exchange", MOE_GROUP_EP));
     return MOE_OK;
+}
+
+/* One collective request, waited for with the deadline. */
+static moe_status wait_one(moe_comm *c, MPI_Request *r, const char *what, moe_group g)
+{
+    int peer = PEER_COLLECTIVE;
+    return poll_requests(c, r, &peer, 1, what, g);
 }
 
 moe_status moe_comm_sum_doubles(moe_comm *c, moe_group g, double *vals, int n)
 {
-    MPI_TRY(MPI_Allreduce(MPI_IN_PLACE, vals, n, MPI_DOUBLE, MPI_SUM, c->groups[g]), "sum");
+    MPI_Request r;
+    MPI_TRY(MPI_Iallreduce(MPI_IN_PLACE, vals, n, MPI_DOUBLE, MPI_SUM, c->groups[g], &r), "sum");
+    MOE_CHECK(wait_one(c, &r, "sum of statistics", g));
     return MOE_OK;
 }
 
 moe_status moe_comm_sum_int64(moe_comm *c, moe_group g, int64_t *vals, int n)
 {
-    MPI_TRY(MPI_Allreduce(MPI_IN_PLACE, vals, n, MPI_INT64_T, MPI_SUM, c->groups[g]), "sum");
+    MPI_Request r;
+    MPI_TRY(MPI_Iallreduce(MPI_IN_PLACE, vals, n, MPI_INT64_T, MPI_SUM, c->groups[g], &r), "sum");
+    MOE_CHECK(wait_one(c, &r, "sum of counters", g));
     return MOE_OK;
 }
 
 moe_status moe_comm_barrier(moe_comm *c)
 {
-    MPI_TRY(MPI_Barrier(c->groups[MOE_GROUP_WORLD]), "barrier");
+    MPI_Request r;
+    MPI_TRY(MPI_Ibarrier(c->groups[MOE_GROUP_WORLD], &r), "barrier");
+    MOE_CHECK(wait_one(c, &r, "barrier", MOE_GROUP_WORLD));
     return MOE_OK;
+}
+
+moe_status moe_comm_gather_bytes(moe_comm *c, const void *data, size_t nbytes, void **out,
+                                 size_t *sizes)
+{
+    const int world = c->size[MOE_GROUP_WORLD], root = c->rank[MOE_GROUP_WORLD] == 0;
+    MPI_Comm comm = c->groups[MOE_GROUP_WORLD];
+    moe_status st = MOE_OK;
+    int *counts = NULL, *displs = NULL;
+    char *buf = NULL;
+    *out = NULL;
+    if (nbytes > (size_t)INT32_MAX)
+        MOE_FAIL(MOE_ERR_INVALID, "gather of %zu bytes exceeds MPI's int count", nbytes);
+    int mine = (int)nbytes;
+    if (root) {
+        counts = malloc(sizeof(int) * (size_t)world);
+        displs = malloc(sizeof(int) * (size_t)world);
+        if (!counts || !displs) {
+            moe_log_at(__FILE__, __LINE__, "cannot allocate the gather counts");
+            st = MOE_ERR_NOMEM;
+        }
+    }
+    /* every rank takes part even after a local failure, then all agree below */
+    MPI_Request r;
+    int rc = MPI_Igather(&mine, 1, MPI_INT, counts, 1, MPI_INT, 0, comm, &r);
+    if (rc != MPI_SUCCESS) {
+        free(counts);
+        free(displs);
+        MPI_TRY(rc, "gather of sizes");
+    }
+    MOE_CHECK_GOTO(st, wait_one(c, &r, "gather of checkpoint manifests", MOE_GROUP_WORLD));
+    int64_t total = 0;
+    if (root && counts && displs) {
+        for (int i = 0; i < world; i++) {
+            displs[i] = (int)total;
+            total += counts[i];
+        }
+        if (total > INT32_MAX) {
+            moe_log_at(__FILE__, __LINE__, "gather of %lld bytes exceeds MPI's int count",
+                       (long long)total);
+            st = MOE_ERR_INVALID;
+        } else if (!(buf = malloc(total > 0 ? (size_t)total : 1))) {
+            moe_log_at(__FILE__, __LINE__, "cannot allocate %lld bytes", (long long)total);
+            st = MOE_ERR_NOMEM;
+        }
+    }
+    int64_t bad = st != MOE_OK;
+    MOE_CHECK_GOTO(st, moe_comm_sum_int64(c, MOE_GROUP_WORLD, &bad, 1));
+    if (bad) {
+        st = st != MOE_OK ? st : MOE_ERR_COMM;
+        goto fail;
+    }
+    rc = MPI_Igatherv(data, mine, MPI_BYTE, buf, counts, displs, MPI_BYTE, 0, comm, &r);
+    if (rc != MPI_SUCCESS) {
+        moe_log_at(__FILE__, __LINE__, "gather of checkpoint manifests: MPI_Igatherv failed");
+        st = MOE_ERR_COMM;
+        goto fail;
+    }
+    MOE_CHECK_GOTO(st, wait_one(c, &r, "gather of checkpoint manifests", MOE_GROUP_WORLD));
+    if (root) {
+        for (int i = 0; i < world; i++)
+            sizes[i] = (size_t)counts[i];
+        *out = buf;
+        buf = NULL;
+    }
+fail:
+    free(buf);
+    free(counts);
+    free(displs);
+    return st;
 }
 
 void moe_comm_abort(int code)

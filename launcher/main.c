@@ -1,8 +1,11 @@
 /* launcher/main.c: the moe-dist command line. Owns argument parsing, the verbs
- * (train, dump), exit statuses, and ending the job on failure. The only place that
- * exits.
+ * (train, dump, inspect, export), exit statuses, and ending the job on failure. The
+ * only place that exits.
  *
- * Exit statuses: 0 success; 1 runtime failure; 2 bad command line or config.
+ * Exit statuses: 0 success; 1 runtime failure (also a bad checkpoint, a communication
+ * timeout, a lost rank); 2 bad command line or config (also a config whose model shape
+ * differs from the checkpoint resumed, a model export cannot express); 75 (EX_TEMPFAIL)
+ * stopped by SIGUSR1/SIGTERM after writing a checkpoint: requeue with --resume auto.
  * A failure on any rank ends the whole job through MPI_Abort (never one rank alone,
  * never a hang); every rank checks the config, so a config error exits 2 everywhere. */
 #include <errno.h>
@@ -14,8 +17,12 @@
 #include <sys/stat.h>
 
 #include "comm/comm.h"
+#include "launcher/bind.h"
 #include "launcher/ranks.h"
+#include "launcher/signals.h"
+#include "kernels/backend.h"
 #include "runtime/config.h"
+#include "runtime/checkpoint.h"
 #include "runtime/model.h"
 #include "runtime/trainer.h"
 #include "util/status.h"
@@ -30,13 +37,22 @@ static const char usage_text[] =
     "  train [CONFIG]          train; without CONFIG, the embedded default (configs/tiny.ini)\n"
     "  dump CONFIG --out DIR   run the first step's forward and backward and write the\n"
     "                          weights, gradients and losses to DIR (for reference checks)\n"
+    "  inspect CKPT            print a checkpoint's manifest and verify every checksum\n"
+    "  export CKPT --format safetensors OUT\n"
+    "                          write OUT/model.safetensors + config.json (Mixtral names)\n"
     "\n"
     "options:\n"
     "  --set section.key=value override one config key (repeatable)\n"
-    "  --out DIR               output directory (dump)\n"
+    "  --out DIR               output directory (dump, export)\n"
+    "  --resume auto|PATH      train (or dump) from a checkpoint: auto = the newest committed\n"
+    "                          one in [checkpoint] dir that verifies (none: start fresh)\n"
+    "  --format safetensors    export format\n"
     "  -h, --help              this text\n"
     "  --version               print the version\n"
     "\n"
+    "exit status: 0 done; 1 runtime failure (bad checkpoint, communication timeout, lost\n"
+    "rank); 2 bad command line or config; 75 stopped by SIGUSR1/SIGTERM after writing a\n"
+    "checkpoint: requeue the job with --resume auto (docs/checkpoints.md).\n"
     "Every config key and its default: docs/config.md.\n";
 
 typedef struct {
@@ -45,6 +61,9 @@ typedef struct {
     const char *sets[MAX_SETS];
     int n_sets;
     const char *out_dir;
+    const char *resume; /* --resume: "auto" or a checkpoint directory; NULL: none */
+    const char *format; /* --format (export) */
+    const char *extra;  /* a third positional argument (export's OUT) */
 } cli_args;
 
 static int parse_args(int argc, char **argv, cli_args *a)
@@ -67,6 +86,16 @@ static int parse_args(int argc, char **argv, cli_args *a)
             }
         } else if (strncmp(arg, "--set=", 6) == 0 && a->n_sets < MAX_SETS) {
             a->sets[a->n_sets++] = arg + 6;
+        } else if (strcmp(arg, "--resume") == 0 || strcmp(arg, "--format") == 0) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "moe-dist: %s needs a value\n", arg);
+                return EXIT_USAGE;
+            }
+            *(arg[2] == 'r' ? &a->resume : &a->format) = argv[++i];
+        } else if (strncmp(arg, "--resume=", 9) == 0) {
+            a->resume = arg + 9;
+        } else if (strncmp(arg, "--format=", 9) == 0) {
+            a->format = arg + 9;
         } else if (arg[0] == '-') {
             fprintf(stderr, "moe-dist: unknown option '%s'\n%s", arg, usage_text);
             return EXIT_USAGE;
@@ -74,6 +103,8 @@ static int parse_args(int argc, char **argv, cli_args *a)
             a->verb = arg;
         } else if (!a->config_path) {
             a->config_path = arg;
+        } else if (!a->extra && a->verb && strcmp(a->verb, "export") == 0) {
+            a->extra = arg;
         } else {
             fprintf(stderr, "moe-dist: unexpected argument '%s'\n%s", arg, usage_text);
             return EXIT_USAGE;
@@ -98,12 +129,17 @@ static int load_config(const cli_args *a, moe_config *cfg)
 
 static moe_ranks ranks;
 
+/* Collective (gathers the host names); rank 0 prints. */
 static void print_banner(const moe_config *cfg, const moe_model *m, const char *source)
 {
+    char hosts[1024];
+    moe_ranks_hosts(&ranks, hosts, sizeof hosts);
     if (ranks.rank != 0)
         return;
-    printf("moe-dist %s: %s, backend cpu (fp32), world %d, ep %d, %d experts per rank\n",
-           MOE_VERSION, source, ranks.world, cfg->ep, m->El);
+    printf("moe-dist %s: %s, backend %s (fp32)\n", MOE_VERSION, source, m->be->name);
+    printf("layout: world %d, ep %d, expert-data-parallel %d, %d of %d experts per rank per "
+           "layer; %s\n",
+           ranks.world, cfg->ep, ranks.world / cfg->ep, m->El, m->E, hosts);
     printf("model: %d layers (%d dense), d_model %d, %d heads, %d experts top-%d, expert ffn %d, "
            "vocab %d, seq %d: %.2fM parameters\n",
            cfg->n_layers, cfg->dense_layers, cfg->d_model, cfg->n_heads, cfg->experts, cfg->top_k,
@@ -111,6 +147,7 @@ static void print_banner(const moe_config *cfg, const moe_model *m, const char *
     printf("train: %d steps, micro-batch %d, grad_accum %d%s, data %s\n", cfg->steps,
            cfg->micro_batch, cfg->accum[0].micro_batches, cfg->n_accum > 1 ? " (scheduled)" : "",
            cfg->data_source);
+    moe_bind_print(stdout); /* each rank's cores and NUMA node (launcher/bind.h) */
     fflush(stdout);
 }
 
@@ -129,19 +166,29 @@ static int cmd_train(const cli_args *a)
     int rc = load_config(a, &cfg);
     if (rc)
         return rc;
+    if (moe_bind_rank(&ranks, cfg.bind, NULL) != MOE_OK) /* CPU backend: no GPU bus id */
+        return fail_job(1);
     moe_comm *comm = NULL;
     if (moe_comm_create(&comm, cfg.ep) != MOE_OK)
         return fail_job(EXIT_USAGE);
+    moe_comm_set_timeout(comm, cfg.comm_timeout_s);
+    if (moe_signals_install() != 0)
+        return fail_job(1);
     moe_trainer *tr = NULL;
     if (moe_trainer_create(&tr, &cfg, comm) != MOE_OK)
         return fail_job(1);
+    tr->stop_request = moe_signals_flag();
     print_banner(&cfg, tr->model, a->config_path ? a->config_path : "embedded tiny.ini");
-    moe_status st = moe_trainer_run(tr, stdout);
+    moe_status st = MOE_OK;
+    if (a->resume && (st = moe_trainer_resume(tr, a->resume)) != MOE_OK)
+        return fail_job(st == MOE_ERR_INVALID ? EXIT_USAGE : 1);
+    st = moe_trainer_run(tr, stdout);
     if (st != MOE_OK)
         return fail_job(1);
+    int stopped = tr->stopped;
     moe_trainer_destroy(tr);
     moe_comm_destroy(comm);
-    return 0;
+    return stopped ? MOE_EXIT_REQUEUE : 0;
 }
 
 static moe_status write_file(const char *dir, const char *name, const void *data, size_t nbytes)
@@ -193,7 +240,7 @@ static moe_status dump_tensors_json(const char *dir, const moe_model *m, const m
 
 /* Writes config.ini, tokens.bin (S, T+1) int32, params.bin, grads.bin (float32 arenas)
  * and tensors.json for the first step of cfg. */
-static moe_status dump_step(const moe_config *cfg, const char *dir)
+static moe_status dump_step(const moe_config *cfg, const char *dir, const char *resume)
 {
     moe_status st = MOE_OK;
     moe_trainer *tr = NULL;
@@ -204,6 +251,10 @@ static moe_status dump_step(const moe_config *cfg, const char *dir)
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         MOE_FAIL(MOE_ERR_IO, "cannot create '%s': %m", dir);
     MOE_CHECK_GOTO(st, moe_trainer_create(&tr, cfg, NULL));
+    if (resume) { /* the checkpoint's weights, on the sequences [0, S) */
+        MOE_CHECK_GOTO(st, moe_trainer_resume(tr, resume));
+        tr->consumed = 0;
+    }
     MOE_CHECK_GOTO(st, moe_trainer_accumulate(tr, &r));
 
     size_t ini_len = moe_config_to_ini(cfg, NULL, 0);
@@ -227,6 +278,25 @@ static moe_status dump_step(const moe_config *cfg, const char *dir)
         buf[i] = (float)tr->model->grads[i];
     MOE_CHECK_GOTO(st, write_file(dir, "grads.bin", buf, sizeof(float) * n));
     MOE_CHECK_GOTO(st, dump_tensors_json(dir, tr->model, &r));
+    if (r.micro_batches == 1) { /* the logits of the one micro-batch: (S*T, V) float32 */
+        const moe_model *m = tr->model;
+        size_t nl = (size_t)m->N * m->V;
+        float *logits = malloc(sizeof(float) * nl);
+        real *host = malloc(sizeof(real) * nl);
+        if (!logits || !host) {
+            free(logits);
+            free(host);
+            st = MOE_ERR_NOMEM;
+            goto fail;
+        }
+        m->be->copy(host, m->logits, sizeof(real) * nl, MOE_COPY_D2H);
+        for (size_t i = 0; i < nl; i++)
+            logits[i] = (float)host[i];
+        st = write_file(dir, "logits.bin", logits, sizeof(float) * nl);
+        free(logits);
+        free(host);
+        MOE_CHECK_GOTO(st, st);
+    }
     printf("dump: step 1 loss %.6f (ce %.6f aux %.6f z %.6f), %zu parameters -> %s\n", r.loss, r.ce,
            r.aux, r.z, n, dir);
 fail:
@@ -251,7 +321,39 @@ static int cmd_dump(const cli_args *a)
     int rc = load_config(a, &cfg);
     if (rc)
         return rc;
-    return dump_step(&cfg, a->out_dir) == MOE_OK ? 0 : 1;
+    moe_status st = dump_step(&cfg, a->out_dir, a->resume);
+    return st == MOE_OK ? 0 : st == MOE_ERR_INVALID ? EXIT_USAGE : 1;
+}
+
+/* inspect CKPT: one process, no MPI. 0 verified, 1 a bad file (named), 2 usage. */
+static int cmd_inspect(const cli_args *a)
+{
+    if (!a->config_path) {
+        fprintf(stderr, "moe-dist: inspect needs a checkpoint directory\n%s", usage_text);
+        return EXIT_USAGE;
+    }
+    moe_status st = moe_checkpoint_inspect(a->config_path, stdout);
+    fflush(stdout);
+    return st == MOE_OK ? 0 : 1;
+}
+
+/* export CKPT --format safetensors OUT: one process, no MPI. */
+static int cmd_export(const cli_args *a)
+{
+    const char *out = a->extra ? a->extra : a->out_dir;
+    if (!a->config_path || !out || !a->format) {
+        fprintf(stderr, "moe-dist: export needs CKPT --format safetensors OUT\n%s", usage_text);
+        return EXIT_USAGE;
+    }
+    if (strcmp(a->format, "safetensors") != 0) {
+        fprintf(stderr, "moe-dist: export --format '%s': only safetensors is supported\n",
+                a->format);
+        return EXIT_USAGE;
+    }
+    moe_status st = moe_checkpoint_export_safetensors(a->config_path, out);
+    if (st == MOE_OK)
+        printf("export: %s -> %s/model.safetensors, %s/config.json\n", a->config_path, out, out);
+    return st == MOE_OK ? 0 : st == MOE_ERR_INVALID ? EXIT_USAGE : 1;
 }
 
 int main(int argc, char **argv)
@@ -278,8 +380,16 @@ int main(int argc, char **argv)
         fputs(usage_text, stderr);
         return EXIT_USAGE;
     }
+    if (strcmp(a.verb, "inspect") == 0 || strcmp(a.verb, "export") == 0) {
+        moe_log_set_rank(0); /* one process, no MPI */
+        return strcmp(a.verb, "inspect") == 0 ? cmd_inspect(&a) : cmd_export(&a);
+    }
     if (strcmp(a.verb, "train") != 0 && strcmp(a.verb, "dump") != 0) {
         fprintf(stderr, "moe-dist: unknown command '%s'\n%s", a.verb, usage_text);
+        return EXIT_USAGE;
+    }
+    if (a.resume && !*a.resume) {
+        fprintf(stderr, "moe-dist: --resume needs auto or a checkpoint directory\n");
         return EXIT_USAGE;
     }
     if (moe_ranks_init(&argc, &argv, &ranks) != 0)

@@ -60,6 +60,44 @@ int moe_ranks_init(int *argc, char ***argv, moe_ranks *r)
     return 0;
 }
 
+void moe_ranks_hosts(const moe_ranks *r, char *buf, size_t cap)
+{
+    enum { HOST = 64 };
+    char *all = r->rank == 0 ? calloc((size_t)r->world, HOST) : NULL;
+    buf[0] = '\0';
+    if (r->rank == 0 && !all) {
+        snprintf(buf, cap, "(hosts unknown: out of memory)");
+        return;
+    }
+    char mine[HOST] = {0};
+    snprintf(mine, sizeof mine, "%s", r->host);
+    if (MPI_Gather(mine, HOST, MPI_CHAR, all, HOST, MPI_CHAR, 0, MPI_COMM_WORLD) != MPI_SUCCESS) {
+        snprintf(buf, cap, "(hosts unknown: MPI_Gather failed)");
+        free(all);
+        return;
+    }
+    if (r->rank != 0)
+        return;
+    int hosts = 0;
+    size_t used = 0;
+    for (int i = 0; i < r->world; i++) {
+        if (i > 0 && strcmp(all + (size_t)i * HOST, all + (size_t)(i - 1) * HOST) == 0)
+            continue;
+        int j = i;
+        while (j + 1 < r->world &&
+               strcmp(all + (size_t)(j + 1) * HOST, all + (size_t)i * HOST) == 0)
+            j++;
+        hosts++;
+        if (used < cap)
+            used += (size_t)snprintf(buf + used, cap - used, "%s%s (ranks %d-%d)", used ? ", " : "",
+                                     all + (size_t)i * HOST, i, j);
+    }
+    char tmp[1024];
+    snprintf(tmp, sizeof tmp, "%d host%s: %s", hosts, hosts == 1 ? "" : "s", buf);
+    snprintf(buf, cap, "%s", tmp);
+    free(all);
+}
+
 void moe_ranks_finalize(void) { MPI_Finalize(); }
 
 void moe_ranks_abort(int code) { moe_comm_abort(code); }

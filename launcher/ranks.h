@@ -3,6 +3,8 @@
 #ifndef MOE_LAUNCHER_RANKS_H
 #define MOE_LAUNCHER_RANKS_H
 
+#include <stddef.h>
+
 typedef struct {
     int rank, world;
     int local_rank, local_size;
@@ -13,6 +15,10 @@ typedef struct {
  * between MPI's local rank and OMPI_COMM_WORLD_LOCAL_RANK / SLURM_LOCALID is an error:
  * it means the GPU choice would be wrong). */
 int moe_ranks_init(int *argc, char ***argv, moe_ranks *r);
+
+/* Collective: on rank 0, writes "N hosts: a (ranks 0-3), b (ranks 4-7)" (the hosts in
+ * rank order with their ranks) into buf; other ranks get "". */
+void moe_ranks_hosts(const moe_ranks *r, char *buf, size_t cap);
 
 /* Finalizes MPI. */
 void moe_ranks_finalize(void);

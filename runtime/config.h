@@ -43,6 +43,7 @@ typedef struct {
     double rope_theta;
     double norm_eps;
     double init_std;
+    double router_init_std;
 
     /* [train] */
     int steps;                                   /* optimizer steps */
@@ -58,8 +59,10 @@ typedef struct {
     uint64_t seed;
 
     /* [parallel] */
-    int ep;           /* expert-parallel degree */
-    char backend[16]; /* auto | cpu | cuda */
+    int ep;                /* expert-parallel degree */
+    char backend[16];      /* auto | cpu | cuda */
+    char bind[8];          /* auto | numa | core | none: CPU and memory binding (launcher/bind.h) */
+    double comm_timeout_s; /* a communication wait longer than this ends the job */
 
     /* [data] */
     char data_source[16];         /* synthetic | shards */
@@ -72,8 +75,9 @@ typedef struct {
 
     /* [checkpoint] */
     char ckpt_dir[MOE_PATH_MAX];
-    int ckpt_interval; /* steps; 0 disables */
-    int ckpt_keep;
+    int ckpt_interval;            /* steps; 0 disables */
+    double ckpt_interval_minutes; /* minutes of wall time (rank 0's clock); 0 disables */
+    int ckpt_keep;                /* committed checkpoints kept, >= 2 */
 
     /* [log] */
     int log_interval;              /* progress line every N steps */

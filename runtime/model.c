@@ -167,7 +167,7 @@ static moe_status init_weights(moe_model *m)
             continue;
         }
         int is_out = strstr(t->name, ".wo") || strstr(t->name, ".w2");
-        double s = is_out ? out_std : std;
+        double s = strstr(t->name, ".router") ? m->cfg.router_init_std : is_out ? out_std : std;
         int parts = t->is_expert ? t->shape[0] : 1;
         size_t part = t->count / (size_t)parts;
         for (int e = 0; e < parts; e++) {
@@ -599,6 +599,7 @@ static moe_status moe_block_forward(moe_model *m, int l, real *out, moe_fwd_stat
     const moe_layer_view *w = &m->p.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int N = m->N, D = m->D;
+    moe_comm_set_context(m->comm, "forward", l); /* named by a timeout (comm.h) */
     router_forward_layer(m, l, stats);
     MOE_CHECK(moe_dispatch(m, l, stats));
     moe_experts_forward(m, l, (real *)m->send_buf);
@@ -733,6 +734,7 @@ static moe_status moe_block_backward(moe_model *m, int l, const real *dffn, int6
     const moe_layer_view *g = &m->g.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int N = m->N, D = m->D, K = m->K;
+    moe_comm_set_context(m->comm, "backward", l); /* named by a timeout (comm.h) */
     if (m->Fs > 0)
         swiglu_ffn_backward(m, m->dh, g->sw1, g->sw3, g->sw2, dffn, a->h2, a->sa, a->sb, a->sh,
                             w->sw1, w->sw3, w->sw2, N, D, m->Fs);

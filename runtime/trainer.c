@@ -3,6 +3,7 @@
 
 #include "comm/comm.h"
 #include "kernels/backend.h"
+#include "runtime/checkpoint.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -54,6 +55,15 @@ static moe_status build_buckets(moe_trainer *tr)
 static void on_grad_ready(void *ctx, int stage)
 {
     moe_trainer *tr = ctx;
+    if (tr->last_micro && stage == tr->model->L - 1 &&
+        moe_fault_nan_due(&tr->fault, tr->rank, tr->step)) {
+        const real nan_value = (real)NAN; /* MOE_FAULT=nan: poison this stage's gradients */
+        moe_grad_bucket *b = &tr->buckets[stage + 1];
+        tr->model->be->copy(tr->model->grads + b->dense_lo, &nan_value, sizeof nan_value,
+                            MOE_COPY_H2D);
+        moe_log("MOE_FAULT: injected a NaN into the gradients of layer %d at step %d", stage,
+                tr->step);
+    }
     if (!tr->reduce_now || tr->reduce_status != MOE_OK)
         return;
     moe_grad_bucket *b = &tr->buckets[stage + 1];
@@ -116,15 +126,8 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
         moe_log_at(__FILE__, __LINE__, "cannot allocate the token buffer");
         goto fail;
     }
-    if (cfg->jsonl_path[0] && tr->rank == 0) {
-        tr->jsonl = fopen(cfg->jsonl_path, "w");
-        if (!tr->jsonl) {
-            moe_log_at(__FILE__, __LINE__, "[log] jsonl: cannot open '%s' for writing: %m",
-                       cfg->jsonl_path);
-            st = MOE_ERR_IO;
-            goto fail;
-        }
-    }
+    tr->ckpt_step = -1;
+    tr->ckpt_time = now_seconds();
     *out = tr;
     return MOE_OK;
 fail:
@@ -167,6 +170,7 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
         MOE_CHECK(moe_data_batch(tr->data, tr->tokens, first, micro));
         MOE_CHECK(moe_model_forward(m, tr->tokens, &fs));
         tr->reduce_now = tr->comm && j == accum - 1;
+        tr->last_micro = j == accum - 1;
         tr->reduce_status = MOE_OK;
         MOE_CHECK(moe_model_backward(m, S));
         sums[0] += fs.ce_sum;
@@ -177,6 +181,7 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
         sums[5] += (double)fs.a2a_bytes_saved;
     }
     if (tr->comm) {
+        moe_comm_set_context(tr->comm, "gradient reduction", -1);
         MOE_CHECK(wait_buckets(tr));
         MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, sums, 6));
     }
@@ -210,9 +215,23 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
     moe_model *m = tr->model;
     double t0 = now_seconds();
     double norm = 0;
+    moe_comm_set_context(tr->comm, "gradient norm", -1);
     MOE_CHECK(global_grad_norm(tr, &norm));
-    if (!isfinite(norm))
-        MOE_FAIL(MOE_ERR_NUMERIC, "step %d: gradient norm is %g", tr->step, norm);
+    if (!isfinite(norm)) {
+        /* name the first tensor whose gradient is not finite here (dense gradients are
+         * the same on every rank; expert ones differ) */
+        for (int i = 0; i < m->n_tensors; i++) {
+            const moe_tensor *t = &m->tensors[i];
+            if (!m->be->all_finite(m->grads + t->offset, t->count))
+                MOE_FAIL(MOE_ERR_NUMERIC,
+                         "step %d: gradient norm is %g: the gradient of %s (layer %d) is not "
+                         "finite on this rank",
+                         tr->step + 1, norm, t->name, t->layer);
+        }
+        MOE_FAIL(MOE_ERR_NUMERIC,
+                 "step %d: gradient norm is %g (the non-finite gradient is on another rank)",
+                 tr->step + 1, norm);
+    }
     res->grad_norm = norm;
     res->lr = moe_lr_at(&tr->cfg, tr->step);
     moe_optimizer_step(tr->opt, m, &tr->cfg, res->lr, moe_clip_scale(norm, tr->cfg.grad_clip));
@@ -301,13 +320,88 @@ static void write_jsonl(FILE *f, const moe_step_result *r, double tok_per_s)
     fflush(f);
 }
 
+moe_status moe_trainer_checkpoint(moe_trainer *tr)
+{
+    moe_ckpt_state state = {.step = tr->step, .consumed = tr->consumed};
+    double t0 = now_seconds();
+    MOE_CHECK(moe_checkpoint_save(&tr->cfg, tr->comm, tr->model, tr->opt, &state, &tr->fault,
+                                  tr->ckpt_path, sizeof tr->ckpt_path));
+    tr->ckpt_step = tr->step;
+    tr->ckpt_time = now_seconds();
+    if (tr->rank == 0) {
+        printf("checkpoint: step %d -> %s (%.2fs)\n", tr->step, tr->ckpt_path, tr->ckpt_time - t0);
+        fflush(stdout);
+    }
+    return MOE_OK;
+}
+
+moe_status moe_trainer_resume(moe_trainer *tr, const char *spec)
+{
+    moe_ckpt_state state;
+    int found = 0;
+    char path[sizeof tr->ckpt_path];
+    MOE_CHECK(moe_checkpoint_resume(spec, &tr->cfg, tr->comm, tr->model, tr->opt, &state, &found,
+                                    path, sizeof path));
+    if (!found)
+        return MOE_OK;
+    if (state.step > INT32_MAX)
+        MOE_FAIL(MOE_ERR_INVALID, "%s: step %lld is beyond this build's range", path,
+                 (long long)state.step);
+    tr->step = (int)state.step;
+    tr->consumed = state.consumed;
+    tr->ckpt_step = state.step;
+    memcpy(tr->ckpt_path, path, sizeof path);
+    if (tr->rank == 0) {
+        printf("resumed from %s: step %d, %lld sequences consumed\n", path, tr->step,
+               (long long)tr->consumed);
+        fflush(stdout);
+    }
+    return MOE_OK;
+}
+
+/* At a step boundary: every rank learns whether any rank was asked to stop and whether
+ * rank 0's clock says a checkpoint is due; saves when one is due. *stop: the run must
+ * end now (a stop request with steps left). Collective. */
+static moe_status checkpoint_boundary(moe_trainer *tr, int *stop)
+{
+    const moe_config *cfg = &tr->cfg;
+    int64_t flags[2] = {tr->stop_request && *tr->stop_request != 0, 0};
+    if (tr->rank == 0 && cfg->ckpt_interval_minutes > 0 &&
+        now_seconds() - tr->ckpt_time >= 60.0 * cfg->ckpt_interval_minutes)
+        flags[1] = 1;
+    if (tr->comm) {
+        moe_comm_set_context(tr->comm, "step boundary", -1);
+        MOE_CHECK(moe_comm_sum_int64(tr->comm, MOE_GROUP_WORLD, flags, 2));
+    }
+    const int last = tr->step >= cfg->steps;
+    *stop = flags[0] > 0 && !last;
+    if (*stop && tr->rank == 0)
+        moe_log("stop requested (SIGUSR1/SIGTERM on %lld rank(s)): checkpoint, then exit",
+                (long long)flags[0]);
+    int due =
+        (cfg->ckpt_interval > 0 && tr->step % cfg->ckpt_interval == 0) || flags[1] > 0 || *stop;
+    if (due && tr->ckpt_step != tr->step)
+        MOE_CHECK(moe_trainer_checkpoint(tr));
+    return MOE_OK;
+}
+
 moe_status moe_trainer_run(moe_trainer *tr, FILE *out)
 {
-    const int tty = isatty(fileno(out));
+    /* a launcher (mpirun, srun) hands ranks a pseudo-terminal even when its own output
+     * goes to a file: under one, print plain lines */
+    const int tty = isatty(fileno(out)) && !getenv("OMPI_COMM_WORLD_SIZE") && !getenv("PMI_RANK") &&
+                    !getenv("SLURM_PROCID");
     const int log_every = tr->cfg.log_interval;
     double start = now_seconds();
     int64_t tokens = 0;
     moe_step_result r = {0};
+    if (tr->cfg.jsonl_path[0] && tr->rank == 0 && !tr->jsonl) {
+        tr->jsonl = fopen(tr->cfg.jsonl_path, tr->step > 0 ? "a" : "w");
+        if (!tr->jsonl)
+            MOE_FAIL(MOE_ERR_IO, "[log] jsonl: cannot open '%s' for writing: %m",
+                     tr->cfg.jsonl_path);
+    }
+    const int first_step = tr->step;
     while (tr->step < tr->cfg.steps) {
         MOE_CHECK(moe_trainer_accumulate(tr, &r));
         MOE_CHECK(moe_trainer_apply(tr, &r));
@@ -315,20 +409,33 @@ moe_status moe_trainer_run(moe_trainer *tr, FILE *out)
         double elapsed = now_seconds() - start;
         double tps = tokens / elapsed;
         int last = tr->step == tr->cfg.steps;
-        if (tr->rank == 0 && (tr->step % log_every == 0 || last || tr->step == 1))
+        if (tr->rank == 0 && (tr->step % log_every == 0 || last || tr->step == first_step + 1))
             print_progress(tr, &r, elapsed, tps, tty, out);
         if (tr->jsonl)
             write_jsonl(tr->jsonl, &r, tps);
         if (tr->cfg.expert_load_interval > 0 && tr->step % tr->cfg.expert_load_interval == 0 &&
             tr->cfg.dense_layers < tr->cfg.n_layers)
             MOE_CHECK(print_expert_load(tr, tty, out));
+        int stop = 0;
+        MOE_CHECK(checkpoint_boundary(tr, &stop));
+        if (stop) {
+            tr->stopped = 1;
+            break;
+        }
     }
+    if (!tr->stopped && (tr->cfg.ckpt_interval > 0 || tr->cfg.ckpt_interval_minutes > 0) &&
+        tr->ckpt_step != tr->step)
+        MOE_CHECK(moe_trainer_checkpoint(tr));
     if (tr->rank == 0) {
         double elapsed = now_seconds() - start;
         if (tty)
             fputc('\n', out);
-        fprintf(out, "done: %d steps, final loss %.4f, %.0f tokens/s, %.1fs\n", tr->cfg.steps, r.ce,
-                tokens / elapsed, elapsed);
+        if (tr->stopped)
+            fprintf(out, "stopped at step %d of %d: checkpoint %s\n", tr->step, tr->cfg.steps,
+                    tr->ckpt_path);
+        else
+            fprintf(out, "done: %d steps, final loss %.4f, %.0f tokens/s, %.1fs\n", tr->cfg.steps,
+                    r.ce, tokens / elapsed, elapsed);
     }
     return MOE_OK;
 }

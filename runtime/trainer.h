@@ -3,8 +3,12 @@
  * Owns: which global sequences each micro-batch reads, the step (zero gradients,
  * micro-batches of forward + backward, gradient reduction, clipping, AdamW), the progress
  * line, the expert-load summary, the JSONL log.
+ * Checkpoints: every [checkpoint] interval steps, every interval_minutes (rank 0's clock,
+ * agreed by the world), when *stop_request is set on any rank (then the run stops after
+ * the checkpoint with `stopped` set: the launcher exits for requeue), and at the end of
+ * the run when either interval is set. Format and atomicity: checkpoint.h.
  * Does not own: the model's math (model.c), the data source (data.c), process groups
- * (comm/), ending the job (launcher/).
+ * (comm/), signals and ending the job (launcher/).
  *
  * Data order: optimizer step s reads the global sequences [c, c + S) where c is the
  * number consumed before it and S = micro_batch * world * accum(s). Micro-batch j of
@@ -12,6 +16,7 @@
 #ifndef MOE_RUNTIME_TRAINER_H
 #define MOE_RUNTIME_TRAINER_H
 
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -51,15 +56,22 @@ typedef struct {
     int world, rank;
     moe_grad_bucket *buckets; /* L + 2, indexed by stage + 1 (stage -1 = embedding) */
     int reduce_now;           /* the last micro-batch of a step: reduce as stages finish */
+    int last_micro;           /* the last micro-batch of a step is running */
     moe_status reduce_status;
     moe_model *model;
     moe_data *data;
     moe_optimizer *opt;
-    int32_t *tokens;  /* (micro_batch, T+1) */
-    int64_t consumed; /* global sequences consumed by finished steps */
-    int step;         /* next step to take */
-    FILE *jsonl;      /* NULL when [log] jsonl is empty */
-    moe_fault fault;  /* MOE_FAULT, for tests */
+    int32_t *tokens;                     /* (micro_batch, T+1) */
+    int64_t consumed;                    /* global sequences consumed by finished steps */
+    int step;                            /* next step to take */
+    FILE *jsonl;                         /* NULL when [log] jsonl is empty */
+    moe_fault fault;                     /* MOE_FAULT, for tests */
+    volatile sig_atomic_t *stop_request; /* non-zero: checkpoint and stop (set by a signal
+                                            handler of the launcher); NULL: never */
+    int stopped;                         /* the run stopped early after a stop request */
+    int64_t ckpt_step;                   /* step of the newest checkpoint saved or resumed; -1 */
+    double ckpt_time;                    /* when it was saved (or the run began), seconds */
+    char ckpt_path[MOE_PATH_MAX + 64];   /* its directory; "" if none */
 } moe_trainer;
 
 /* Builds the model, data source and optimizer for cfg on this rank. comm NULL: one
@@ -75,7 +87,16 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res);
 /* Clips, applies AdamW, advances the step and the data position; fills grad_norm, lr. */
 moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res);
 
-/* Trains until cfg.steps, printing progress to out. */
+/* Trains until cfg.steps, printing progress to out, saving checkpoints (see the top).
+ * Returns early with tr->stopped set after the checkpoint of a stop request. The JSONL
+ * log is opened here: truncated on a fresh run, appended to after a resume. Collective. */
 moe_status moe_trainer_run(moe_trainer *tr, FILE *out);
+
+/* Restores the state of a checkpoint (spec "auto" or a directory; see
+ * moe_checkpoint_resume) before run. Collective; on failure the trainer is unchanged. */
+moe_status moe_trainer_resume(moe_trainer *tr, const char *spec);
+
+/* Saves a checkpoint of the current step now (tr->ckpt_* updated). Collective. */
+moe_status moe_trainer_checkpoint(moe_trainer *tr);
 
 #endif

@@ -5,7 +5,7 @@ set -euo pipefail
 pkgs=(build-essential cmake pkg-config libopenmpi-dev openmpi-bin libhwloc-dev
       libprotobuf-c-dev protobuf-c-compiler libinih-dev libcmocka-dev libjansson-dev)
 if [ "${1:-}" = "--test" ]; then
-  pkgs+=(python3-torch python3-numpy)
+  pkgs+=(python3-torch python3-numpy clang)
 fi
 missing=()
 for p in "${pkgs[@]}"; do

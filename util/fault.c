@@ -23,8 +23,13 @@ moe_status moe_fault_from_env(moe_fault *f)
         f->kind = MOE_FAULT_EXIT;
     else if (strcmp(kind, "hang") == 0)
         f->kind = MOE_FAULT_HANG;
+    else if (strcmp(kind, "ckptcrash") == 0)
+        f->kind = MOE_FAULT_CKPTCRASH;
+    else if (strcmp(kind, "nan") == 0)
+        f->kind = MOE_FAULT_NAN;
     else
-        MOE_FAIL(MOE_ERR_INVALID, "MOE_FAULT='%s': unknown kind '%s' (fail, exit, hang)", v, kind);
+        MOE_FAIL(MOE_ERR_INVALID,
+                 "MOE_FAULT='%s': unknown kind '%s' (fail, exit, hang, ckptcrash, nan)", v, kind);
     f->rank = rank;
     f->step = step;
     return MOE_OK;
@@ -41,7 +46,22 @@ moe_status moe_fault_check(const moe_fault *f, int rank, int step)
         moe_log("MOE_FAULT: injected hang at step %d", step);
         for (;;)
             pause();
-    case MOE_FAULT_NONE: break;
+    case MOE_FAULT_NONE:
+    case MOE_FAULT_CKPTCRASH:
+    case MOE_FAULT_NAN: break;
     }
     return MOE_OK;
+}
+
+void moe_fault_ckpt_point(const moe_fault *f, int rank, int step)
+{
+    if (f->kind != MOE_FAULT_CKPTCRASH || f->rank != rank || f->step != step)
+        return;
+    moe_log("MOE_FAULT: injected crash halfway through writing the checkpoint of step %d", step);
+    _exit(9);
+}
+
+int moe_fault_nan_due(const moe_fault *f, int rank, int step)
+{
+    return f->kind == MOE_FAULT_NAN && f->rank == rank && f->step == step;
 }

@@ -1,13 +1,16 @@
 # The same global batch gives the same losses at any world size and expert-parallel
-# degree (fp32; only the order of floating-point sums differs). Global batch 32 sequences
-# = micro_batch 8 x world x grad_accum, for 12 steps, dropless and capacity modes.
+# degree (fp32; only the order of floating-point sums differs). Global batch 24 or 32
+# sequences = micro_batch 8 x world x grad_accum, for 20 steps: dropless top-2; capacity
+# mode with top-3 and a shared expert; 6 experts over 3 ranks; and a zero-initialised
+# router, which sends every token to expert 0 at the start (top-1), so the other ranks
+# receive no tokens at all.
 source "$(dirname "$0")/../lib.sh"
 TOL=2e-5   # relative, on the loss and the gradient norm of every step
 
 run() { # name world ep accum extra-sets...
   local name=$1 world=$2 ep=$3 accum=$4
   shift 4
-  mpi "$world" "$MOE" train "$SRC/configs/tiny.ini" --set train.steps=12 \
+  mpi "$world" "$MOE" train "$SRC/configs/tiny.ini" --set train.steps=20 \
     --set train.grad_accum="$accum" --set parallel.ep="$ep" \
     --set log.jsonl="$WORK/$name.jsonl" "$@" >"$WORK/$name.log" 2>&1 ||
     { fail "$name: exit $?"; tail -5 "$WORK/$name.log"; return; }
@@ -19,16 +22,16 @@ import json, sys
 a = [json.loads(l) for l in open(sys.argv[1])]
 b = [json.loads(l) for l in open(sys.argv[2])]
 tol = float(sys.argv[3])
-assert len(a) == len(b) == 12, (len(a), len(b))
+assert len(a) == len(b) == 20, (len(a), len(b))
 worst = 0.0
 for x, y in zip(a, b):
-    assert x["sequences"] == y["sequences"] == 32
+    assert x["sequences"] == y["sequences"] in (24, 32)
     for k in ("loss", "ce", "aux", "z", "grad_norm"):
         rel = abs(x[k] - y[k]) / max(abs(x[k]), 1e-12)
         worst = max(worst, rel)
         if rel > tol:
             sys.exit(f"{sys.argv[4]}: step {x['step']} {k} {y[k]!r} vs {x[k]!r} (rel {rel:.2e})")
-print(f"{sys.argv[4]}: 12 steps, worst relative difference {worst:.2e}")
+print(f"{sys.argv[4]}: 20 steps, worst relative difference {worst:.2e}")
 PY
   if [ $? -eq 0 ]; then pass "$2 matches $1"; else fail "$2 differs from $1"; fi
 }
@@ -45,4 +48,17 @@ for mode in dropless capacity; do
 done
 # capacity mode must really drop, or it tests nothing
 if grep -q '"dropped":[1-9]' "$WORK/capacity-w1.jsonl"; then pass "capacity mode drops assignments"; else fail "capacity mode dropped nothing"; fi
+
+# 6 experts (not a power of two) over 3 ranks, global batch 24
+six=(--set model.experts=6 --set model.top_k=2)
+run six-w1 1 1 3 "${six[@]}"
+run six-w3ep3 3 3 1 "${six[@]}"
+compare six-w1 six-w3ep3
+
+# every token to expert 0 at step 1: ranks 1-3 hold experts that receive nothing
+one=(--set model.router_init_std=0 --set model.top_k=1)
+run one-w1 1 1 4 "${one[@]}"
+run one-w4ep4 4 4 1 "${one[@]}"
+compare one-w1 one-w4ep4
+grep -q '"step":1,.*"a2a_bytes":[1-9]' "$WORK/one-w4ep4.jsonl" && pass "all tokens cross to rank 0 at step 1" || fail "no exchange at step 1"
 finish
