@@ -18,6 +18,7 @@
 
 #include "comm/comm.h"
 #include "launcher/bind.h"
+#include "launcher/plan.h"
 #include "launcher/ranks.h"
 #include "launcher/signals.h"
 #include "kernels/backend.h"
@@ -38,6 +39,9 @@ static const char usage_text[] =
     "  dump CONFIG --out DIR   run the first step's forward and backward and write the\n"
     "                          weights, gradients and losses to DIR (for reference checks)\n"
     "  inspect CKPT            print a checkpoint's manifest and verify every checksum\n"
+    "  plan-experts STATS --ranks R [--nodes N] [--out PLAN]\n"
+    "                          plan an expert placement from a routing_stats file and\n"
+    "                          print the predicted traffic against the contiguous one\n"
     "  export CKPT --format safetensors OUT\n"
     "                          write OUT/model.safetensors + config.json (Mixtral names)\n"
     "\n"
@@ -47,6 +51,7 @@ static const char usage_text[] =
     "  --resume auto|PATH      train (or dump) from a checkpoint: auto = the newest committed\n"
     "                          one in [checkpoint] dir that verifies (none: start fresh)\n"
     "  --format safetensors    export format\n"
+    "  --ranks R, --nodes N    plan-experts: EP ranks and nodes to plan for\n"
     "  -h, --help              this text\n"
     "  --version               print the version\n"
     "\n"
@@ -64,6 +69,7 @@ typedef struct {
     const char *resume; /* --resume: "auto" or a checkpoint directory; NULL: none */
     const char *format; /* --format (export) */
     const char *extra;  /* a third positional argument (export's OUT) */
+    int ranks, nodes;   /* plan-experts */
 } cli_args;
 
 static int parse_args(int argc, char **argv, cli_args *a)
@@ -92,6 +98,15 @@ static int parse_args(int argc, char **argv, cli_args *a)
                 return EXIT_USAGE;
             }
             *(arg[2] == 'r' ? &a->resume : &a->format) = argv[++i];
+        } else if (strcmp(arg, "--ranks") == 0 || strcmp(arg, "--nodes") == 0) {
+            char *end = NULL;
+            long v = i + 1 < argc ? strtol(argv[i + 1], &end, 10) : 0;
+            if (i + 1 >= argc || *end != '\0' || v < 1 || v > 1 << 20) {
+                fprintf(stderr, "moe-dist: %s needs a positive integer\n", arg);
+                return EXIT_USAGE;
+            }
+            *(arg[2] == 'r' ? &a->ranks : &a->nodes) = (int)v;
+            i++;
         } else if (strncmp(arg, "--resume=", 9) == 0) {
             a->resume = arg + 9;
         } else if (strncmp(arg, "--format=", 9) == 0) {
@@ -379,6 +394,13 @@ int main(int argc, char **argv)
     if (!a.verb) {
         fputs(usage_text, stderr);
         return EXIT_USAGE;
+    }
+    if (strcmp(a.verb, "plan-experts") == 0) {
+        if (!a.config_path) {
+            fprintf(stderr, "moe-dist: plan-experts needs a routing_stats file\n%s", usage_text);
+            return EXIT_USAGE;
+        }
+        return moe_cmd_plan_experts(a.config_path, a.ranks, a.nodes ? a.nodes : 1, a.out_dir);
     }
     if (strcmp(a.verb, "inspect") == 0 || strcmp(a.verb, "export") == 0) {
         moe_log_set_rank(0); /* one process, no MPI */

@@ -414,8 +414,9 @@ static moe_status write_rank_file(const char *dir, int rank, int ep, const moe_m
                 uint32_t crc = moe_crc32c(0, stage, nbytes);
                 st = write_all(fd, stage, nbytes, path);
                 if (st == MOE_OK)
-                    st = part_add(part, t, t->is_expert ? m->local_experts[e] : -1, k, offset,
-                                  nbytes, crc);
+                    st = part_add(part, t,
+                                  t->is_expert ? moe_model_local_experts(m, t->layer)[e] : -1, k,
+                                  offset, nbytes, crc);
                 offset += nbytes;
                 if (fault && ++written == (total_slices + 1) / 2)
                     moe_fault_ckpt_point(fault, rank, (int)step);
@@ -517,7 +518,7 @@ static moe_status commit(const moe_config *cfg, int world, const moe_model *m,
         moeckpt__layer_placement__init(&place[l]);
         place[l].layer = cfg->dense_layers + l;
         place[l].n_expert_rank = (size_t)m->E;
-        place[l].expert_rank = (int32_t *)m->expert_rank;
+        place[l].expert_rank = (int32_t *)moe_model_expert_rank(m, cfg->dense_layers + l);
         place_ptrs[l] = &place[l];
     }
     Moeckpt__Manifest mf = MOECKPT__MANIFEST__INIT;
@@ -980,7 +981,7 @@ static moe_status load_slices(ckpt_reader *r, const moe_model *m, staging *sg)
         size_t per = t->count / (size_t)parts;
         for (int k = 0; k < N_KINDS; k++) {
             for (int e = 0; e < parts; e++) {
-                int expert = t->is_expert ? m->local_experts[e] : -1;
+                int expert = t->is_expert ? moe_model_local_experts(m, t->layer)[e] : -1;
                 const Moeckpt__TensorSlice *s = find_slice(r, t->name, expert, k);
                 if (!s)
                     MOE_FAIL(MOE_ERR_IO, "%s/%s: no slice for %s%s%.0d (%s)", r->dir, MANIFEST_NAME,
@@ -999,12 +1000,44 @@ static moe_status load_slices(ckpt_reader *r, const moe_model *m, staging *sg)
 }
 
 /* One candidate: open, check the config, read everything this rank needs. */
-static moe_status try_load(const char *dir, const moe_config *cfg, const moe_model *m, staging *sg,
+/* At the same ep, the run continues with the placement the checkpoint was saved with
+ * (a re-planned one included), so the resumed run is the same computation. At another
+ * ep the config's placement stays and experts are re-sharded by global id. */
+static moe_status adopt_placement(const Moeckpt__Manifest *mf, moe_model *m)
+{
+    if (mf->ep != m->ep || mf->n_placement == 0)
+        return MOE_OK;
+    size_t LE = (size_t)m->L * m->E;
+    int *table = malloc(sizeof(int) * LE);
+    if (!table)
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate a placement");
+    memcpy(table, m->expert_rank, sizeof(int) * LE);
+    moe_status st = MOE_OK;
+    for (size_t i = 0; i < mf->n_placement && st == MOE_OK; i++) {
+        const Moeckpt__LayerPlacement *pl = mf->placement[i];
+        if (pl->layer < 0 || pl->layer >= m->L || pl->n_expert_rank != (size_t)m->E) {
+            moe_log_at(__FILE__, __LINE__, "placement of layer %d in the manifest does not fit",
+                       (int)pl->layer);
+            st = MOE_ERR_IO;
+            break;
+        }
+        for (int e = 0; e < m->E; e++)
+            table[(size_t)pl->layer * m->E + e] = pl->expert_rank[e];
+    }
+    if (st == MOE_OK)
+        st = moe_model_set_placement(m, table);
+    free(table);
+    return st;
+}
+
+static moe_status try_load(const char *dir, const moe_config *cfg, moe_model *m, staging *sg,
                            Moeckpt__Manifest **mf_out, ckpt_reader *r)
 {
     *mf_out = NULL;
     MOE_CHECK(reader_open(r, dir));
     moe_status st = check_model_keys(cfg, r->mf->config_ini, dir);
+    if (st == MOE_OK)
+        st = adopt_placement(r->mf, m);
     if (st == MOE_OK)
         st = load_slices(r, m, sg);
     if (st == MOE_OK)

@@ -117,6 +117,11 @@ static const key_def keys[] = {
              "CPU and memory binding of each rank (docs/launch.md)"),
     KEY("parallel", "comm_timeout_s", T_DOUBLE, comm_timeout_s, GT(0), "600",
         "seconds a communication may wait before the job ends, naming the silent rank"),
+    KEY("parallel", "placement", T_STRING, placement, NONE, "contiguous",
+        "expert placement: contiguous, auto (re-plan from routing statistics every "
+        "replan_interval steps) or a plan file (docs/scheduler.md)"),
+    KEY("parallel", "replan_interval", T_INT, replan_interval, GE(0), "0",
+        "steps between re-plans with placement = auto; 0 never re-plans"),
 
     KEY_ENUM("data", "source", data_source, "synthetic|shards", "synthetic",
              "built-in synthetic corpus, or llm.c token shards"),
@@ -141,8 +146,10 @@ static const key_def keys[] = {
     KEY("log", "interval", T_INT, log_interval, GE(1), "1", "progress line every N steps"),
     KEY("log", "expert_load_interval", T_INT, expert_load_interval, GE(0), "50",
         "expert-load summary every N steps; 0 disables"),
-    KEY("log", "jsonl", T_STRING, jsonl_path, NONE, "",
-        "JSONL metrics file; empty disables (reserved)"),
+    KEY("log", "jsonl", T_STRING, jsonl_path, NONE, "", "JSONL metrics file; empty disables"),
+    KEY("log", "routing_stats", T_STRING, routing_stats_path, NONE, "",
+        "routing statistics file (summed over ranks), written at the end and at each "
+        "re-plan; empty disables"),
 };
 
 #define N_KEYS ((int)(sizeof keys / sizeof keys[0]))
@@ -977,6 +984,11 @@ moe_status moe_config_validate(const moe_config *cfg)
     if (strcmp(cfg->data_source, "shards") == 0 && cfg->data_path[0] == '\0') {
         rule_failed(cfg, "data.source", "data.path", "needs the shard files in",
                     "must name the shard files when");
+        bad++;
+    }
+    if (strcmp(cfg->placement, "auto") == 0 && cfg->replan_interval == 0) {
+        rule_failed(cfg, "parallel.placement", "parallel.replan_interval",
+                    "= auto re-plans every replan_interval steps, so it needs", "must be > 0 with");
         bad++;
     }
     if (strcmp(cfg->backend, "cpu") == 0 &&

@@ -63,6 +63,8 @@ typedef struct {
     char backend[16];      /* auto | cpu | cuda */
     char bind[8];          /* auto | numa | core | none: CPU and memory binding (launcher/bind.h) */
     double comm_timeout_s; /* a communication wait longer than this ends the job */
+    char placement[MOE_PATH_MAX]; /* contiguous | auto | plan file */
+    int replan_interval;          /* steps between re-plans with placement = auto */
 
     /* [data] */
     char data_source[16];         /* synthetic | shards */
@@ -83,6 +85,7 @@ typedef struct {
     int log_interval;              /* progress line every N steps */
     int expert_load_interval;      /* per-layer expert-load summary every N steps; 0 disables */
     char jsonl_path[MOE_PATH_MAX]; /* "" disables */
+    char routing_stats_path[MOE_PATH_MAX]; /* "" disables */
 
     /* where each key was last set, for messages: config.c's key table indexes these */
     char source_path[MOE_PATH_MAX];    /* the INI file loaded, "" if none */

@@ -8,6 +8,8 @@
 #include <string.h>
 
 #include "comm/comm.h"
+#include "sched/placement.h"
+#include "sched/stats.h"
 #include "kernels/backend.h"
 #include "util/rng.h"
 
@@ -173,7 +175,8 @@ static moe_status init_weights(moe_model *m)
         for (int e = 0; e < parts; e++) {
             char stream_name[MOE_TENSOR_NAME_MAX + 16];
             if (t->is_expert)
-                snprintf(stream_name, sizeof stream_name, "%s.%d", t->name, m->local_experts[e]);
+                snprintf(stream_name, sizeof stream_name, "%s.%d", t->name,
+                         moe_model_local_experts(m, t->layer)[e]);
             else
                 snprintf(stream_name, sizeof stream_name, "%s", t->name);
             uint64_t stream = moe_rng_stream(stream_name);
@@ -183,22 +186,6 @@ static moe_status init_weights(moe_model *m)
     }
     m->be->copy(m->params, host, sizeof(real) * m->n_params, MOE_COPY_H2D);
     free(host);
-    return MOE_OK;
-}
-
-/* The placement tables in backend memory, for the dispatch kernel. */
-static moe_status upload_placement(moe_model *m)
-{
-    int32_t *tmp = malloc(sizeof(int32_t) * 2 * (size_t)m->E);
-    if (!tmp)
-        MOE_FAIL(MOE_ERR_NOMEM, "cannot stage the expert placement");
-    for (int e = 0; e < m->E; e++) {
-        tmp[e] = m->expert_rank[e];
-        tmp[m->E + e] = m->expert_local[e];
-    }
-    m->be->copy(m->expert_rank_dev, tmp, sizeof(int32_t) * m->E, MOE_COPY_H2D);
-    m->be->copy(m->expert_local_dev, tmp + m->E, sizeof(int32_t) * m->E, MOE_COPY_H2D);
-    free(tmp);
     return MOE_OK;
 }
 
@@ -230,8 +217,8 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->targets = TAKE(c, int32_t, N);
     m->tokens_h = TAKE(h, int32_t, 2 * N);
     m->send_assign = TAKE(h, int, m->ep);
-    m->expert_rank_dev = TAKE(c, int32_t, m->E);
-    m->expert_local_dev = TAKE(c, int32_t, m->E);
+    m->expert_rank_dev = TAKE(c, int32_t, (size_t)m->L * m->E);
+    m->expert_local_dev = TAKE(c, int32_t, (size_t)m->L * m->E);
     for (int l = 0; l <= m->L; l++) {
         real *x = TAKE(c, real, N * D);
         if (m->x)
@@ -327,22 +314,110 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->load = TAKE(h, int64_t, (size_t)m->L * m->E);
 }
 
-/* Contiguous placement: expert e on EP rank e / El. The tables are the only place that
- * knows it; everything else goes through expert_rank / expert_local. */
-static moe_status place_experts(moe_model *m)
+/* The placement tables are the only place that knows which rank holds an expert;
+ * everything else goes through expert_rank / expert_local. At create: contiguous (expert
+ * e on EP rank e / El) or the plan file named by [parallel] placement. */
+static moe_status alloc_placement(moe_model *m)
 {
-    m->expert_rank = malloc(sizeof(int) * m->E);
-    m->expert_local = malloc(sizeof(int) * m->E);
-    m->local_experts = malloc(sizeof(int) * m->El);
+    size_t LE = (size_t)m->L * m->E;
+    m->expert_rank = malloc(sizeof(int) * LE);
+    m->expert_local = malloc(sizeof(int) * LE);
+    m->local_experts = malloc(sizeof(int) * (size_t)m->L * m->El);
     if (!m->expert_rank || !m->expert_local || !m->local_experts)
         MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate the expert placement");
-    for (int e = 0; e < m->E; e++) {
-        m->expert_rank[e] = e / m->El;
-        m->expert_local[e] = e % m->El;
-        if (m->expert_rank[e] == m->ep_rank)
-            m->local_experts[m->expert_local[e]] = e;
+    return MOE_OK;
+}
+
+/* Fills expert_local and local_experts from expert_rank, checking the counts. */
+static moe_status derive_placement(moe_model *m)
+{
+    for (int l = m->cfg.dense_layers; l < m->L; l++) {
+        const int *rank = m->expert_rank + (size_t)l * m->E;
+        int *local = m->expert_local + (size_t)l * m->E;
+        for (int p = 0; p < m->ep; p++) {
+            int n = 0;
+            for (int e = 0; e < m->E; e++) {
+                if (rank[e] < 0 || rank[e] >= m->ep)
+                    MOE_FAIL(MOE_ERR_INVALID,
+                             "placement of layer %d: expert %d on rank %d, "
+                             "outside the EP group of %d",
+                             l, e, rank[e], m->ep);
+                if (rank[e] != p)
+                    continue;
+                if (p == m->ep_rank && n < m->El)
+                    m->local_experts[(size_t)l * m->El + n] = e;
+                local[e] = n++;
+            }
+            if (n != m->El)
+                MOE_FAIL(MOE_ERR_INVALID, "placement of layer %d gives rank %d %d experts, not %d",
+                         l, p, n, m->El);
+        }
     }
     return MOE_OK;
+}
+
+/* The placement tables in backend memory, for the dispatch kernel. */
+static moe_status upload_placement(moe_model *m)
+{
+    size_t LE = (size_t)m->L * m->E;
+    int32_t *tmp = malloc(sizeof(int32_t) * 2 * LE);
+    if (!tmp)
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot stage the expert placement");
+    for (size_t i = 0; i < LE; i++) {
+        tmp[i] = m->expert_rank[i];
+        tmp[LE + i] = m->expert_local[i];
+    }
+    m->be->copy(m->expert_rank_dev, tmp, sizeof(int32_t) * LE, MOE_COPY_H2D);
+    m->be->copy(m->expert_local_dev, tmp + LE, sizeof(int32_t) * LE, MOE_COPY_H2D);
+    free(tmp);
+    return m->be->sync();
+}
+
+moe_status moe_model_set_placement(moe_model *m, const int *expert_rank)
+{
+    size_t LE = (size_t)m->L * m->E;
+    int *saved = malloc(sizeof(int) * LE);
+    if (!saved)
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate a placement");
+    memcpy(saved, m->expert_rank, sizeof(int) * LE);
+    for (int l = m->cfg.dense_layers; l < m->L; l++)
+        memcpy(m->expert_rank + (size_t)l * m->E, expert_rank + (size_t)l * m->E,
+               sizeof(int) * m->E);
+    moe_status st = derive_placement(m);
+    if (st != MOE_OK) { /* keep the old placement */
+        memcpy(m->expert_rank, saved, sizeof(int) * LE);
+        derive_placement(m);
+    }
+    free(saved);
+    MOE_CHECK(st);
+    return upload_placement(m);
+}
+
+static moe_status initial_placement(moe_model *m)
+{
+    for (int l = 0; l < m->L; l++)
+        for (int e = 0; e < m->E; e++)
+            m->expert_rank[(size_t)l * m->E + e] = e / m->El;
+    const char *plan = m->cfg.placement;
+    if (strcmp(plan, "contiguous") != 0 && strcmp(plan, "auto") != 0) {
+        moe_placement *pl = NULL;
+        MOE_CHECK(moe_placement_load(&pl, plan, m->ep));
+        moe_status st = MOE_OK;
+        int n_moe = m->L - m->cfg.dense_layers;
+        if (pl->layers != n_moe || pl->experts != m->E || pl->ranks != m->ep) {
+            moe_log_at(__FILE__, __LINE__,
+                       "[parallel] placement = %s: a plan for %d MoE layers, %d experts, %d ranks; "
+                       "this run has %d, %d, ep %d",
+                       plan, pl->layers, pl->experts, pl->ranks, n_moe, m->E, m->ep);
+            st = MOE_ERR_INVALID;
+        }
+        for (int l = 0; st == MOE_OK && l < n_moe; l++)
+            memcpy(m->expert_rank + (size_t)(m->cfg.dense_layers + l) * m->E,
+                   pl->expert_rank + (size_t)l * m->E, sizeof(int) * m->E);
+        moe_placement_destroy(pl);
+        MOE_CHECK(st);
+    }
+    return derive_placement(m);
 }
 
 moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_comm *comm,
@@ -388,7 +463,8 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
                       ? (int)ceil(cfg->capacity_factor * m->N * m->K / (double)m->E)
                       : -1;
 
-    MOE_CHECK_GOTO(st, place_experts(m));
+    MOE_CHECK_GOTO(st, alloc_placement(m));
+    MOE_CHECK_GOTO(st, initial_placement(m));
     MOE_CHECK_GOTO(st, layout_tensors(m));
     m->params = be->alloc(m->n_params * sizeof(real));
     m->grads = be->alloc(m->n_params * sizeof(real));
@@ -540,9 +616,10 @@ static moe_status moe_dispatch(moe_model *m, int l, moe_fwd_stats *stats)
                                   m->route_scratch, a->idx, a->w, N, m->E, K, N, m->capacity);
     stats->dropped += (int64_t)N * K - M;
 
-    a->n_send = m->be->moe_pack_dispatch(m->send_buf, a->send_token, a->send_rows, m->send_assign,
-                                         a->h2, a->idx, a->w, a->slot_row, m->expert_rank_dev,
-                                         m->expert_local_dev, N, D, K, ep, m->row_bytes);
+    a->n_send =
+        m->be->moe_pack_dispatch(m->send_buf, a->send_token, a->send_rows, m->send_assign, a->h2,
+                                 a->idx, a->w, a->slot_row, m->expert_rank_dev + (size_t)l * m->E,
+                                 m->expert_local_dev + (size_t)l * m->E, N, D, K, ep, m->row_bytes);
     /* token payload of dispatch and combine, with and without sending a token once */
     for (int p = 0; p < ep; p++) {
         if (p == m->ep_rank)
@@ -601,6 +678,11 @@ static moe_status moe_block_forward(moe_model *m, int l, real *out, moe_fwd_stat
     const int N = m->N, D = m->D;
     moe_comm_set_context(m->comm, "forward", l); /* named by a timeout (comm.h) */
     router_forward_layer(m, l, stats);
+    if (m->routing && !m->be->on_device) { /* routing statistics for the scheduler */
+        int lm = l - m->cfg.dense_layers;
+        MOE_CHECK(moe_routing_stats_add(m->routing, lm, a->idx, lm > 0 ? m->acts[l - 1].idx : NULL,
+                                        N, m->K));
+    }
     MOE_CHECK(moe_dispatch(m, l, stats));
     moe_experts_forward(m, l, (real *)m->send_buf);
     /* combine: partial sums go back to the rows' owners (sizes reversed) */
@@ -814,4 +896,123 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
     m->be->embedding_backward(m->g.embedding, m->dres, m->tokens, N, D);
     grad_ready(m, -1);
     return MOE_OK;
+}
+
+/* ---- moving experts between ranks (re-planning) ----------------------------------------- */
+
+/* The slices of expert `local` of every expert tensor of layer l, in tensor order, in an
+ * arena: (tensor i, its offset of slice `local`, count). Calls fn for each. */
+typedef void (*slice_fn)(void *ctx, real *slice, size_t count);
+
+static void for_each_slice(const moe_model *m, real *arena, int l, int local, slice_fn fn,
+                           void *ctx)
+{
+    for (int i = 0; i < m->n_tensors; i++) {
+        const moe_tensor *t = &m->tensors[i];
+        if (!t->is_expert || t->layer != l)
+            continue;
+        size_t per = t->count / (size_t)m->El;
+        fn(ctx, arena + t->offset + (size_t)local * per, per);
+    }
+}
+
+typedef struct {
+    const moe_backend *be;
+    real *cursor;
+    int to_arena; /* 1: buffer -> arena, 0: arena -> buffer */
+} slice_copy;
+
+static void copy_slice(void *ctx, real *slice, size_t count)
+{
+    slice_copy *c = ctx;
+    if (c->to_arena)
+        c->be->copy(slice, c->cursor, sizeof(real) * count, MOE_COPY_H2D);
+    else
+        c->be->copy(c->cursor, slice, sizeof(real) * count, MOE_COPY_D2H);
+    c->cursor += count;
+}
+
+moe_status moe_model_move_experts(moe_model *m, const int *expert_rank, real **extra, int n_extra)
+{
+    const int E = m->E, P = m->ep, me = m->ep_rank;
+    const int n_arenas = 1 + n_extra;
+    size_t per_expert = 0; /* elements of one expert over its tensors of one layer */
+    for (int i = 0; i < m->n_tensors; i++)
+        if (m->tensors[i].is_expert && m->tensors[i].layer == m->L - 1)
+            per_expert += m->tensors[i].count / (size_t)m->El;
+    const size_t unit = per_expert * (size_t)n_arenas; /* elements moved per expert */
+    moe_status st = MOE_OK;
+    real *sendb = malloc(sizeof(real) * unit * (size_t)m->El);
+    real *recvb = malloc(sizeof(real) * unit * (size_t)m->El);
+    real *keep = malloc(sizeof(real) * unit * (size_t)m->El);
+    size_t *sizes = calloc(4 * (size_t)P, sizeof(size_t));
+    int *new_local = malloc(sizeof(int) * E);
+    if (!sendb || !recvb || !keep || !sizes || !new_local) {
+        st = MOE_ERR_NOMEM;
+        moe_log_at(__FILE__, __LINE__, "cannot allocate the expert move buffers");
+        goto fail;
+    }
+    real *arenas[8] = {m->params};
+    for (int a = 0; a < n_extra && a < 7; a++)
+        arenas[1 + a] = extra[a];
+
+    for (int l = m->cfg.dense_layers; l < m->L; l++) {
+        const int *old_rank = m->expert_rank + (size_t)l * E;
+        const int *old_local = m->expert_local + (size_t)l * E;
+        const int *new_rank = expert_rank + (size_t)l * E;
+        for (int p = 0, n = 0; p < P; p++, n = 0)
+            for (int e = 0; e < E; e++)
+                if (new_rank[e] == p)
+                    new_local[e] = n++;
+        /* pack what leaves, by destination then expert id; stage what stays */
+        size_t *sc = sizes, *sd = sc + P, *rc = sd + P, *rd = rc + P;
+        slice_copy out = {m->be, sendb, 0}, stay = {m->be, keep, 0};
+        for (int p = 0; p < P; p++) {
+            sd[p] = (size_t)(out.cursor - sendb) * sizeof(real);
+            for (int e = 0; e < E; e++)
+                if (old_rank[e] == me && new_rank[e] == p && p != me)
+                    for (int a = 0; a < n_arenas; a++)
+                        for_each_slice(m, arenas[a], l, old_local[e], copy_slice, &out);
+            sc[p] = (size_t)(out.cursor - sendb) * sizeof(real) - sd[p];
+        }
+        for (int e = 0; e < E; e++)
+            if (old_rank[e] == me && new_rank[e] == me)
+                for (int a = 0; a < n_arenas; a++)
+                    for_each_slice(m, arenas[a], l, old_local[e], copy_slice, &stay);
+        size_t ro = 0;
+        for (int p = 0; p < P; p++) {
+            int n = 0;
+            for (int e = 0; e < E; e++)
+                n += old_rank[e] == p && new_rank[e] == me && p != me;
+            rc[p] = (size_t)n * unit * sizeof(real);
+            rd[p] = ro;
+            ro += rc[p];
+        }
+        if (P > 1) {
+            moe_comm_handle done;
+            MOE_CHECK_GOTO(st, moe_comm_exchange_start(m->comm, sendb, sc, sd, recvb, rc, rd,
+                                                       MOE_COMM_NONE, &done));
+            MOE_CHECK_GOTO(st, moe_comm_wait(m->comm, done));
+        }
+        /* unpack: staying experts, then arrivals by source then expert id */
+        slice_copy in = {m->be, keep, 1};
+        for (int e = 0; e < E; e++)
+            if (old_rank[e] == me && new_rank[e] == me)
+                for (int a = 0; a < n_arenas; a++)
+                    for_each_slice(m, arenas[a], l, new_local[e], copy_slice, &in);
+        in.cursor = recvb;
+        for (int p = 0; p < P; p++)
+            for (int e = 0; e < E; e++)
+                if (old_rank[e] == p && new_rank[e] == me && p != me)
+                    for (int a = 0; a < n_arenas; a++)
+                        for_each_slice(m, arenas[a], l, new_local[e], copy_slice, &in);
+    }
+    st = moe_model_set_placement(m, expert_rank);
+fail:
+    free(sendb);
+    free(recvb);
+    free(keep);
+    free(sizes);
+    free(new_local);
+    return st;
 }

@@ -116,14 +116,15 @@ typedef void (*moe_grad_ready_fn)(void *ctx, int stage);
 typedef struct moe_model {
     moe_config cfg;
     int B, T, N, D, H, Hd, V, L, E, El, K, F, Fd, Fs;
-    int capacity;                 /* per expert per micro-batch, -1 dropless */
-    int ep, ep_rank;              /* expert-parallel degree and this rank's place in its EP group */
-    int *expert_rank;             /* (E): EP rank holding each expert */
-    int *expert_local;            /* (E): its index among that rank's El experts */
-    int *local_experts;           /* (El): global ids of this rank's experts */
-    struct moe_comm *comm;        /* NULL: one process */
-    const struct moe_backend *be; /* where buffers live and ops run */
-    int32_t *expert_rank_dev, *expert_local_dev; /* (E) copies in backend memory */
+    int capacity;       /* per expert per micro-batch, -1 dropless */
+    int ep, ep_rank;    /* expert-parallel degree and this rank's place in its EP group */
+    int *expert_rank;   /* (L, E): EP rank holding each expert of each layer */
+    int *expert_local;  /* (L, E): its index among that rank's El experts */
+    int *local_experts; /* (L, El): global ids of this rank's experts, by layer */
+    struct moe_routing_stats *routing; /* NULL, or statistics to collect (sched/stats.h) */
+    struct moe_comm *comm;             /* NULL: one process */
+    const struct moe_backend *be;      /* where buffers live and ops run */
+    int32_t *expert_rank_dev, *expert_local_dev; /* (L, E) copies in backend memory */
     moe_grad_ready_fn grad_ready;                /* NULL: nobody listens */
     void *grad_ready_ctx;
 
@@ -181,6 +182,26 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
 
 /* Destroying NULL does nothing. */
 void moe_model_destroy(moe_model *m);
+
+/* Sets the placement: expert_rank (L, E), the EP rank of each expert of each MoE layer
+ * (rows of dense layers are ignored). Every rank must get El experts of each MoE layer.
+ * Moves no weights: for a fresh model, or before loading a checkpoint. */
+moe_status moe_model_set_placement(moe_model *m, const int *expert_rank);
+
+/* Collective over the EP group: moves every expert's slice of the parameters and of the
+ * n_extra arenas laid out like them (Adam m and v) to its rank under expert_rank (L, E),
+ * then sets the placement. Gradients are not moved (they are zero between steps). */
+moe_status moe_model_move_experts(moe_model *m, const int *expert_rank, real **extra, int n_extra);
+
+/* The placement of layer l: expert -> EP rank (E), and this rank's experts (El). */
+static inline const int *moe_model_expert_rank(const moe_model *m, int l)
+{
+    return m->expert_rank + (size_t)l * m->E;
+}
+static inline const int *moe_model_local_experts(const moe_model *m, int l)
+{
+    return m->local_experts + (size_t)l * m->El;
+}
 
 /* Forward of one micro-batch. tokens: (B, T+1), inputs are [:, :T], targets [:, 1:].
  * Fills stats with this micro-batch's sums. Collective over the EP group. */

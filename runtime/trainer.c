@@ -3,6 +3,8 @@
 
 #include "comm/comm.h"
 #include "kernels/backend.h"
+#include "sched/placement.h"
+#include "sched/stats.h"
 #include "runtime/checkpoint.h"
 
 #include <math.h>
@@ -115,6 +117,12 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
         goto fail;
     }
     MOE_CHECK_GOTO(st, moe_model_create(&tr->model, cfg, comm, be));
+    if (cfg->dense_layers < cfg->n_layers &&
+        (strcmp(cfg->placement, "auto") == 0 || cfg->routing_stats_path[0])) {
+        MOE_CHECK_GOTO(st, moe_routing_stats_create(&tr->routing, cfg->n_layers - cfg->dense_layers,
+                                                    cfg->experts));
+        tr->model->routing = tr->routing;
+    }
     tr->model->grad_ready = on_grad_ready;
     tr->model->grad_ready_ctx = tr;
     MOE_CHECK_GOTO(st, build_buckets(tr));
@@ -143,6 +151,7 @@ void moe_trainer_destroy(moe_trainer *tr)
         fclose(tr->jsonl);
     free(tr->tokens);
     free(tr->buckets);
+    moe_routing_stats_destroy(tr->routing);
     moe_optimizer_destroy(tr->opt);
     moe_data_destroy(tr->data);
     moe_model_destroy(tr->model);
@@ -385,6 +394,62 @@ static moe_status checkpoint_boundary(moe_trainer *tr, int *stop)
     return MOE_OK;
 }
 
+/* Sums the routing statistics over the world (every rank then holds the same counts)
+ * and rank 0 writes them to [log] routing_stats. Collective. */
+static moe_status reduce_routing_stats(moe_trainer *tr)
+{
+    if (tr->comm && tr->world > 1)
+        MOE_CHECK(moe_comm_sum_int64(tr->comm, MOE_GROUP_WORLD, tr->routing->data,
+                                     (int)tr->routing->count));
+    return MOE_OK;
+}
+
+static moe_status save_routing_stats(moe_trainer *tr)
+{
+    MOE_CHECK(reduce_routing_stats(tr));
+    tr->routing->steps = tr->step;
+    if (tr->rank == 0)
+        MOE_CHECK(moe_routing_stats_save(tr->routing, tr->cfg.routing_stats_path));
+    return MOE_OK;
+}
+
+moe_status moe_trainer_replan(moe_trainer *tr, FILE *out)
+{
+    moe_model *m = tr->model;
+    const int n_moe = m->L - tr->cfg.dense_layers;
+    moe_placement *plan = NULL;
+    moe_plan_report report;
+    moe_plan_params params = moe_plan_params_default();
+    moe_status st = MOE_OK;
+    MOE_CHECK(reduce_routing_stats(tr));
+    tr->routing->steps = tr->cfg.replan_interval;
+    if (tr->rank == 0 && tr->cfg.routing_stats_path[0])
+        MOE_CHECK(moe_routing_stats_save(tr->routing, tr->cfg.routing_stats_path));
+    /* every rank plans from the same counts; the planner is deterministic */
+    MOE_CHECK(moe_plan_experts(&plan, tr->routing, m->ep, m->ep, &params, &report));
+    int *table = malloc(sizeof(int) * (size_t)m->L * m->E);
+    if (!table) {
+        moe_placement_destroy(plan);
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate a placement");
+    }
+    memcpy(table, m->expert_rank, sizeof(int) * (size_t)m->L * m->E);
+    for (int l = 0; l < n_moe; l++)
+        memcpy(table + (size_t)(tr->cfg.dense_layers + l) * m->E,
+               plan->expert_rank + (size_t)l * m->E, sizeof(int) * m->E);
+    real *extra[2] = {tr->opt->m, tr->opt->v};
+    st = moe_model_move_experts(m, table, extra, 2);
+    if (st == MOE_OK && tr->rank == 0)
+        fprintf(out,
+                "re-plan at step %d: experts grouped by co-activation, objective %.0f -> %.0f "
+                "(contiguous), worst load max/mean %.2f\n",
+                tr->step, report.objective[0], report.objective_contiguous[0],
+                report.worst_balance);
+    moe_routing_stats_reset(tr->routing);
+    free(table);
+    moe_placement_destroy(plan);
+    return st;
+}
+
 moe_status moe_trainer_run(moe_trainer *tr, FILE *out)
 {
     /* a launcher (mpirun, srun) hands ranks a pseudo-terminal even when its own output
@@ -416,6 +481,9 @@ moe_status moe_trainer_run(moe_trainer *tr, FILE *out)
         if (tr->cfg.expert_load_interval > 0 && tr->step % tr->cfg.expert_load_interval == 0 &&
             tr->cfg.dense_layers < tr->cfg.n_layers)
             MOE_CHECK(print_expert_load(tr, tty, out));
+        if (tr->routing && strcmp(tr->cfg.placement, "auto") == 0 &&
+            tr->step % tr->cfg.replan_interval == 0 && tr->step < tr->cfg.steps)
+            MOE_CHECK(moe_trainer_replan(tr, out));
         int stop = 0;
         MOE_CHECK(checkpoint_boundary(tr, &stop));
         if (stop) {
@@ -426,6 +494,8 @@ moe_status moe_trainer_run(moe_trainer *tr, FILE *out)
     if (!tr->stopped && (tr->cfg.ckpt_interval > 0 || tr->cfg.ckpt_interval_minutes > 0) &&
         tr->ckpt_step != tr->step)
         MOE_CHECK(moe_trainer_checkpoint(tr));
+    if (tr->routing && tr->cfg.routing_stats_path[0])
+        MOE_CHECK(save_routing_stats(tr));
     if (tr->rank == 0) {
         double elapsed = now_seconds() - start;
         if (tty)

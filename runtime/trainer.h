@@ -49,6 +49,7 @@ typedef struct {
 } moe_grad_bucket;
 
 struct moe_comm;
+struct moe_routing_stats;
 
 typedef struct {
     moe_config cfg;
@@ -66,6 +67,7 @@ typedef struct {
     int step;                            /* next step to take */
     FILE *jsonl;                         /* NULL when [log] jsonl is empty */
     moe_fault fault;                     /* MOE_FAULT, for tests */
+    struct moe_routing_stats *routing;   /* NULL unless placement = auto or [log] routing_stats */
     volatile sig_atomic_t *stop_request; /* non-zero: checkpoint and stop (set by a signal
                                             handler of the launcher); NULL: never */
     int stopped;                         /* the run stopped early after a stop request */
