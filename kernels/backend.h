@@ -61,6 +61,12 @@ extern "C" {
 
 typedef enum { MOE_COPY_H2D, MOE_COPY_D2H, MOE_COPY_D2D } moe_copy_kind;
 
+/* Precision of the matrix products. fp32: everything fp32. bf16 / fp16: the operands of
+ * every GEMM (matmul and grouped matmul, forward and backward) are rounded to 16 bits,
+ * products accumulate in fp32 and outputs are fp32; every other op, the master weights,
+ * the optimizer state, router logits and all reductions stay fp32. */
+typedef enum { MOE_PREC_FP32 = 0, MOE_PREC_BF16 = 1, MOE_PREC_FP16 = 2 } moe_precision;
+
 typedef struct moe_backend {
     const char *name; /* "cpu", "cuda" */
     int on_device;    /* buffers are device memory */
@@ -72,6 +78,16 @@ typedef struct moe_backend {
     void (*copy)(void *dst, const void *src, size_t nbytes, moe_copy_kind kind);
     /* waits for queued work; reports an asynchronous failure with its message */
     moe_status (*sync)(void);
+    /* compute capability of the device, major*10 + minor (0 on the cpu) */
+    int (*compute_capability)(void);
+    /* Sets the GEMM precision. For bf16/fp16 the backend keeps a 16-bit shadow of the
+     * parameter arena [params, params + n_params): a GEMM whose weight operand lies in the
+     * arena reads the shadow; other operands (activations, gradients) are rounded into one
+     * workspace of max_operand elements allocated here. The cpu backend takes fp32 only. */
+    moe_status (*set_precision)(moe_precision p, const real *params, size_t n_params,
+                                size_t max_operand);
+    /* Re-rounds the shadow from the parameters: after every change of the parameters. */
+    moe_status (*refresh_shadow)(void);
 #ifdef __cplusplus
 #define MOE_OP_FIELD(fn) decltype(&::fn) fn;
 #else

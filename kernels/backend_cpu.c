@@ -14,6 +14,17 @@ static void cpu_copy(void *dst, const void *src, size_t nbytes, moe_copy_kind ki
     memmove(dst, src, nbytes);
 }
 static moe_status cpu_sync(void) { return MOE_OK; }
+static int cpu_capability(void) { return 0; }
+static moe_status cpu_set_precision(moe_precision p, const real *params, size_t n, size_t max)
+{
+    (void)params;
+    (void)n;
+    (void)max;
+    if (p != MOE_PREC_FP32)
+        MOE_FAIL(MOE_ERR_INVALID, "[precision] mode: the cpu backend computes in fp32 only");
+    return MOE_OK;
+}
+static moe_status cpu_refresh_shadow(void) { return MOE_OK; }
 
 #define MOE_OP_INIT(fn) .fn = fn,
 const moe_backend moe_backend_cpu = {.name = "cpu",
@@ -23,6 +34,9 @@ const moe_backend moe_backend_cpu = {.name = "cpu",
                                      .zero = cpu_zero,
                                      .copy = cpu_copy,
                                      .sync = cpu_sync,
+                                     .compute_capability = cpu_capability,
+                                     .set_precision = cpu_set_precision,
+                                     .refresh_shadow = cpu_refresh_shadow,
                                      MOE_OPS_LIST(MOE_OP_INIT)};
 #undef MOE_OP_INIT
 

@@ -154,7 +154,8 @@ static moe_status gpu_domains(hwloc_topology_t topo, int k, const char *const *b
     unsigned d[4];
     for (int j = 0; j < k; j++) {
         if (!busids[j] || !parse_busid(busids[j], &d[0], &d[1], &d[2], &d[3]))
-            MOE_FAIL(MOE_ERR_INVALID, "GPU PCI bus id '%s' of local rank %d: expected [dddd:]bb:dd.f",
+            MOE_FAIL(MOE_ERR_INVALID,
+                     "GPU PCI bus id '%s' of local rank %d: expected [dddd:]bb:dd.f",
                      busids[j] ? busids[j] : "(null)", j);
     }
     *found = 1;
@@ -220,8 +221,9 @@ static moe_status split(hwloc_topology_t topo, moe_bind_mode mode, int me, int k
         int at = n_groups++;
         while (at > 0) {
             int o = order[at - 1];
-            int before = size[o] < size[j] ||
-                         (size[o] == size[j] && hwloc_bitmap_first(dom[o]) <= hwloc_bitmap_first(dom[j]));
+            int before =
+                size[o] < size[j] ||
+                (size[o] == size[j] && hwloc_bitmap_first(dom[o]) <= hwloc_bitmap_first(dom[j]));
             if (before)
                 break;
             order[at] = o;
@@ -234,8 +236,13 @@ static moe_status split(hwloc_topology_t topo, moe_bind_mode mode, int me, int k
         int lead = order[g];
         int free_n = units_inside(topo, dom[lead], used, units, n_units);
         if (lead != mine) {
-            for (int i = 0; i < free_n; i++)
-                hwloc_bitmap_or(used, used, units[i]->cpuset);
+            for (int i = 0; i < free_n; i++) {
+                if (hwloc_bitmap_or(used, used, units[i]->cpuset) != 0) {
+                    st = MOE_ERR_NOMEM;
+                    moe_log_at(__FILE__, __LINE__, "cannot build a cpuset");
+                    goto out;
+                }
+            }
             continue;
         }
         int m = 0, p = 0;
@@ -291,8 +298,8 @@ moe_status moe_bind_plan_compute(hwloc_topology_t topo, moe_bind_mode mode, int 
     memset(plan, 0, sizeof *plan);
     if (!topo || local_size < 1 || local_rank < 0 || local_rank >= local_size ||
         mode < MOE_BIND_AUTO || mode > MOE_BIND_NONE)
-        MOE_FAIL(MOE_ERR_INVALID, "bind: bad arguments (local rank %d of %d, mode %d)",
-                 local_rank, local_size, (int)mode);
+        MOE_FAIL(MOE_ERR_INVALID, "bind: bad arguments (local rank %d of %d, mode %d)", local_rank,
+                 local_size, (int)mode);
     plan->cpuset = hwloc_bitmap_alloc();
     plan->nodeset = hwloc_bitmap_alloc();
     dom = calloc((size_t)local_size, sizeof *dom);
@@ -311,8 +318,8 @@ moe_status moe_bind_plan_compute(hwloc_topology_t topo, moe_bind_mode mode, int 
             goto nomem;
     int gpu = 0;
     if (busids)
-        MOE_CHECK_GOTO(st, gpu_domains(topo, local_size, busids, dom, &gpu, plan->note,
-                                       sizeof plan->note));
+        MOE_CHECK_GOTO(
+            st, gpu_domains(topo, local_size, busids, dom, &gpu, plan->note, sizeof plan->note));
     if (!gpu)
         MOE_CHECK_GOTO(st, cpu_domains(topo, local_size, dom));
     char note[sizeof plan->note];
@@ -487,21 +494,27 @@ static moe_status bind_here(const moe_ranks *r, moe_bind_mode mode, const char *
     nodes = hwloc_bitmap_alloc();
     if (!current || !nodes) {
         st = MOE_ERR_NOMEM;
+        moe_log_at(__FILE__, __LINE__, "cannot allocate two bitmaps");
         goto fail;
     }
-    if (hwloc_get_cpubind(topo, current, HWLOC_CPUBIND_PROCESS) != 0)
-        hwloc_bitmap_copy(current, hwloc_topology_get_allowed_cpuset(topo)); /* unknown */
-    if (moe_bind_launcher_bound(topo, current, why, sizeof why)) {
-        hwloc_cpuset_to_nodeset(topo, current, nodes);
+    /* this process's binding; unknown (no support) reads as unbound */
+    int known = hwloc_get_cpubind(topo, current, HWLOC_CPUBIND_PROCESS) == 0;
+    if (moe_bind_launcher_bound(topo, known ? current : NULL, why, sizeof why)) {
+        if ((!known && hwloc_bitmap_copy(current, hwloc_topology_get_allowed_cpuset(topo)) != 0) ||
+            hwloc_cpuset_to_nodeset(topo, current, nodes) != 0) {
+            st = MOE_ERR_NOMEM;
+            moe_log_at(__FILE__, __LINE__, "cannot describe the launcher's binding");
+            goto fail;
+        }
         moe_bind_describe(topo, current, nodes, desc, sizeof desc);
         append(text, cap, "%s [kept the launcher's binding: %s]", desc, why);
         goto fail; /* cleanup only: st is MOE_OK */
     }
-    MOE_CHECK_GOTO(st, moe_bind_plan_compute(topo, mode, r->local_rank, r->local_size, busids,
-                                             &plan));
+    MOE_CHECK_GOTO(st,
+                   moe_bind_plan_compute(topo, mode, r->local_rank, r->local_size, busids, &plan));
     int mem_bound = 0;
-    MOE_CHECK_GOTO(st, moe_bind_apply(topo, &plan, mode != MOE_BIND_AUTO, &mem_bound, why,
-                                      sizeof why));
+    MOE_CHECK_GOTO(st,
+                   moe_bind_apply(topo, &plan, mode != MOE_BIND_AUTO, &mem_bound, why, sizeof why));
     moe_bind_describe(topo, plan.cpuset, plan.nodeset, desc, sizeof desc);
     int cpus_refused = strncmp(why, "cpus", 4) == 0;
     append(text, cap, "%s", cpus_refused ? why : desc);

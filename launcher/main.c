@@ -145,13 +145,15 @@ static int load_config(const cli_args *a, moe_config *cfg)
 static moe_ranks ranks;
 
 /* Collective (gathers the host names); rank 0 prints. */
-static void print_banner(const moe_config *cfg, const moe_model *m, const char *source)
+static void print_banner(const moe_config *cfg, const moe_trainer *tr, const char *source)
 {
+    const moe_model *m = tr->model;
     char hosts[1024];
     moe_ranks_hosts(&ranks, hosts, sizeof hosts);
     if (ranks.rank != 0)
         return;
-    printf("moe-dist %s: %s, backend %s (fp32)\n", MOE_VERSION, source, m->be->name);
+    printf("moe-dist %s: %s, backend %s (%s)\n", MOE_VERSION, source, m->be->name,
+           moe_trainer_precision(tr));
     printf("layout: world %d, ep %d, expert-data-parallel %d, %d of %d experts per rank per "
            "layer; %s\n",
            ranks.world, cfg->ep, ranks.world / cfg->ep, m->El, m->E, hosts);
@@ -193,7 +195,7 @@ static int cmd_train(const cli_args *a)
     if (moe_trainer_create(&tr, &cfg, comm) != MOE_OK)
         return fail_job(1);
     tr->stop_request = moe_signals_flag();
-    print_banner(&cfg, tr->model, a->config_path ? a->config_path : "embedded tiny.ini");
+    print_banner(&cfg, tr, a->config_path ? a->config_path : "embedded tiny.ini");
     moe_status st = MOE_OK;
     if (a->resume && (st = moe_trainer_resume(tr, a->resume)) != MOE_OK)
         return fail_job(st == MOE_ERR_INVALID ? EXIT_USAGE : 1);

@@ -530,8 +530,10 @@ static moe_status commit(const moe_config *cfg, int world, const moe_model *m,
     mf.consumed = state->consumed;
     mf.seed = cfg->seed;
     mf.data_seed = cfg->data_seed;
-    mf.loss_scale_mode = MOECKPT__LOSS_SCALE_MODE__NONE;
-    mf.loss_scale = 1.0;
+    mf.loss_scale_mode = state->loss_scale_dynamic ? MOECKPT__LOSS_SCALE_MODE__DYNAMIC
+                                                   : MOECKPT__LOSS_SCALE_MODE__NONE;
+    mf.loss_scale = state->loss_scale_dynamic ? state->loss_scale : 1.0;
+    mf.loss_scale_good_steps = state->loss_scale_good;
     mf.optimizer_t = opt->t;
     mf.world_size = world;
     mf.ep = m->ep;
@@ -1149,6 +1151,9 @@ moe_status moe_checkpoint_resume(const char *spec, const moe_config *cfg, struct
             }
             state->step = mf->step;
             state->consumed = mf->consumed;
+            state->loss_scale_dynamic = mf->loss_scale_mode == MOECKPT__LOSS_SCALE_MODE__DYNAMIC;
+            state->loss_scale = mf->loss_scale > 0 ? mf->loss_scale : 1.0;
+            state->loss_scale_good = mf->loss_scale_good_steps;
             opt->t = (int)mf->optimizer_t;
             *found = 1;
             if (path)

@@ -40,8 +40,11 @@ struct moe_comm;
 
 /* The training state besides the tensors. */
 typedef struct {
-    int64_t step;     /* optimizer steps taken */
-    int64_t consumed; /* global sequences consumed */
+    int64_t step;            /* optimizer steps taken */
+    int64_t consumed;        /* global sequences consumed */
+    double loss_scale;       /* fp16 dynamic loss scale; 1 without scaling */
+    int64_t loss_scale_good; /* clean steps since the scale last changed */
+    int loss_scale_dynamic;  /* 1 when fp16 dynamic loss scaling is on */
 } moe_ckpt_state;
 
 /* Saves the state of every rank into cfg->ckpt_dir/step-<state->step>/ as described

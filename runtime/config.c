@@ -132,7 +132,15 @@ static const key_def keys[] = {
     KEY("data", "seed", T_U64, data_seed, NONE, "42", "seed of the synthetic corpus"),
 
     KEY_ENUM("precision", "mode", precision, "fp32|bf16|fp16|auto", "fp32",
-             "arithmetic precision (reserved: only fp32 runs today)"),
+             "GEMM precision: fp32, bf16 (sm_80+), fp16 (with loss scaling), auto"),
+    KEY("precision", "loss_scale_init", T_DOUBLE, loss_scale_init, GT(0), "65536",
+        "fp16: the initial dynamic loss scale"),
+    KEY("precision", "loss_scale_growth_interval", T_INT, loss_scale_growth_interval, GE(1), "1000",
+        "fp16: clean steps before the scale grows"),
+    KEY("precision", "loss_scale_growth", T_DOUBLE, loss_scale_growth, GT(1), "2",
+        "fp16: factor applied after growth_interval clean steps"),
+    KEY("precision", "loss_scale_backoff", T_DOUBLE, loss_scale_backoff, GT(0), "0.5",
+        "fp16: factor applied on overflow (the step is skipped); below 1"),
 
     KEY("checkpoint", "dir", T_STRING, ckpt_dir, NONE, "runs/ckpt",
         "directory of the step-NNNNNNNN checkpoints"),

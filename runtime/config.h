@@ -73,7 +73,11 @@ typedef struct {
     uint64_t data_seed;
 
     /* [precision] */
-    char precision[8]; /* fp32 | bf16 | fp16 | auto */
+    char precision[8];              /* fp32 | bf16 | fp16 | auto */
+    double loss_scale_init;         /* fp16 dynamic loss scaling: start */
+    int loss_scale_growth_interval; /* clean steps before growing */
+    double loss_scale_growth;       /* growth factor */
+    double loss_scale_backoff;      /* factor on overflow */
 
     /* [checkpoint] */
     char ckpt_dir[MOE_PATH_MAX];

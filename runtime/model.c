@@ -430,6 +430,7 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
         MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate the model");
     m->cfg = *cfg;
     m->be = be ? be : &moe_backend_cpu;
+    m->loss_scale = 1.0;
     be = m->be;
     m->B = cfg->micro_batch;
     m->T = cfg->seq_len;
@@ -457,6 +458,15 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
     /* worst case of dropless routing: every peer sends all its tokens here */
     m->Rmax = m->ep * m->N;
     m->Mmax = m->Rmax * (m->K < m->El ? m->K : m->El);
+    {
+        /* GEMM operands: token-major (N rows) and expert-row-major (Mmax rows) ones */
+        int wt = m->D, we = m->D > m->F ? m->D : m->F;
+        int widths[] = {m->Fd, m->Fs, m->V, m->E};
+        for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
+            wt = widths[i] > wt ? widths[i] : wt;
+        size_t a = (size_t)m->N * wt, b = (size_t)m->Mmax * we;
+        m->max_gemm_operand = a > b ? a : b;
+    }
     m->row_bytes =
         ((size_t)(m->D + m->K) * sizeof(real) + (size_t)m->K * sizeof(int32_t) + 7) & ~(size_t)7;
     m->capacity = cfg->capacity_factor > 0
@@ -775,7 +785,8 @@ static void router_backward_layer(moe_model *m, int l, int64_t step_sequences)
     /* aux: averaged over the step's micro-batches; z: over its tokens */
     const double n_micro = (double)step_sequences / m->B;
     m->be->router_aux_backward(m->dprobs, m->drlogits, a->probs, a->rlse, a->mb_counts, N, N, E, K,
-                               m->cfg.aux_loss_coef / n_micro, m->cfg.z_loss_coef / n_micro);
+                               m->loss_scale * m->cfg.aux_loss_coef / n_micro,
+                               m->loss_scale * m->cfg.z_loss_coef / n_micro);
     m->be->softmax_backward(m->drlogits, m->dprobs, a->probs, N, E);
     m->be->matmul_backward(m->dh, g->router, m->drlogits, a->h2, w->router, N, m->D, E);
 }
@@ -880,7 +891,7 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
 {
     const int N = m->N, D = m->D;
     const size_t ND = (size_t)N * D;
-    real dloss = (real)(1.0 / ((double)step_sequences * m->T));
+    real dloss = (real)(m->loss_scale / ((double)step_sequences * m->T));
     m->be->zero(m->dlogits, sizeof(real) * (size_t)N * m->V);
     m->be->cross_entropy_backward(m->dlogits, m->logits, m->ce_lse, m->targets, dloss, N, m->V);
     m->be->zero(m->dh, sizeof(real) * ND);

@@ -116,11 +116,13 @@ typedef void (*moe_grad_ready_fn)(void *ctx, int stage);
 typedef struct moe_model {
     moe_config cfg;
     int B, T, N, D, H, Hd, V, L, E, El, K, F, Fd, Fs;
-    int capacity;       /* per expert per micro-batch, -1 dropless */
-    int ep, ep_rank;    /* expert-parallel degree and this rank's place in its EP group */
-    int *expert_rank;   /* (L, E): EP rank holding each expert of each layer */
-    int *expert_local;  /* (L, E): its index among that rank's El experts */
-    int *local_experts; /* (L, El): global ids of this rank's experts, by layer */
+    int capacity;            /* per expert per micro-batch, -1 dropless */
+    double loss_scale;       /* backward seeds are multiplied by it (fp16 loss scaling); 1 */
+    size_t max_gemm_operand; /* elements of the largest activation operand of any GEMM */
+    int ep, ep_rank;         /* expert-parallel degree and this rank's place in its EP group */
+    int *expert_rank;        /* (L, E): EP rank holding each expert of each layer */
+    int *expert_local;       /* (L, E): its index among that rank's El experts */
+    int *local_experts;      /* (L, El): global ids of this rank's experts, by layer */
     struct moe_routing_stats *routing; /* NULL, or statistics to collect (sched/stats.h) */
     struct moe_comm *comm;             /* NULL: one process */
     const struct moe_backend *be;      /* where buffers live and ops run */
@@ -208,7 +210,8 @@ static inline const int *moe_model_local_experts(const moe_model *m, int l)
 moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats *stats);
 
 /* Backward of the last forward, accumulating into m->grads the gradient of the step
- * loss (see the top of this file) for a step of `step_sequences` sequences in all.
+ * loss (see the top of this file), times m->loss_scale, for a step of `step_sequences`
+ * sequences in all.
  * Collective over the EP group (token exchanges). Calls m->grad_ready after each
  * stage when set. */
 moe_status moe_model_backward(moe_model *m, int64_t step_sequences);

@@ -94,6 +94,45 @@ static moe_status wait_buckets(moe_trainer *tr)
     return tr->reduce_status;
 }
 
+/* [precision] mode: auto is bf16 on sm_80 and later, fp16 on sm_75, fp32 on the cpu. fp16
+ * turns on dynamic loss scaling. */
+static moe_status setup_precision(moe_trainer *tr)
+{
+    const moe_backend *be = tr->model->be;
+    const char *mode = tr->cfg.precision;
+    int cc = be->compute_capability();
+    moe_precision p = MOE_PREC_FP32;
+    if (strcmp(mode, "auto") == 0)
+        p = !be->on_device ? MOE_PREC_FP32 : cc >= 80 ? MOE_PREC_BF16 : MOE_PREC_FP16;
+    else if (strcmp(mode, "bf16") == 0)
+        p = MOE_PREC_BF16;
+    else if (strcmp(mode, "fp16") == 0)
+        p = MOE_PREC_FP16;
+    if (p != MOE_PREC_FP32 && !be->on_device)
+        MOE_FAIL(MOE_ERR_INVALID,
+                 "[precision] mode = %s needs a GPU; this run uses the %s backend (fp32 only)",
+                 mode, be->name);
+    if (p == MOE_PREC_BF16 && cc < 80)
+        MOE_FAIL(MOE_ERR_INVALID,
+                 "[precision] mode = bf16: this GPU is sm_%d, and bf16 tensor cores need sm_80 "
+                 "or later (T4 is sm_75); use fp16 (with dynamic loss scaling) or auto",
+                 cc);
+    tr->precision = p;
+    tr->scaling = p == MOE_PREC_FP16;
+    tr->loss_scale = tr->scaling ? tr->cfg.loss_scale_init : 1.0;
+    tr->model->loss_scale = tr->loss_scale;
+    MOE_CHECK(
+        be->set_precision(p, tr->model->params, tr->model->n_params, tr->model->max_gemm_operand));
+    return be->refresh_shadow();
+}
+
+const char *moe_trainer_precision(const moe_trainer *tr)
+{
+    return tr->precision == MOE_PREC_BF16   ? "bf16 GEMMs, fp32 elsewhere"
+           : tr->precision == MOE_PREC_FP16 ? "fp16 GEMMs with dynamic loss scaling, fp32 elsewhere"
+                                            : "fp32";
+}
+
 moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct moe_comm *comm)
 {
     moe_status st = MOE_OK;
@@ -117,6 +156,7 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
         goto fail;
     }
     MOE_CHECK_GOTO(st, moe_model_create(&tr->model, cfg, comm, be));
+    MOE_CHECK_GOTO(st, setup_precision(tr));
     if (cfg->dense_layers < cfg->n_layers &&
         (strcmp(cfg->placement, "auto") == 0 || cfg->routing_stats_path[0])) {
         MOE_CHECK_GOTO(st, moe_routing_stats_create(&tr->routing, cfg->n_layers - cfg->dense_layers,
@@ -226,6 +266,23 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
     double norm = 0;
     moe_comm_set_context(tr->comm, "gradient norm", -1);
     MOE_CHECK(global_grad_norm(tr, &norm));
+    res->loss_scale = tr->loss_scale;
+    if (tr->scaling && !isfinite(norm)) {
+        /* fp16 overflow: skip the step (the data moves on), halve the scale. Every rank
+         * sees the same global norm, so every rank skips. */
+        res->skipped = 1;
+        res->grad_norm = norm;
+        res->lr = moe_lr_at(&tr->cfg, tr->step);
+        tr->skipped_steps++;
+        tr->loss_scale *= tr->cfg.loss_scale_backoff;
+        tr->scale_good = 0;
+        m->loss_scale = tr->loss_scale;
+        tr->consumed += res->sequences;
+        tr->step++;
+        res->seconds += now_seconds() - t0;
+        return MOE_OK;
+    }
+    norm /= tr->loss_scale; /* the gradients carry the loss scale */
     if (!isfinite(norm)) {
         /* name the first tensor whose gradient is not finite here (dense gradients are
          * the same on every rank; expert ones differ) */
@@ -243,7 +300,14 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
     }
     res->grad_norm = norm;
     res->lr = moe_lr_at(&tr->cfg, tr->step);
-    moe_optimizer_step(tr->opt, m, &tr->cfg, res->lr, moe_clip_scale(norm, tr->cfg.grad_clip));
+    moe_optimizer_step(tr->opt, m, &tr->cfg, res->lr,
+                       moe_clip_scale(norm, tr->cfg.grad_clip) / tr->loss_scale);
+    MOE_CHECK(m->be->refresh_shadow());
+    if (tr->scaling && ++tr->scale_good >= tr->cfg.loss_scale_growth_interval) {
+        tr->loss_scale *= tr->cfg.loss_scale_growth;
+        tr->scale_good = 0;
+        m->loss_scale = tr->loss_scale;
+    }
     tr->consumed += res->sequences;
     tr->step++;
     res->seconds += now_seconds() - t0;
@@ -286,6 +350,9 @@ static void print_progress(const moe_trainer *tr, const moe_step_result *r, doub
         fprintf(out, " dropped %lld", (long long)r->dropped);
     if (tr->world > 1)
         fprintf(out, " a2a %.1fMB", r->a2a_bytes / 1e6);
+    if (tr->scaling)
+        fprintf(out, " scale %.0f skipped %lld%s", r->loss_scale, (long long)tr->skipped_steps,
+                r->skipped ? " (this step)" : "");
     if (!tty)
         fputc('\n', out);
     fflush(out);
@@ -322,16 +389,21 @@ static void write_jsonl(FILE *f, const moe_step_result *r, double tok_per_s)
     fprintf(f,
             "{\"step\":%d,\"loss\":%.9g,\"ce\":%.9g,\"aux\":%.9g,\"z\":%.9g,\"grad_norm\":%.9g,"
             "\"lr\":%.9g,\"sequences\":%lld,\"dropped\":%lld,\"a2a_bytes\":%lld,"
-            "\"a2a_bytes_saved\":%lld,\"step_s\":%.6f,\"tok_per_s\":%.1f}\n",
+            "\"a2a_bytes_saved\":%lld,\"loss_scale\":%.9g,\"skipped\":%d,\"step_s\":%.6f,"
+            "\"tok_per_s\":%.1f}\n",
             r->step + 1, r->loss, r->ce, r->aux, r->z, r->grad_norm, r->lr, (long long)r->sequences,
-            (long long)r->dropped, (long long)r->a2a_bytes, (long long)r->a2a_saved, r->seconds,
-            tok_per_s);
+            (long long)r->dropped, (long long)r->a2a_bytes, (long long)r->a2a_saved, r->loss_scale,
+            r->skipped, r->seconds, tok_per_s);
     fflush(f);
 }
 
 moe_status moe_trainer_checkpoint(moe_trainer *tr)
 {
-    moe_ckpt_state state = {.step = tr->step, .consumed = tr->consumed};
+    moe_ckpt_state state = {.step = tr->step,
+                            .consumed = tr->consumed,
+                            .loss_scale = tr->loss_scale,
+                            .loss_scale_good = tr->scale_good,
+                            .loss_scale_dynamic = tr->scaling};
     double t0 = now_seconds();
     MOE_CHECK(moe_checkpoint_save(&tr->cfg, tr->comm, tr->model, tr->opt, &state, &tr->fault,
                                   tr->ckpt_path, sizeof tr->ckpt_path));
@@ -358,6 +430,12 @@ moe_status moe_trainer_resume(moe_trainer *tr, const char *spec)
                  (long long)state.step);
     tr->step = (int)state.step;
     tr->consumed = state.consumed;
+    if (tr->scaling && state.loss_scale_dynamic) {
+        tr->loss_scale = state.loss_scale;
+        tr->scale_good = state.loss_scale_good;
+        tr->model->loss_scale = tr->loss_scale;
+    }
+    MOE_CHECK(tr->model->be->refresh_shadow());
     tr->ckpt_step = state.step;
     memcpy(tr->ckpt_path, path, sizeof path);
     if (tr->rank == 0) {
@@ -438,6 +516,8 @@ moe_status moe_trainer_replan(moe_trainer *tr, FILE *out)
                plan->expert_rank + (size_t)l * m->E, sizeof(int) * m->E);
     real *extra[2] = {tr->opt->m, tr->opt->v};
     st = moe_model_move_experts(m, table, extra, 2);
+    if (st == MOE_OK)
+        st = m->be->refresh_shadow();
     if (st == MOE_OK && tr->rank == 0)
         fprintf(out,
                 "re-plan at step %d: experts grouped by co-activation, objective %.0f -> %.0f "

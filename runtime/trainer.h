@@ -39,6 +39,8 @@ typedef struct {
     int64_t a2a_bytes; /* token bytes sent between ranks (all ranks) */
     int64_t a2a_saved; /* bytes not sent because a token goes once to a rank */
     double seconds;    /* wall time of the step */
+    int skipped;       /* fp16: the step found non-finite gradients and was skipped */
+    double loss_scale; /* the loss scale this step ran with (1 without scaling) */
 } moe_step_result;
 
 /* A gradient bucket: the tensors of one backward stage, dense and expert ranges. */
@@ -67,6 +69,11 @@ typedef struct {
     int step;                            /* next step to take */
     FILE *jsonl;                         /* NULL when [log] jsonl is empty */
     moe_fault fault;                     /* MOE_FAULT, for tests */
+    int precision;                       /* moe_precision of the GEMMs */
+    int scaling;                         /* fp16 dynamic loss scaling on */
+    double loss_scale;                   /* current scale (1 without scaling) */
+    int64_t scale_good;                  /* clean steps since the scale last changed */
+    int64_t skipped_steps;               /* steps skipped for non-finite gradients */
     struct moe_routing_stats *routing;   /* NULL unless placement = auto or [log] routing_stats */
     volatile sig_atomic_t *stop_request; /* non-zero: checkpoint and stop (set by a signal
                                             handler of the launcher); NULL: never */
@@ -88,6 +95,14 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res);
 
 /* Clips, applies AdamW, advances the step and the data position; fills grad_norm, lr. */
 moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res);
+
+/* Collective: sums the routing statistics over ranks, plans a placement from them
+ * (sched/), moves expert weights and Adam state to their new ranks, and resets the
+ * statistics. Called at a step boundary. */
+moe_status moe_trainer_replan(moe_trainer *tr, FILE *out);
+
+/* The precision in words, for the banner. */
+const char *moe_trainer_precision(const moe_trainer *tr);
 
 /* Trains until cfg.steps, printing progress to out, saving checkpoints (see the top).
  * Returns early with tr->stopped set after the checkpoint of a stop request. The JSONL

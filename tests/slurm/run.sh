@@ -9,9 +9,14 @@
 #   2. preemption: the same job again, sent SIGUSR1 mid-run through Slurm
 #      (scancel --signal=USR1 --batch): moe-dist checkpoints and exits 75, the template
 #      requeues the job, the requeued job resumes (--resume auto) and ends COMPLETED with
-#      every step's loss equal to the uninterrupted run's, bit for bit.
+#      every step's loss equal to the uninterrupted run's, bit for bit;
+#   3. the time limit: a 1-minute job with --signal=B:USR1@50 gets SIGUSR1, checkpoints
+#      and is requeued (then cancelled).
 # Exit status 77 (skipped) when not root or when Slurm cannot be installed or started.
+# MOE_SLURM_KEEP=DIR keeps the daemons' logs and the jobs' output; MOE_SLURM_STEPS
+# changes the run length (60); MOE_SLURM_NO_GPU=1 runs without stand-in GPUs.
 source "$(dirname "$0")/../lib.sh"
+[ -n "${WORK:-}" ] && [ -d "$WORK" ] || { echo "tests/lib.sh did not set up WORK" >&2; exit 1; }
 SKIP=77
 STEPS=${MOE_SLURM_STEPS:-60}
 TEMPLATE=$SRC/launcher/slurm/moe-dist.sbatch
@@ -54,7 +59,7 @@ stop_cluster() {
   rm -rf "$WORK"
 }
 trap stop_cluster EXIT
-mkdir -p "$D/state" "$D/spool" "$D/munge" "$D/jobs" "$D/dev"
+mkdir -p "$D/state" "$D/spool" "$D/tmp" "$D/munge" "$D/jobs" "$D/dev"
 chmod 700 "$D/munge"
 free_port() { $PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 CTLD_PORT=$(free_port)
@@ -78,6 +83,7 @@ SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$D/state
 SlurmdSpoolDir=$D/spool
+TmpFS=$D/tmp
 SlurmctldPidFile=$D/slurmctld.pid
 SlurmdPidFile=$D/slurmd.pid
 SlurmctldLogFile=$D/slurmctld.log
@@ -87,6 +93,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 SlurmdParameters=config_overrides
 MpiDefault=none
 GresTypes=gpu
@@ -229,15 +236,38 @@ if same_losses "$D/jobs/plain.jsonl" "$D/jobs/preempt.jsonl"; then
 else
   fail "the interrupted run's losses differ"
 fi
+story=$(grep -E '^(moe-dist.sbatch|stopped|resumed|done:|  .* local [0-9]+/)' "$log")
+
+# ---- 3. the time limit: --signal=B:USR1@50 on a 2-minute job (the template's mechanism).
+# slurmctld looks at time limits every 30 s and signals early rather than late, so the
+# signal comes 40 to 70 s in (on a 1-minute job it could come before moe-dist is up).
+t=$(date +%s)
+id=$(submit limit --time=2 --signal=B:USR1@50 -- --set train.steps=100000) ||
+  { fail "sbatch: $id"; finish; }
+log3="$D/jobs/limit-$id.out"
+for _ in $(seq 1 480); do
+  grep -q "requeueing job $id" "$log3" 2>/dev/null && break
+  ended "$id" && break
+  sleep 0.25
+done
+if grep -q "^moe-dist.sbatch: SIGUSR1 at" "$log3" && grep -q "^stopped at step" "$log3" &&
+  grep -q "requeueing job $id" "$log3"; then
+  pass "time limit: SIGUSR1 $(($(date +%s) - t))s into a 2-minute job, checkpoint, requeue"
+else
+  fail "time limit: no SIGUSR1/checkpoint/requeue within $(($(date +%s) - t))s"
+  tail -5 "$log3" | sed 's/^/    /'
+fi
+scancel "$id" 2>/dev/null
+
+if [ -n "${MOE_SLURM_KEEP:-}" ]; then # keep the cluster's logs and the jobs' output
+  mkdir -p "$MOE_SLURM_KEEP" && cp -r "$D"/*.log "$D"/*.conf "$D/jobs" "$MOE_SLURM_KEEP"/
+fi
 if [ "$FAILS" -ne 0 ]; then
-  if [ -n "${MOE_SLURM_KEEP:-}" ]; then # keep the cluster's logs and the jobs' output
-    mkdir -p "$MOE_SLURM_KEEP" && cp -r "$D"/*.log "$D/jobs" "$MOE_SLURM_KEEP"/
-  fi
   echo "--- $log"
   tail -25 "$log" | sed 's/^/    /'
 else
   echo "--- the preempted job's story:"
-  grep -E '^(moe-dist.sbatch|stopped|resumed|done:|  .* local [0-9]+/)' "$log" | sed 's/^/    /'
+  echo "$story" | sed 's/^/    /'
 fi
 echo "slurm test: $(elapsed)s in all"
 finish

@@ -194,14 +194,14 @@ static void test_dgx_shuffled_and_spelling(void **state)
 {
     (void)state;
     hwloc_topology_t t = load_xml("dgx-h100-2s8g.xml");
-    const char *const ids[8] = {"00000000:DF:00.0", "1b:00.0",      "0000:c3:00.0",
-                                "0000:43:00.0",     "0000:d1:00.0", "0000:52:00.0",
-                                "0000:9d:00.0",     "0000:61:00.0"};
+    const char *const ids[8] = {"00000000:DF:00.0", "1b:00.0",      "0000:c3:00.0", "0000:43:00.0",
+                                "0000:d1:00.0",     "0000:52:00.0", "0000:9d:00.0", "0000:61:00.0"};
     moe_bind_plan p[8];
     plan_all(t, MOE_BIND_AUTO, 8, ids, p);
-    expect_gpu_local(t, p, 8, (const char *const[]){"0000:df:00.0", "0000:1b:00.0", "0000:c3:00.0",
-                                                    "0000:43:00.0", "0000:d1:00.0", "0000:52:00.0",
-                                                    "0000:9d:00.0", "0000:61:00.0"},
+    expect_gpu_local(t, p, 8,
+                     (const char *const[]){"0000:df:00.0", "0000:1b:00.0", "0000:c3:00.0",
+                                           "0000:43:00.0", "0000:d1:00.0", "0000:52:00.0",
+                                           "0000:9d:00.0", "0000:61:00.0"},
                      14);
     /* socket 1 holds local ranks 0, 2, 4, 6: they split it in local-rank order */
     expect_list(p[0].cpuset, "56-69,168-181", "cpus", 0);
@@ -289,7 +289,7 @@ static void test_epyc_nps4(void **state)
     plan_all(t, MOE_BIND_AUTO, 8, ids, p);
     expect_gpu_local(t, p, 8, ids, 8);
     for (int j = 0; j < 8; j++) {
-        char want[4];
+        char want[16];
         snprintf(want, sizeof want, "%d", j / 2);
         expect_list(p[j].nodeset, want, "numa", j);
     }
@@ -475,8 +475,8 @@ static void test_busid_malformed(void **state)
 {
     (void)state;
     hwloc_topology_t t = load_xml("t4x4-2s.xml");
-    const char *bad[] = {"", "zz:00.0", "0000:18:00", "18:00.0x", "0000:018:00.0", "18:20.0",
-                         "18:00.8", "0000:0000:18:00.0", "gpu0"};
+    const char *bad[] = {"",        "zz:00.0", "0000:18:00",        "18:00.0x", "0000:018:00.0",
+                         "18:20.0", "18:00.8", "0000:0000:18:00.0", "gpu0"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         const char *ids[2] = {"0000:18:00.0", bad[i]};
         moe_bind_plan p;

@@ -1,0 +1,225 @@
+/* kernels/cuda/cuda_common.cuh: what the .cu files of the "cuda" backend share: the one
+ * stream, the sticky error status, device and pinned scratch, launch helpers, warp
+ * reductions, the scan and the stable sort (bucket.cu), and the declarations of every
+ * cuda_<op> (same parameter list as the op in kernels/ops.h).
+ *
+ * Owns nothing at run time (backend_cuda.cu owns the state). Every function here is host
+ * code called on the backend's thread; every kernel runs on moe_cuda_stream().
+ *
+ * Errors: ops return void (or a host value), so a failing CUDA/cuBLASLt call is logged at
+ * once (file:line and the library's message) and the first one is kept as a sticky status
+ * that the backend's sync() returns. */
+#ifndef MOE_KERNELS_CUDA_COMMON_CUH
+#define MOE_KERNELS_CUDA_COMMON_CUH
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+extern "C" {
+#include "util/status.h"
+}
+#include "kernels/backend.h"
+
+/* extern "C" cuda_<op>, declared from the op itself so the lists cannot drift. */
+#define MOE_CUDA_DECLARE(fn) extern "C" decltype(fn) cuda_##fn;
+MOE_OPS_LIST(MOE_CUDA_DECLARE)
+#undef MOE_CUDA_DECLARE
+
+/* ---- state (backend_cuda.cu) --------------------------------------------------------- */
+
+/* The backend's stream: every kernel, copy and memset of the backend runs on it. */
+cudaStream_t moe_cuda_stream(void);
+
+/* Checks a CUDA result: on failure logs "file:line: what: message" and keeps the first
+ * failure for sync(). Returns 1 when err is cudaSuccess. */
+int moe_cuda_check_at(cudaError_t err, const char *file, int line, const char *what);
+/* Records a failure that is not a cudaError_t (cuBLASLt, unsupported shape). */
+void moe_cuda_fail_at(const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Same for a cuBLASLt status. */
+int moe_cuda_lt_check_at(cublasStatus_t st, const char *file, int line, const char *what);
+
+#define MOE_CUDA_OK(call) moe_cuda_check_at((call), __FILE__, __LINE__, #call)
+#define MOE_LT_OK(call) moe_cuda_lt_check_at((call), __FILE__, __LINE__, #call)
+#define MOE_CUDA_FAIL(...) moe_cuda_fail_at(__FILE__, __LINE__, __VA_ARGS__)
+
+/* The backend's cuBLASLt handle and its persistent workspace (matmul.cu). */
+cublasLtHandle_t moe_cuda_lt(void);
+void *moe_cuda_workspace(size_t *nbytes);
+
+/* Device scratch of at least nbytes, valid until the next call (one op at a time, in
+ * stream order). Grows (after a stream synchronisation) when a call needs more; NULL on
+ * failure (recorded). */
+void *moe_cuda_scratch(size_t nbytes);
+/* Pinned host scratch for results copied back; same rules. */
+void *moe_cuda_host_scratch(size_t nbytes);
+/* Copies nbytes of device memory to the pinned host scratch, waits, and returns it (NULL
+ * on failure, recorded): how every op that returns a host value gets it. */
+void *moe_cuda_fetch(const void *dev, size_t nbytes);
+
+/* ---- launches ------------------------------------------------------------------------ */
+
+#define MOE_CUDA_THREADS 256
+#define MOE_CUDA_FULL_MASK 0xffffffffu
+
+/* Blocks for a grid-stride loop over n items (n > 0): enough to cover n, capped (the loop
+ * covers the rest). */
+static inline unsigned moe_cuda_blocks(size_t n, unsigned threads)
+{
+    size_t b = (n + threads - 1) / threads;
+    const size_t cap = (size_t)1 << 20;
+    return (unsigned)(b < 1 ? 1 : (b > cap ? cap : b));
+}
+
+/* Launches kernel on the backend stream and checks the launch. */
+#define MOE_CUDA_LAUNCH(kernel, grid, block, smem, ...)                                            \
+    do {                                                                                           \
+        kernel<<<(grid), (block), (smem), moe_cuda_stream()>>>(__VA_ARGS__);                       \
+        moe_cuda_check_at(cudaGetLastError(), __FILE__, __LINE__, "launch " #kernel);              \
+    } while (0)
+
+#define MOE_CUDA_GRID_STRIDE(i, n)                                                                 \
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (size_t)(n);                \
+         i += (size_t)blockDim.x * gridDim.x)
+
+/* ---- scratch carving ----------------------------------------------------------------- */
+
+/* Two passes over the same takes: with base NULL it only sums the sizes; with base set it
+ * hands out 256-byte aligned pointers. */
+typedef struct {
+    char *base;
+    size_t used;
+} moe_cuda_carve;
+
+static inline void *moe_cuda_take(moe_cuda_carve *c, size_t nbytes)
+{
+    size_t at = (c->used + 255) & ~(size_t)255;
+    c->used = at + (nbytes ? nbytes : 1);
+    return c->base ? c->base + at : NULL;
+}
+
+#define MOE_CUDA_TAKE(c, type, count) ((type *)moe_cuda_take((c), sizeof(type) * (size_t)(count)))
+
+/* Between the two passes: takes the scratch for what the first pass summed and rewinds.
+ * Returns 0 (recorded) when the scratch cannot be had. */
+static inline int moe_cuda_carve_alloc(moe_cuda_carve *c)
+{
+    c->base = (char *)moe_cuda_scratch(c->used);
+    c->used = 0;
+    return c->base != NULL;
+}
+
+/* ---- warp and block reductions ------------------------------------------------------- */
+
+static __device__ __forceinline__ float moe_warp_sum(float v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(MOE_CUDA_FULL_MASK, v, o);
+    return v;
+}
+
+static __device__ __forceinline__ double moe_warp_sum_d(double v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(MOE_CUDA_FULL_MASK, v, o);
+    return v;
+}
+
+static __device__ __forceinline__ float moe_warp_max(float v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(MOE_CUDA_FULL_MASK, v, o));
+    return v;
+}
+
+/* Sum over a block of MOE_CUDA_THREADS threads in a fixed order (so the bits do not depend
+ * on scheduling); every thread gets the result. Contains __syncthreads(). */
+static __device__ __forceinline__ double moe_block_sum_d(double v)
+{
+    __shared__ double part[MOE_CUDA_THREADS / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = moe_warp_sum_d(v);
+    __syncthreads(); /* part may still be read by a previous call */
+    if (lane == 0)
+        part[warp] = v;
+    __syncthreads();
+    double s = 0.0;
+    for (int w = 0; w < MOE_CUDA_THREADS / 32; w++)
+        s += part[w];
+    return s;
+}
+
+/* ---- scan and stable sort (bucket.cu) ------------------------------------------------ */
+
+/* Exclusive prefix sum of n ints: out[0..n] (out[n] = total). out may be in. scratch:
+ * moe_cuda_scan_ints(n) ints of device memory. */
+size_t moe_cuda_scan_ints(int n);
+void moe_cuda_scan(int *out, const int *in, int n, int *scratch);
+
+/* Stable grouping of items 0..n-1 by an int key: order lists the items by key, items of
+ * one key in increasing index.
+ *   V > 0: keys are in [0, V); an item whose key is outside (negative: "none") is left
+ *          out; start (V+1) gives each key's range in order, start[V] the items kept.
+ *   V = 0: any non-negative key (LSD radix sort, 4 passes of 8 bits); start is NULL.
+ * Buffers come from a carve: moe_cuda_sort_take sizes/hands them out (call it in both
+ * passes of the carve), moe_cuda_sort_run sorts. */
+typedef struct {
+    int n, V, tiles, tile;
+    int *order; /* (n) the result */
+    int *start; /* (V+1) when V > 0 */
+    int *tmp;   /* (n) radix ping-pong */
+    int *cnt;   /* (tiles, buckets) per-tile counts, then per-tile bases */
+    int *total; /* (buckets) */
+    int *bstart;
+    int *scan; /* scan scratch */
+} moe_cuda_sort;
+
+void moe_cuda_sort_take(moe_cuda_sort *s, moe_cuda_carve *c, int n, int V);
+void moe_cuda_sort_run(const moe_cuda_sort *s, const int32_t *keys);
+
+/* Accumulation over the runs of equal keys of a sorted order (V = 0 sort): for every run
+ * (key) and column j < W, one thread computes
+ *     v = op.load(key, j); v += op.value(item, j) for the run's items in order; op.store
+ * in float with round-to-nearest adds (no contraction), i.e. exactly the sequential loop
+ * "for item in order: dst[key][j] += value(item, j)" of the CPU reference. Deterministic,
+ * no atomics. */
+template <class Op>
+__global__ void moe_runs_kernel(Op op, const int *order, const int32_t *keys, int n, int W)
+{
+    MOE_CUDA_GRID_STRIDE(e, (size_t)n * W)
+    {
+        const int p = (int)(e / W), j = (int)(e % W);
+        const int key = keys[order[p]];
+        if (p > 0 && keys[order[p - 1]] == key)
+            continue; /* not the head of its run */
+        float v = op.load(key, j);
+        for (int q = p; q < n; q++) {
+            const int item = order[q];
+            if (keys[item] != key)
+                break;
+            v = __fadd_rn(v, op.value(item, j));
+        }
+        op.store(key, j, v);
+    }
+}
+
+/* Sorts items 0..n-1 by keys (non-negative) and runs op over every (run, column < W). */
+template <class Op> static void moe_cuda_runs(const Op &op, const int32_t *keys, int n, int W)
+{
+    if (n <= 0 || W <= 0)
+        return;
+    moe_cuda_sort s;
+    moe_cuda_carve c = {NULL, 0};
+    moe_cuda_sort_take(&s, &c, n, 0);
+    if (!moe_cuda_carve_alloc(&c))
+        return;
+    moe_cuda_sort_take(&s, &c, n, 0);
+    moe_cuda_sort_run(&s, keys);
+    MOE_CUDA_LAUNCH(moe_runs_kernel<Op>, moe_cuda_blocks((size_t)n * W, MOE_CUDA_THREADS),
+                    MOE_CUDA_THREADS, 0, op, s.order, keys, n, W);
+}
+
+#endif

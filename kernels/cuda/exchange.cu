@@ -1,0 +1,189 @@
+/* kernels/cuda/exchange.cu: packing and unpacking the rows that travel between ranks in
+ * the MoE dispatch and combine (row layout in ops.h). moe_pack_dispatch flags each
+ * (destination, token) pair, numbers the flagged pairs with a prefix sum in
+ * (destination, token) order -- the reference's order -- copies the per-destination
+ * counts back (it waits for the stream), then fills the rows. The gradient scatter sorts
+ * the rows by token and adds each token's rows in row order (deterministic). */
+#include "kernels/cuda/cuda_common.cuh"
+
+/* Is assignment a (kept) on destination p? */
+static __device__ __forceinline__ int on_dest(const int32_t *idx, const int32_t *slot_row,
+                                              const int32_t *expert_rank, int a, int p)
+{
+    return slot_row[a] >= 0 && expert_rank[idx[a]] == p;
+}
+
+/* flags[p*N + t] = 1 if token t sends a row to p; assign[p] += its kept slots there. */
+static __global__ void dispatch_flags_kernel(int *flags, int *assign, const int32_t *idx,
+                                             const int32_t *slot_row, const int32_t *expert_rank,
+                                             int N, int K, int P)
+{
+    MOE_CUDA_GRID_STRIDE(i, (size_t)P * N)
+    {
+        const int p = (int)(i / N), t = (int)(i % N);
+        int hits = 0;
+        for (int k = 0; k < K; k++)
+            hits += on_dest(idx, slot_row, expert_rank, t * K + k, p);
+        flags[i] = hits > 0;
+        if (hits)
+            atomicAdd(&assign[p], hits);
+    }
+}
+
+/* res: send_rows (P), send_assign (P), rows in all; rowsrc[row] = p*N + t. */
+static __global__ void dispatch_counts_kernel(int *res, int *rowsrc, const int *rowidx,
+                                              const int *assign, int N, int P)
+{
+    MOE_CUDA_GRID_STRIDE(i, (size_t)P * N)
+    {
+        if (rowidx[i + 1] != rowidx[i])
+            rowsrc[rowidx[i]] = (int)i;
+        if (i < (size_t)P) {
+            res[i] = rowidx[(i + 1) * N] - rowidx[i * N];
+            res[P + i] = assign[i];
+        }
+        if (i == 0)
+            res[2 * P] = rowidx[(size_t)P * N];
+    }
+}
+
+static __global__ void dispatch_fill_kernel(char *rows, int32_t *send_token, const int *rowsrc,
+                                            const real *x, const int32_t *idx, const real *w,
+                                            const int32_t *slot_row, const int32_t *expert_rank,
+                                            const int32_t *expert_local, int n, int N, int D, int K,
+                                            size_t row_bytes)
+{
+    const int W = D + 2 * K;
+    MOE_CUDA_GRID_STRIDE(e, (size_t)n * W)
+    {
+        const int r = (int)(e / W), j = (int)(e % W);
+        const int src = rowsrc[r], p = src / N, t = src % N;
+        real *row = (real *)(rows + (size_t)r * row_bytes);
+        if (j == 0)
+            send_token[r] = t;
+        if (j < D) {
+            row[j] = x[(size_t)t * D + j];
+        } else if (j < D + K) {
+            const int a = t * K + (j - D);
+            row[j] = on_dest(idx, slot_row, expert_rank, a, p) ? w[a] : (real)0;
+        } else {
+            const int a = t * K + (j - D - K);
+            ((int32_t *)row)[j] =
+                on_dest(idx, slot_row, expert_rank, a, p) ? expert_local[idx[a]] : -1;
+        }
+    }
+}
+
+extern "C" int cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int *send_rows,
+                                      int *send_assign, const real *x, const int32_t *idx,
+                                      const real *w, const int32_t *slot_row,
+                                      const int32_t *expert_rank, const int32_t *expert_local,
+                                      int N, int D, int K, int P, size_t row_bytes)
+{
+    for (int p = 0; p < P; p++)
+        send_rows[p] = send_assign[p] = 0;
+    if (N <= 0 || P <= 0)
+        return 0;
+    const int PN = P * N;
+    moe_cuda_carve c = {NULL, 0};
+    int *rowidx = NULL, *scan = NULL, *assign = NULL, *res = NULL, *rowsrc = NULL;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1 && !moe_cuda_carve_alloc(&c))
+            return 0;
+        rowidx = MOE_CUDA_TAKE(&c, int, PN + 1);
+        scan = MOE_CUDA_TAKE(&c, int, moe_cuda_scan_ints(PN));
+        assign = MOE_CUDA_TAKE(&c, int, P);
+        res = MOE_CUDA_TAKE(&c, int, 2 * P + 1);
+        rowsrc = MOE_CUDA_TAKE(&c, int, PN);
+    }
+    const unsigned blocks = moe_cuda_blocks(PN, MOE_CUDA_THREADS);
+    MOE_CUDA_OK(cudaMemsetAsync(assign, 0, sizeof(int) * P, moe_cuda_stream()));
+    MOE_CUDA_LAUNCH(dispatch_flags_kernel, blocks, MOE_CUDA_THREADS, 0, rowidx, assign, idx,
+                    slot_row, expert_rank, N, K, P);
+    moe_cuda_scan(rowidx, rowidx, PN, scan);
+    MOE_CUDA_LAUNCH(dispatch_counts_kernel, blocks, MOE_CUDA_THREADS, 0, res, rowsrc, rowidx,
+                    assign, N, P);
+    const int *host = (const int *)moe_cuda_fetch(res, sizeof(int) * (2 * (size_t)P + 1));
+    if (!host)
+        return 0;
+    for (int p = 0; p < P; p++) {
+        send_rows[p] = host[p];
+        send_assign[p] = host[P + p];
+    }
+    const int n = host[2 * P];
+    if (n > 0)
+        MOE_CUDA_LAUNCH(dispatch_fill_kernel,
+                        moe_cuda_blocks((size_t)n * (D + 2 * K), MOE_CUDA_THREADS),
+                        MOE_CUDA_THREADS, 0, rows, send_token, rowsrc, x, idx, w, slot_row,
+                        expert_rank, expert_local, n, N, D, K, row_bytes);
+    return n;
+}
+
+/* x (R,D), w (R,K), lidx (R,K) from the rows: one thread per value. */
+static __global__ void unpack_kernel(real *x, real *w, int32_t *lidx, const char *rows, int R,
+                                     int D, int K, size_t row_bytes)
+{
+    const int W = D + 2 * K;
+    MOE_CUDA_GRID_STRIDE(e, (size_t)R * W)
+    {
+        const int r = (int)(e / W), j = (int)(e % W);
+        const real *row = (const real *)(rows + (size_t)r * row_bytes);
+        if (j < D)
+            x[(size_t)r * D + j] = row[j];
+        else if (j < D + K)
+            w[(size_t)r * K + j - D] = row[j];
+        else
+            lidx[(size_t)r * K + j - D - K] = ((const int32_t *)row)[j];
+    }
+}
+
+extern "C" void cuda_moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int R,
+                                         int D, int K, size_t row_bytes)
+{
+    if (R <= 0 || D + 2 * K <= 0)
+        return;
+    MOE_CUDA_LAUNCH(unpack_kernel, moe_cuda_blocks((size_t)R * (D + 2 * K), MOE_CUDA_THREADS),
+                    MOE_CUDA_THREADS, 0, x, w, lidx, rows, R, D, K, row_bytes);
+}
+
+static __global__ void pack_grad_kernel(real *rows, const real *dx, const real *dw, int R, int D,
+                                        int K)
+{
+    const int W = D + K;
+    MOE_CUDA_GRID_STRIDE(e, (size_t)R * W)
+    {
+        const size_t r = e / W;
+        const int j = (int)(e % W);
+        rows[e] = j < D ? dx[r * D + j] : dw[r * K + j - D];
+    }
+}
+
+extern "C" void cuda_moe_pack_grad_rows(real *rows, const real *dx, const real *dw, int R, int D,
+                                        int K)
+{
+    if (R <= 0 || D + K <= 0)
+        return;
+    MOE_CUDA_LAUNCH(pack_grad_kernel, moe_cuda_blocks((size_t)R * (D + K), MOE_CUDA_THREADS),
+                    MOE_CUDA_THREADS, 0, rows, dx, dw, R, D, K);
+}
+
+/* dx[token] += row[0..D), dw[token] += row[D..D+K), rows of a token in row order. */
+struct scatter_grad {
+    real *dx, *dw;
+    const real *rows;
+    int D, K;
+    __device__ float *dst(int t, int j) const
+    {
+        return j < D ? dx + (size_t)t * D + j : dw + (size_t)t * K + (j - D);
+    }
+    __device__ float load(int t, int j) const { return *dst(t, j); }
+    __device__ float value(int r, int j) const { return rows[(size_t)r * (D + K) + j]; }
+    __device__ void store(int t, int j, float v) const { *dst(t, j) = v; }
+};
+
+extern "C" void cuda_moe_scatter_grad_rows(real *dx, real *dw, const real *rows,
+                                           const int32_t *send_token, int n, int D, int K)
+{
+    scatter_grad op = {dx, dw, rows, D, K};
+    moe_cuda_runs(op, send_token, n, D + K);
+}

@@ -1,0 +1,350 @@
+/* kernels/cuda/matmul.cu: the linear layer and the grouped linear of the experts on
+ * cuBLASLt, fp32 in and out with CUBLAS_COMPUTE_32F (true fp32 products, no TF32).
+ *
+ * Row-major (r, c) is column-major (c, r), so out (N,O) = x W^T is, column-major,
+ * out^T (O,N) = W^T(stored I x O, transposed) x^T (I,N). Forward writes (beta 0); the
+ * backward accumulates (beta 1), as ops.h says. The algorithm of each shape (sizes,
+ * transposes, leading dimensions, pointer alignments, beta) comes from
+ * cublasLtMatmulAlgoGetHeuristic once and is cached with its descriptors in a small
+ * open-addressing table (flushed when 3/4 full). All GEMMs share the backend's
+ * persistent workspace on its one stream. Grouped: one GEMM per non-empty group, the
+ * offsets being host memory.
+ *
+ * bf16 / fp16 (set_precision): the operands are 16-bit, outputs fp32, compute fp32. A
+ * weight operand inside the parameter arena is read from a 16-bit shadow of the arena
+ * (refreshed after every optimizer step); activation and gradient operands are rounded
+ * into one of two workspaces sized at set_precision, so nothing is allocated in a step. */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+/* ---- precision: the shadow and the rounding workspaces ---- */
+static moe_precision prec = MOE_PREC_FP32;
+static const real *master; /* the fp32 parameter arena */
+static size_t master_n;
+static uint16_t *shadow;  /* (master_n) 16-bit copy */
+static uint16_t *ws16[2]; /* rounded operands: [0] inputs x, [1] output gradients */
+static size_t ws16_n;
+
+static cudaDataType_t operand_type(void)
+{
+    return prec == MOE_PREC_BF16 ? CUDA_R_16BF : prec == MOE_PREC_FP16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+__global__ void round_kernel(uint16_t *dst, const float *src, size_t n, int bf16)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        if (bf16) {
+            __nv_bfloat16 v = __float2bfloat16(src[i]);
+            dst[i] = *(uint16_t *)&v;
+        } else {
+            __half v = __float2half(src[i]);
+            dst[i] = *(uint16_t *)&v;
+        }
+    }
+}
+
+static void round_into(uint16_t *dst, const real *src, size_t n)
+{
+    if (n == 0)
+        return;
+    size_t blocks = (n + 255) / 256;
+    if (blocks > 65535)
+        blocks = 65535;
+    round_kernel<<<(unsigned)blocks, 256, 0, moe_cuda_stream()>>>(dst, src, n,
+                                                                  prec == MOE_PREC_BF16);
+    MOE_CUDA_OK(cudaGetLastError());
+}
+
+extern "C" moe_status cuda_gemm_set_precision(moe_precision p, const real *params, size_t n,
+                                              size_t max_operand)
+{
+    cudaFree(shadow);
+    cudaFree(ws16[0]);
+    cudaFree(ws16[1]);
+    shadow = ws16[0] = ws16[1] = NULL;
+    prec = MOE_PREC_FP32;
+    master = params;
+    master_n = n;
+    if (p == MOE_PREC_FP32)
+        return MOE_OK;
+    if (!MOE_CUDA_OK(cudaMalloc((void **)&shadow, sizeof(uint16_t) * (n ? n : 1))) ||
+        !MOE_CUDA_OK(
+            cudaMalloc((void **)&ws16[0], sizeof(uint16_t) * (max_operand ? max_operand : 1))) ||
+        !MOE_CUDA_OK(
+            cudaMalloc((void **)&ws16[1], sizeof(uint16_t) * (max_operand ? max_operand : 1))))
+        MOE_FAIL(MOE_ERR_DEVICE,
+                 "cannot allocate the 16-bit parameter shadow (%zu elements) and "
+                 "two operand workspaces (%zu elements each)",
+                 n, max_operand);
+    ws16_n = max_operand;
+    prec = p;
+    return MOE_OK;
+}
+
+extern "C" moe_status cuda_gemm_refresh_shadow(void)
+{
+    if (prec != MOE_PREC_FP32)
+        round_into(shadow, master, master_n);
+    return MOE_OK;
+}
+
+/* The 16-bit operand of a weight: its place in the shadow. */
+static const void *weight_operand(const real *w)
+{
+    if (prec == MOE_PREC_FP32)
+        return w;
+    if (w < master || w >= master + master_n) {
+        MOE_CUDA_FAIL("a GEMM weight outside the parameter arena in 16-bit mode");
+        return NULL;
+    }
+    return shadow + (w - master);
+}
+
+/* The operand of an activation or gradient of n elements: rounded into workspace i. */
+static const void *rounded_operand(const real *x, size_t n, int i)
+{
+    if (prec == MOE_PREC_FP32)
+        return x;
+    if (n > ws16_n) {
+        MOE_CUDA_FAIL("a GEMM operand of %zu elements exceeds the %zu-element workspace", n,
+                      ws16_n);
+        return NULL;
+    }
+    round_into(ws16[i], x, n);
+    return ws16[i];
+}
+
+#define PLAN_SLOTS 1024
+
+typedef struct {
+    int ta, tb, m, n, k, lda, ldb, ldc;
+    int align_a, align_b, align_c, accumulate;
+    int operand_type; /* cudaDataType_t of A and B */
+} gemm_key;
+
+typedef struct {
+    int used;
+    gemm_key key;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatmulAlgo_t algo;
+} gemm_plan;
+
+static gemm_plan plans[PLAN_SLOTS];
+static int n_plans;
+
+static void plan_destroy(gemm_plan *p)
+{
+    if (p->lc)
+        MOE_LT_OK(cublasLtMatrixLayoutDestroy(p->lc));
+    if (p->lb)
+        MOE_LT_OK(cublasLtMatrixLayoutDestroy(p->lb));
+    if (p->la)
+        MOE_LT_OK(cublasLtMatrixLayoutDestroy(p->la));
+    if (p->op)
+        MOE_LT_OK(cublasLtMatmulDescDestroy(p->op));
+    memset(p, 0, sizeof *p);
+}
+
+static unsigned key_hash(const gemm_key *k)
+{
+    const int *v = (const int *)k;
+    unsigned h = 2166136261u;
+    for (size_t i = 0; i < sizeof *k / sizeof(int); i++)
+        h = (h ^ (unsigned)v[i]) * 16777619u;
+    return h;
+}
+
+/* The largest power of two (4..256) that divides the address. */
+static int alignment(const void *p)
+{
+    uintptr_t a = (uintptr_t)p;
+    int al = 256;
+    while (al > 4 && a % (uintptr_t)al)
+        al >>= 1;
+    return al;
+}
+
+static int plan_build(gemm_plan *p, const gemm_key *k)
+{
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t result;
+    int found = 0, ok = 0;
+    size_t ws_bytes = 0;
+    void *ws = moe_cuda_workspace(&ws_bytes);
+    const uint64_t ws_limit = ws ? ws_bytes : 0;
+    const cublasOperation_t opa = k->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t opb = k->tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const uint32_t al_a = (uint32_t)k->align_a, al_b = (uint32_t)k->align_b,
+                   al_c = (uint32_t)k->align_c;
+    memset(p, 0, sizeof *p);
+    p->key = *k;
+    if (!MOE_LT_OK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F)) ||
+        !MOE_LT_OK(
+            cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa)) ||
+        !MOE_LT_OK(
+            cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb)) ||
+        !MOE_LT_OK(cublasLtMatrixLayoutCreate(&p->la, (cudaDataType_t)k->operand_type,
+                                              k->ta ? k->k : k->m, k->ta ? k->m : k->k, k->lda)) ||
+        !MOE_LT_OK(cublasLtMatrixLayoutCreate(&p->lb, (cudaDataType_t)k->operand_type,
+                                              k->tb ? k->n : k->k, k->tb ? k->k : k->n, k->ldb)) ||
+        !MOE_LT_OK(cublasLtMatrixLayoutCreate(&p->lc, CUDA_R_32F, k->m, k->n, k->ldc)) ||
+        !MOE_LT_OK(cublasLtMatmulPreferenceCreate(&pref)) ||
+        !MOE_LT_OK(cublasLtMatmulPreferenceSetAttribute(
+            pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_limit, sizeof ws_limit)) ||
+        !MOE_LT_OK(cublasLtMatmulPreferenceSetAttribute(
+            pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a)) ||
+        !MOE_LT_OK(cublasLtMatmulPreferenceSetAttribute(
+            pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b)) ||
+        !MOE_LT_OK(cublasLtMatmulPreferenceSetAttribute(
+            pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c)) ||
+        !MOE_LT_OK(cublasLtMatmulPreferenceSetAttribute(
+            pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c)) ||
+        !MOE_LT_OK(cublasLtMatmulAlgoGetHeuristic(moe_cuda_lt(), p->op, p->la, p->lb, p->lc, p->lc,
+                                                  pref, 1, &result, &found)))
+        goto done;
+    if (found < 1) {
+        MOE_CUDA_FAIL("cuBLASLt has no algorithm for m=%d n=%d k=%d (transa %d transb %d, "
+                      "operand type %d)",
+                      k->m, k->n, k->k, k->ta, k->tb, k->operand_type);
+        goto done;
+    }
+    p->algo = result.algo;
+    p->used = 1;
+    ok = 1;
+done:
+    if (pref)
+        MOE_LT_OK(cublasLtMatmulPreferenceDestroy(pref));
+    if (!ok)
+        plan_destroy(p);
+    return ok;
+}
+
+/* The cached plan of k, built on first use; NULL on failure (recorded). */
+static const gemm_plan *plan_get(const gemm_key *k)
+{
+    if (n_plans >= PLAN_SLOTS * 3 / 4) {
+        for (int i = 0; i < PLAN_SLOTS; i++)
+            if (plans[i].used)
+                plan_destroy(&plans[i]);
+        n_plans = 0;
+    }
+    unsigned i = key_hash(k) % PLAN_SLOTS;
+    while (plans[i].used) {
+        if (memcmp(&plans[i].key, k, sizeof *k) == 0)
+            return &plans[i];
+        i = (i + 1) % PLAN_SLOTS;
+    }
+    if (!plan_build(&plans[i], k))
+        return NULL;
+    n_plans++;
+    return &plans[i];
+}
+
+/* Column-major C (m,n) = op(A) op(B) (+ C when accumulate); C is contiguous (ldc = m). */
+static void gemm(int ta, int tb, int m, int n, int k, const void *A, int lda, const void *B,
+                 int ldb, real *C, int ldc, int accumulate)
+{
+    if (m <= 0 || n <= 0 || !A || !B)
+        return;
+    if (k <= 0) { /* an empty sum */
+        if (!accumulate)
+            MOE_CUDA_OK(cudaMemsetAsync(C, 0, sizeof(real) * (size_t)m * n, moe_cuda_stream()));
+        return;
+    }
+    gemm_key key;
+    memset(&key, 0, sizeof key);
+    key.ta = ta;
+    key.tb = tb;
+    key.m = m;
+    key.n = n;
+    key.k = k;
+    key.lda = lda;
+    key.ldb = ldb;
+    key.ldc = ldc;
+    key.align_a = alignment(A);
+    key.align_b = alignment(B);
+    key.align_c = alignment(C);
+    key.accumulate = accumulate;
+    key.operand_type = (int)operand_type();
+    const gemm_plan *p = plan_get(&key);
+    if (!p)
+        return;
+    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    size_t ws_bytes = 0;
+    void *ws = moe_cuda_workspace(&ws_bytes);
+    MOE_LT_OK(cublasLtMatmul(moe_cuda_lt(), p->op, &alpha, A, p->la, B, p->lb, &beta, C, p->lc, C,
+                             p->lc, &p->algo, ws, ws_bytes, moe_cuda_stream()));
+}
+
+/* out (N,O) = x (N,I) W^T: out^T = op_T(W stored I x O) x^T. The operands are already in
+ * the GEMM precision (xo: x's operand, wo: w's). */
+static void linear_forward(real *out, const void *xo, const void *wo, int N, int I, int O)
+{
+    gemm(1, 0, O, N, I, wo, I, xo, I, out, O, 0);
+}
+
+/* dx (N,I) += dout W: dx^T (I,N) = W^T (stored I x O) dout^T (O,N).
+ * dw (O,I) += dout^T x: dw^T (I,O) = x^T (I,N) op_T(dout^T stored O x N). */
+static void linear_backward(real *dx, real *dw, const void *douto, const void *xo, const void *wo,
+                            int N, int I, int O)
+{
+    if (dx)
+        gemm(0, 0, I, N, O, wo, I, douto, O, dx, I, 1);
+    if (dw)
+        gemm(0, 1, I, O, N, xo, I, douto, O, dw, I, 1);
+}
+
+/* Pointer arithmetic on an operand of the current precision. */
+static const void *at(const void *base, size_t elems)
+{
+    size_t bytes = prec == MOE_PREC_FP32 ? sizeof(real) : sizeof(uint16_t);
+    return base ? (const char *)base + elems * bytes : NULL;
+}
+
+extern "C" void cuda_matmul_forward(real *out, const real *x, const real *w, int N, int I, int O)
+{
+    linear_forward(out, rounded_operand(x, (size_t)N * I, 0), weight_operand(w), N, I, O);
+}
+
+extern "C" void cuda_matmul_backward(real *dx, real *dw, const real *dout, const real *x,
+                                     const real *w, int N, int I, int O)
+{
+    const void *douto = rounded_operand(dout, (size_t)N * O, 1);
+    const void *xo = dw ? rounded_operand(x, (size_t)N * I, 0) : NULL;
+    linear_backward(dx, dw, douto, xo, dx ? weight_operand(w) : NULL, N, I, O);
+}
+
+extern "C" void cuda_grouped_matmul_forward(real *out, const real *x, const real *w,
+                                            const int *offsets, int G, int I, int O)
+{
+    const void *xo = rounded_operand(x, (size_t)offsets[G] * I, 0), *wo = weight_operand(w);
+    for (int g = 0; g < G; g++) {
+        const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
+        if (rows <= 0)
+            continue;
+        linear_forward(out + (size_t)m0 * O, at(xo, (size_t)m0 * I), at(wo, (size_t)g * O * I),
+                       rows, I, O);
+    }
+}
+
+extern "C" void cuda_grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x,
+                                             const real *w, const int *offsets, int G, int I, int O)
+{
+    const size_t M = (size_t)offsets[G];
+    const void *douto = rounded_operand(dout, M * O, 1);
+    const void *xo = dw ? rounded_operand(x, M * I, 0) : NULL;
+    const void *wo = dx ? weight_operand(w) : NULL;
+    for (int g = 0; g < G; g++) {
+        const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
+        if (rows <= 0)
+            continue;
+        linear_backward(dx ? dx + (size_t)m0 * I : NULL, dw ? dw + (size_t)g * O * I : NULL,
+                        at(douto, (size_t)m0 * O), at(xo, (size_t)m0 * I),
+                        at(wo, (size_t)g * O * I), rows, I, O);
+    }
+}

@@ -1,0 +1,116 @@
+/* kernels/cuda/optim.cu: the optimizer's pieces: sums and sums of squares in double (a
+ * fixed grid and a fixed-order reduction, so the same input gives the same bits; the
+ * result is copied back, which waits for the stream), scaling, the finiteness check
+ * (also waits) and the fused AdamW step (one pass, in double per element). */
+#include "kernels/cuda/cuda_common.cuh"
+
+#define SUM_MAX_BLOCKS 1024
+
+template <int SQUARE> static __global__ void sum_partial(double *part, const real *x, size_t n)
+{
+    double s = 0.0;
+    MOE_CUDA_GRID_STRIDE(i, n)
+    {
+        const double v = x[i];
+        s += SQUARE ? v * v : v;
+    }
+    s = moe_block_sum_d(s);
+    if (threadIdx.x == 0)
+        part[blockIdx.x] = s;
+}
+
+static __global__ void sum_final(double *out, const double *part, int blocks)
+{
+    double s = 0.0;
+    for (int b = threadIdx.x; b < blocks; b += blockDim.x)
+        s += part[b];
+    s = moe_block_sum_d(s);
+    if (threadIdx.x == 0)
+        *out = s;
+}
+
+template <int SQUARE> static double sum_of(const real *x, size_t n)
+{
+    if (n == 0)
+        return 0.0;
+    unsigned blocks = moe_cuda_blocks(n, MOE_CUDA_THREADS);
+    if (blocks > SUM_MAX_BLOCKS)
+        blocks = SUM_MAX_BLOCKS;
+    double *part = (double *)moe_cuda_scratch(sizeof(double) * (blocks + 1));
+    if (!part)
+        return 0.0;
+    MOE_CUDA_LAUNCH(sum_partial<SQUARE>, blocks, MOE_CUDA_THREADS, 0, part + 1, x, n);
+    MOE_CUDA_LAUNCH(sum_final, 1, MOE_CUDA_THREADS, 0, part, part + 1, (int)blocks);
+    const double *host = (const double *)moe_cuda_fetch(part, sizeof(double));
+    return host ? *host : 0.0;
+}
+
+extern "C" double cuda_sum_values(const real *x, size_t n) { return sum_of<0>(x, n); }
+extern "C" double cuda_sum_squares(const real *x, size_t n) { return sum_of<1>(x, n); }
+
+static __global__ void scale_kernel(real *x, real s, size_t n)
+{
+    MOE_CUDA_GRID_STRIDE(i, n) { x[i] = __fmul_rn(x[i], s); }
+}
+
+extern "C" void cuda_scale_inplace(real *x, real s, size_t n)
+{
+    if (n == 0)
+        return;
+    MOE_CUDA_LAUNCH(scale_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0, x, s,
+                    n);
+}
+
+/* *bad = 1 if some element is not finite (every writer writes the same value). */
+static __global__ void finite_kernel(int *bad, const real *x, size_t n)
+{
+    MOE_CUDA_GRID_STRIDE(i, n)
+    {
+        if (!isfinite(x[i]))
+            *bad = 1;
+    }
+}
+
+extern "C" int cuda_all_finite(const real *x, size_t n)
+{
+    if (n == 0)
+        return 1;
+    int *bad = (int *)moe_cuda_scratch(sizeof(int));
+    if (!bad || !MOE_CUDA_OK(cudaMemsetAsync(bad, 0, sizeof(int), moe_cuda_stream())))
+        return 0;
+    MOE_CUDA_LAUNCH(finite_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0, bad,
+                    x, n);
+    const int *host = (const int *)moe_cuda_fetch(bad, sizeof(int));
+    return host ? !*host : 0;
+}
+
+/* As the CPU reference: p = p*decay - step * m / (sqrt(v)/sqrt_bc2 + eps), in double. */
+static __global__ void adamw_kernel(real *p, const real *g, real *m, real *v, size_t n, double b1,
+                                    double b2, double step, double sqrt_bc2, double decay,
+                                    double eps)
+{
+    MOE_CUDA_GRID_STRIDE(i, n)
+    {
+        const double gi = g[i];
+        const double mi = __dadd_rn(__dmul_rn(b1, m[i]), __dmul_rn(1.0 - b1, gi));
+        const double vi = __dadd_rn(__dmul_rn(b2, v[i]), __dmul_rn(__dmul_rn(1.0 - b2, gi), gi));
+        m[i] = (real)mi;
+        v[i] = (real)vi;
+        const double denom = __dadd_rn(__ddiv_rn(sqrt(vi), sqrt_bc2), eps);
+        p[i] =
+            (real)__dsub_rn(__dmul_rn((double)p[i], decay), __ddiv_rn(__dmul_rn(step, mi), denom));
+    }
+}
+
+extern "C" void cuda_adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr,
+                                  real beta1, real beta2, real eps, real wd, int t)
+{
+    if (n == 0)
+        return;
+    const double b1 = beta1, b2 = beta2;
+    const double step = (double)lr / (1.0 - pow(b1, t));
+    const double sqrt_bc2 = sqrt(1.0 - pow(b2, t));
+    const double decay = 1.0 - (double)lr * wd;
+    MOE_CUDA_LAUNCH(adamw_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0, p, g,
+                    m, v, n, b1, b2, step, sqrt_bc2, decay, (double)eps);
+}

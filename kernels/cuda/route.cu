@@ -1,0 +1,233 @@
+/* kernels/cuda/route.cu: the routing plan (assignments ordered stably by expert, then
+ * token, then slot; per-group capacity drops) and the moves it drives: permute, its
+ * backward, combine and its backward.
+ *
+ * The plan is two stable groupings (bucket.cu): with a capacity, assignments are grouped
+ * by (token group, expert) and each one counts the members of its group that beat it
+ * (higher weight, or same weight and lower index) -- the reference's rule, O(c^2) in an
+ * expert's count c only when c exceeds the capacity; then the kept ones are grouped by
+ * expert. offsets and M are copied back (the op waits for the stream).
+ * Scatters with several sources per destination (permute backward, combine forward)
+ * sort the rows by token and add each token's rows in row order: deterministic and
+ * bit-identical to the reference. */
+#include <string.h>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+/* b beats a: higher weight, or the same weight and first. */
+static __device__ __forceinline__ int beats(const real *w, int b, int a)
+{
+    return w[b] > w[a] || (w[b] == w[a] && b < a);
+}
+
+/* key of an assignment for the capacity: group * E + expert, -1 for none */
+static __global__ void capacity_keys_kernel(int32_t *keys, const int32_t *idx, int NK, int K, int E,
+                                            int group)
+{
+    MOE_CUDA_GRID_STRIDE(a, NK)
+    {
+        const int e = idx[a];
+        keys[a] = e >= 0 && e < E ? (int)(a / K / group) * E + e : -1;
+    }
+}
+
+/* kept[a] = expert of a if the capacity keeps it, else -1. */
+static __global__ void capacity_keep_kernel(int32_t *kept, const int32_t *keys, const int *order,
+                                            const int *start, const int32_t *idx, const real *w,
+                                            int NK, int capacity)
+{
+    MOE_CUDA_GRID_STRIDE(i, NK)
+    {
+        const int a = (int)i, key = keys[a];
+        if (key < 0) {
+            kept[a] = -1;
+            continue;
+        }
+        const int lo = start[key], hi = start[key + 1];
+        int keep = hi - lo <= capacity;
+        if (!keep) {
+            int rank = 0;
+            for (int j = lo; j < hi && rank < capacity; j++)
+                rank += beats(w, order[j], a);
+            keep = rank < capacity;
+        }
+        kept[a] = keep ? idx[a] : -1;
+    }
+}
+
+/* Rows in expert order: row r < M is assignment order[r]; slot_row = -1 for the rest. */
+static __global__ void plan_rows_kernel(int32_t *row_token, int32_t *row_slot, int32_t *slot_row,
+                                        const int *order, const int *start, const int32_t *kept,
+                                        int NK, int K, int E)
+{
+    const int M = start[E];
+    MOE_CUDA_GRID_STRIDE(i, NK)
+    {
+        const int r = (int)i;
+        if (r < M) {
+            const int a = order[r];
+            row_token[r] = a / K;
+            row_slot[r] = a % K;
+            slot_row[a] = r;
+        }
+        const int e = kept[r];
+        if (e < 0 || e >= E)
+            slot_row[r] = -1;
+    }
+}
+
+extern "C" int cuda_moe_route_plan(int *offsets, int32_t *row_token, int32_t *row_slot,
+                                   int32_t *slot_row, int *scratch, const int32_t *idx,
+                                   const real *w, int N, int E, int K, int group, int capacity)
+{
+    const int NK = N * K;
+    memset(offsets, 0, sizeof(int) * (size_t)(E + 1));
+    if (NK <= 0 || E <= 0)
+        return 0;
+    if (group <= 0)
+        group = N; /* as the reference: one group */
+    const int groups = (N + group - 1) / group;
+    const int use_capacity = capacity >= 0;
+    moe_cuda_sort by_group, by_expert;
+    int32_t *keys = NULL;
+    moe_cuda_carve c = {NULL, 0};
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1 && !moe_cuda_carve_alloc(&c))
+            return 0;
+        if (use_capacity) {
+            keys = MOE_CUDA_TAKE(&c, int32_t, NK);
+            moe_cuda_sort_take(&by_group, &c, NK, groups * E);
+        }
+        moe_cuda_sort_take(&by_expert, &c, NK, E);
+    }
+    /* the kept assignments' experts (-1 dropped): idx itself when dropless */
+    const int32_t *kept = idx;
+    if (use_capacity) {
+        const unsigned blocks = moe_cuda_blocks(NK, MOE_CUDA_THREADS);
+        MOE_CUDA_LAUNCH(capacity_keys_kernel, blocks, MOE_CUDA_THREADS, 0, keys, idx, NK, K, E,
+                        group);
+        moe_cuda_sort_run(&by_group, keys);
+        MOE_CUDA_LAUNCH(capacity_keep_kernel, blocks, MOE_CUDA_THREADS, 0, scratch, keys,
+                        by_group.order, by_group.start, idx, w, NK, capacity);
+        kept = scratch;
+    }
+    moe_cuda_sort_run(&by_expert, kept);
+    MOE_CUDA_LAUNCH(plan_rows_kernel, moe_cuda_blocks(NK, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
+                    row_token, row_slot, slot_row, by_expert.order, by_expert.start, kept, NK, K,
+                    E);
+    const int *host = (const int *)moe_cuda_fetch(by_expert.start, sizeof(int) * (size_t)(E + 1));
+    if (!host)
+        return 0;
+    memcpy(offsets, host, sizeof(int) * (size_t)(E + 1));
+    return offsets[E];
+}
+
+/* ---- permute and combine ------------------------------------------------------------- */
+
+static __global__ void permute_kernel(real *out, const real *x, const int32_t *row_token, int M,
+                                      int D)
+{
+    MOE_CUDA_GRID_STRIDE(e, (size_t)M * D)
+    {
+        const size_t m = e / D, d = e % D;
+        out[e] = x[(size_t)row_token[m] * D + d];
+    }
+}
+
+extern "C" void cuda_moe_permute(real *out, const real *x, const int32_t *row_token, int M, int D)
+{
+    if (M <= 0 || D <= 0)
+        return;
+    MOE_CUDA_LAUNCH(permute_kernel, moe_cuda_blocks((size_t)M * D, MOE_CUDA_THREADS),
+                    MOE_CUDA_THREADS, 0, out, x, row_token, M, D);
+}
+
+/* dx[token] += dout[row], rows of a token in row order. */
+struct permute_grad {
+    real *dx;
+    const real *dout;
+    int D;
+    __device__ float load(int n, int j) const { return dx[(size_t)n * D + j]; }
+    __device__ float value(int m, int j) const { return dout[(size_t)m * D + j]; }
+    __device__ void store(int n, int j, float v) const { dx[(size_t)n * D + j] = v; }
+};
+
+extern "C" void cuda_moe_permute_backward(real *dx, const real *dout, const int32_t *row_token,
+                                          int M, int D)
+{
+    permute_grad op = {dx, dout, D};
+    moe_cuda_runs(op, row_token, M, D);
+}
+
+/* y[token] += w[token, slot] * expert_out[row], rows of a token in row order. */
+struct combine_sum {
+    real *y;
+    const real *expert_out, *w;
+    const int32_t *row_token, *row_slot;
+    int D, K;
+    __device__ float load(int n, int j) const { return y[(size_t)n * D + j]; }
+    __device__ float value(int m, int j) const
+    {
+        const real wk = w[(size_t)row_token[m] * K + row_slot[m]];
+        return __fmul_rn(wk, expert_out[(size_t)m * D + j]);
+    }
+    __device__ void store(int n, int j, float v) const { y[(size_t)n * D + j] = v; }
+};
+
+extern "C" void cuda_moe_combine_forward(real *y, const real *expert_out, const real *w,
+                                         const int32_t *row_token, const int32_t *row_slot, int M,
+                                         int D, int K)
+{
+    combine_sum op = {y, expert_out, w, row_token, row_slot, D, K};
+    moe_cuda_runs(op, row_token, M, D);
+}
+
+/* dexpert_out[row] += w * dy[token]: one thread per element. */
+static __global__ void combine_dexpert_kernel(real *dexpert_out, const real *dy, const real *w,
+                                              const int32_t *row_token, const int32_t *row_slot,
+                                              int M, int D, int K)
+{
+    MOE_CUDA_GRID_STRIDE(e, (size_t)M * D)
+    {
+        const size_t m = e / D, d = e % D;
+        const size_t n = row_token[m];
+        const real wk = w[n * K + row_slot[m]];
+        dexpert_out[e] = __fadd_rn(dexpert_out[e], __fmul_rn(wk, dy[n * D + d]));
+    }
+}
+
+/* dw[token, slot] += <dy[token], expert_out[row]> in double: one warp per row (each
+ * (token, slot) has at most one row, so no two warps write one dw). */
+static __global__ void combine_dw_kernel(real *dw, const real *dy, const real *expert_out,
+                                         const int32_t *row_token, const int32_t *row_slot, int M,
+                                         int D, int K)
+{
+    const int m = blockIdx.x * (MOE_CUDA_THREADS / 32) + (threadIdx.x >> 5),
+              lane = threadIdx.x & 31;
+    if (m >= M)
+        return;
+    const size_t n = row_token[m];
+    const real *g = dy + n * D, *e = expert_out + (size_t)m * D;
+    double dot = 0.0;
+    for (int j = lane; j < D; j += 32)
+        dot += (double)g[j] * e[j];
+    dot = moe_warp_sum_d(dot);
+    if (lane == 0)
+        dw[n * K + row_slot[m]] += (real)dot;
+}
+
+extern "C" void cuda_moe_combine_backward(real *dexpert_out, real *dw, const real *dy,
+                                          const real *expert_out, const real *w,
+                                          const int32_t *row_token, const int32_t *row_slot, int M,
+                                          int D, int K)
+{
+    if (M <= 0)
+        return;
+    if (dexpert_out && D > 0)
+        MOE_CUDA_LAUNCH(combine_dexpert_kernel, moe_cuda_blocks((size_t)M * D, MOE_CUDA_THREADS),
+                        MOE_CUDA_THREADS, 0, dexpert_out, dy, w, row_token, row_slot, M, D, K);
+    if (dw)
+        MOE_CUDA_LAUNCH(combine_dw_kernel,
+                        (M + MOE_CUDA_THREADS / 32 - 1) / (MOE_CUDA_THREADS / 32), MOE_CUDA_THREADS,
+                        0, dw, dy, expert_out, row_token, row_slot, M, D, K);
+}

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# On the GPU host (after `. .device-kit/setup.sh`): build for T4 and Hopper, run the GPU
+# tests against the CPU reference (and under compute-sanitizer), train the tiny config on
+# the GPU in fp32 / bf16 / fp16 and on the CPU and compare, check the Mixtral export with
+# transformers, and time the bench shape next to the peer. Logs under $OUT.
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+B=build-gpu
+t0=$(date +%s)
+{ cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES="75;90" && cmake --build $B; } >"$OUT/build.log" 2>&1 ||
+  { tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(($(date +%s) - t0)) s"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+nvcc --version | tail -2 | head -1 | tee -a "$OUT/gpu.txt"
+for t in test_cuda_ops test_cuda_model test_cuda_precision; do
+  ./$B/tests/$t >"$OUT/$t.log" 2>&1
+  echo "$t: exit $?"
+done
+grep -E "FAIL|PASS|rel err" "$OUT/test_cuda_precision.log"
+# the same training on the GPU (fp32, bf16, fp16) and on the CPU, 50 steps
+for mode in fp32 bf16 fp16; do
+  ./$B/moe-dist train --set parallel.backend=cuda --set precision.mode=$mode --set train.steps=50 \
+    --set log.jsonl="$OUT/gpu_$mode.jsonl" >"$OUT/train_gpu_$mode.log" 2>&1
+  echo "train gpu $mode: exit $?"
+done
+OMP_NUM_THREADS=8 ./$B/moe-dist train --set parallel.backend=cpu --set train.steps=50 \
+  --set log.jsonl="$OUT/cpu.jsonl" >"$OUT/train_cpu.log" 2>&1; echo "train cpu: exit $?"
+python3 - "$OUT" <<'PY'
+import json, sys
+d = sys.argv[1]
+load = lambda n: [json.loads(l) for l in open(f"{d}/{n}.jsonl")]
+c = load("cpu")
+for mode in ("fp32", "bf16", "fp16"):
+    try:
+        g = load("gpu_" + mode)
+    except Exception as e:
+        print(mode, "missing", e); continue
+    worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(g, c))
+    print(f"gpu {mode} vs cpu fp32, {len(g)} steps: worst relative loss difference {worst:.2e}; "
+          f"final {g[-1]['loss']:.5f} vs {c[-1]['loss']:.5f}; skipped {sum(r['skipped'] for r in g)}; "
+          f"tok/s {g[-1]['tok_per_s']:.0f}")
+PY
+python3 tests/torch/check_mixtral_export.py ./$B/moe-dist --device cuda >"$OUT/mixtral.log" 2>&1
+echo "mixtral export check: exit $?"
+for tool in memcheck racecheck; do
+  timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 ./$B/tests/test_cuda_model \
+    >"$OUT/sanitizer_${tool}.log" 2>&1
+  echo "compute-sanitizer $tool test_cuda_model: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_${tool}.log") clean summaries)"
+done
+if [ "${BENCH:-1}" = 1 ]; then
+  timeout 240 ./$B/moe-dist train configs/bench-h200.ini --set log.jsonl="$OUT/bench.jsonl" \
+    >"$OUT/bench.log" 2>&1; echo "bench: exit $?"; tail -3 "$OUT/bench.log"
+  timeout 150 python3 .device-kit/peers/hf_mixtral_bench.py 4 32 8 2048 >"$OUT/peer_eager.log" 2>&1
+  echo "peer eager: exit $?"; tail -1 "$OUT/peer_eager.log"
+fi

@@ -1,0 +1,1040 @@
+/* tests/gpu/test_cuda_ops.c: every op of the "cuda" backend against the CPU reference
+ * (moe_backend_cpu) on the same random inputs (never zeros).
+ *
+ * Outputs an op writes are poisoned (NaN, or -7 for ints) on both sides before the run;
+ * outputs it accumulates into (+=) are pre-filled with the same random values on both
+ * sides. A value passes when |gpu - ref| <= atol + rtol * |ref| (integers: exactly). The
+ * first mismatches of a check print with their index; the end prints one line per op
+ * with its worst absolute and relative errors, and the exit code is non-zero if any
+ * check failed. Without a usable GPU it prints "SKIP: ..." and exits 77. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/backend.h"
+#include "util/rng.h"
+
+#define SEED 20240611u
+#define MAX_OPS 64
+#define MAX_SHOWN 5
+#define POISON_INT (-7)
+
+static const moe_backend *cpu = &moe_backend_cpu, *gpu;
+
+/* ---- results ------------------------------------------------------------------------- */
+
+typedef struct {
+    const char *op;
+    double worst_abs, worst_rel;
+    int checks, failed;
+} op_result;
+
+static op_result results[MAX_OPS];
+static int n_results;
+static op_result *cur;
+static const char *cur_case;
+
+static void begin(const char *op, const char *case_name)
+{
+    cur_case = case_name;
+    for (int i = 0; i < n_results; i++)
+        if (strcmp(results[i].op, op) == 0) {
+            cur = &results[i];
+            return;
+        }
+    if (n_results == MAX_OPS) {
+        fprintf(stderr, "too many ops for the result table\n");
+        exit(1);
+    }
+    cur = &results[n_results++];
+    cur->op = op;
+}
+
+static void fail_now(const char *what)
+{
+    printf("FAIL %s [%s]: %s\n", cur->op, cur_case, what);
+    cur->failed++;
+}
+
+static void note_error(double d, double ref)
+{
+    double rel = ref != 0.0 ? d / fabs(ref) : d;
+    if (isnan(d))
+        d = rel = INFINITY;
+    if (d > cur->worst_abs)
+        cur->worst_abs = d;
+    if (rel > cur->worst_rel)
+        cur->worst_rel = rel;
+}
+
+/* Compares n floats (cols > 1: printed as [row, col]); a NaN on both sides is equal (an
+ * element neither side wrote). */
+static void check_f(const char *what, const float *got, const float *ref, size_t n, size_t cols,
+                    double atol, double rtol)
+{
+    size_t bad = 0;
+    cur->checks++;
+    for (size_t i = 0; i < n; i++) {
+        double g = got[i], r = ref[i];
+        double d = isnan(g) && isnan(r) ? 0.0 : fabs(g - r);
+        note_error(d, r);
+        if (d <= atol + rtol * fabs(r))
+            continue;
+        if (bad++ < MAX_SHOWN) {
+            if (cols > 1)
+                printf("  %s [%s] %s[%zu, %zu]: gpu %.9g ref %.9g (|d| %.3g)\n", cur->op, cur_case,
+                       what, i / cols, i % cols, g, r, d);
+            else
+                printf("  %s [%s] %s[%zu]: gpu %.9g ref %.9g (|d| %.3g)\n", cur->op, cur_case, what,
+                       i, g, r, d);
+        }
+    }
+    if (bad) {
+        printf("FAIL %s [%s] %s: %zu of %zu values differ\n", cur->op, cur_case, what, bad, n);
+        cur->failed++;
+    }
+}
+
+static void check_d(const char *what, const double *got, const double *ref, size_t n, double atol,
+                    double rtol)
+{
+    size_t bad = 0;
+    cur->checks++;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs(got[i] - ref[i]);
+        note_error(d, ref[i]);
+        if (d <= atol + rtol * fabs(ref[i]))
+            continue;
+        if (bad++ < MAX_SHOWN)
+            printf("  %s [%s] %s[%zu]: gpu %.17g ref %.17g\n", cur->op, cur_case, what, i, got[i],
+                   ref[i]);
+    }
+    if (bad) {
+        printf("FAIL %s [%s] %s: %zu of %zu values differ\n", cur->op, cur_case, what, bad, n);
+        cur->failed++;
+    }
+}
+
+static void check_i(const char *what, const int32_t *got, const int32_t *ref, size_t n)
+{
+    size_t bad = 0;
+    cur->checks++;
+    for (size_t i = 0; i < n; i++) {
+        if (got[i] == ref[i])
+            continue;
+        if (bad++ < MAX_SHOWN)
+            printf("  %s [%s] %s[%zu]: gpu %d ref %d\n", cur->op, cur_case, what, i, got[i],
+                   ref[i]);
+    }
+    if (bad) {
+        printf("FAIL %s [%s] %s: %zu of %zu values differ\n", cur->op, cur_case, what, bad, n);
+        cur->failed++;
+        note_error(INFINITY, 1.0);
+    }
+}
+
+static void check_i64(const char *what, const int64_t *got, const int64_t *ref, size_t n)
+{
+    size_t bad = 0;
+    cur->checks++;
+    for (size_t i = 0; i < n; i++) {
+        if (got[i] == ref[i])
+            continue;
+        if (bad++ < MAX_SHOWN)
+            printf("  %s [%s] %s[%zu]: gpu %lld ref %lld\n", cur->op, cur_case, what, i,
+                   (long long)got[i], (long long)ref[i]);
+    }
+    if (bad) {
+        printf("FAIL %s [%s] %s: %zu of %zu values differ\n", cur->op, cur_case, what, bad, n);
+        cur->failed++;
+        note_error(INFINITY, 1.0);
+    }
+}
+
+/* ---- memory: host and device blocks of one case, freed together ---------------------- */
+
+#define MAX_BLOCKS 256
+static void *host_blocks[MAX_BLOCKS], *dev_blocks[MAX_BLOCKS];
+static int n_host, n_dev;
+
+static void *hmem(size_t nbytes)
+{
+    void *p = malloc(nbytes ? nbytes : 1);
+    if (!p || n_host == MAX_BLOCKS) {
+        fprintf(stderr, "out of host memory (or blocks) in the test\n");
+        exit(1);
+    }
+    return host_blocks[n_host++] = p;
+}
+
+static void *dmem(size_t nbytes)
+{
+    void *p = gpu->alloc(nbytes);
+    if (!p || n_dev == MAX_BLOCKS) {
+        fprintf(stderr, "cannot allocate %zu bytes on the GPU\n", nbytes);
+        exit(1);
+    }
+    return dev_blocks[n_dev++] = p;
+}
+
+/* Frees the blocks taken since the marks (counts of blocks then). */
+static void free_since(int host_mark, int dev_mark)
+{
+    for (int i = host_mark; i < n_host; i++)
+        free(host_blocks[i]);
+    for (int i = dev_mark; i < n_dev; i++)
+        gpu->release(dev_blocks[i]);
+    n_host = host_mark;
+    n_dev = dev_mark;
+}
+
+static void free_all(void) { free_since(0, 0); }
+
+/* A device copy of n bytes of host memory. */
+static void *dev(const void *h, size_t nbytes)
+{
+    void *d = dmem(nbytes);
+    if (nbytes)
+        gpu->copy(d, h, nbytes, MOE_COPY_H2D);
+    return d;
+}
+
+static void *host_of(const void *d, size_t nbytes)
+{
+    void *h = hmem(nbytes);
+    if (nbytes)
+        gpu->copy(h, d, nbytes, MOE_COPY_D2H);
+    return h;
+}
+
+#define DEVF(h, n) ((float *)dev((h), sizeof(float) * (size_t)(n)))
+#define DEVI(h, n) ((int32_t *)dev((h), sizeof(int32_t) * (size_t)(n)))
+#define HOSTF(d, n) ((float *)host_of((d), sizeof(float) * (size_t)(n)))
+#define HOSTI(d, n) ((int32_t *)host_of((d), sizeof(int32_t) * (size_t)(n)))
+
+/* Waits for the GPU op just queued; a failure counts against the current op. */
+static void gpu_done(void)
+{
+    if (gpu->sync() != MOE_OK)
+        fail_now("the cuda backend reported an error");
+}
+
+/* ---- inputs -------------------------------------------------------------------------- */
+
+static uint64_t next_stream = 1;
+
+static float *frand(size_t n, double lo, double hi)
+{
+    float *x = hmem(sizeof(float) * n);
+    uint64_t s = next_stream++;
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)(lo + (hi - lo) * moe_rng_uniform(SEED, s, i));
+    return x;
+}
+
+static float *fnan(size_t n)
+{
+    float *x = hmem(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++)
+        x[i] = NAN;
+    return x;
+}
+
+/* uniform ints in [lo, hi) */
+static int32_t *irand(size_t n, int lo, int hi)
+{
+    int32_t *x = hmem(sizeof(int32_t) * n);
+    uint64_t s = next_stream++;
+    for (size_t i = 0; i < n; i++)
+        x[i] = lo + (int32_t)(moe_rng_u64(SEED, s, i) % (uint64_t)(hi - lo));
+    return x;
+}
+
+static int32_t *ipoison(size_t n)
+{
+    int32_t *x = hmem(sizeof(int32_t) * n);
+    for (size_t i = 0; i < n; i++)
+        x[i] = POISON_INT;
+    return x;
+}
+
+/* ---- tolerances ---------------------------------------------------------------------- */
+
+#define EXACT 0.0, 0.0
+#define TIGHT 1e-6, 1e-6 /* elementwise in double, one rounding */
+#define REDUCE 1e-6, 1e-5
+/* fp32 GEMMs: both sides round a sum of k products, in different orders */
+#define GEMM_K(k) (1e-5 * fmax(1.0, sqrt((k) / 128.0))), 1e-4
+#define GEMM GEMM_K(0)
+#define ATTN 2e-5, 1e-4
+
+/* ---- elementwise, embedding ---------------------------------------------------------- */
+
+static void test_add(size_t n, const char *name)
+{
+    begin("add_inplace", name);
+    float *y = frand(n, -1, 1), *x = frand(n, -1, 1);
+    float *dy = DEVF(y, n), *dx = DEVF(x, n);
+    cpu->add_inplace(y, x, n);
+    gpu->add_inplace(dy, dx, n);
+    gpu_done();
+    check_f("y", HOSTF(dy, n), y, n, 1, EXACT);
+    free_all();
+}
+
+static void test_embedding(int N, int D, int V, const char *name)
+{
+    const size_t ND = (size_t)N * D, VD = (size_t)V * D;
+    int32_t *tok = irand(N, 0, V);
+    float *table = frand(VD, -1, 1);
+    int32_t *dtok = DEVI(tok, N);
+
+    begin("embedding_forward", name);
+    float *out = fnan(ND), *dout = DEVF(out, ND);
+    cpu->embedding_forward(out, tok, table, N, D);
+    gpu->embedding_forward(dout, dtok, DEVF(table, VD), N, D);
+    gpu_done();
+    check_f("out", HOSTF(dout, ND), out, ND, D, EXACT);
+
+    begin("embedding_backward", name);
+    float *dtable = frand(VD, -1, 1), *g = frand(ND, -1, 1);
+    float *ddtable = DEVF(dtable, VD);
+    cpu->embedding_backward(dtable, g, tok, N, D);
+    gpu->embedding_backward(ddtable, DEVF(g, ND), dtok, N, D);
+    gpu_done();
+    check_f("dtable", HOSTF(ddtable, VD), dtable, VD, D, TIGHT);
+    free_all();
+}
+
+/* ---- rmsnorm
+ * -------------------------------------------------------------------------------------- */
+
+static void test_rmsnorm(int N, int D, const char *name)
+{
+    const size_t ND = (size_t)N * D;
+    const float eps = 1e-5f;
+    float *x = frand(ND, -2, 2), *w = frand(D, 0.5, 1.5);
+    float *dx_ = DEVF(x, ND), *dw_ = DEVF(w, D);
+
+    begin("rmsnorm_forward", name);
+    float *out = fnan(ND), *rstd = fnan(N);
+    float *dout = DEVF(out, ND), *drstd = DEVF(rstd, N);
+    cpu->rmsnorm_forward(out, rstd, x, w, N, D, eps);
+    gpu->rmsnorm_forward(dout, drstd, dx_, dw_, N, D, eps);
+    gpu_done();
+    check_f("out", HOSTF(dout, ND), out, ND, D, REDUCE);
+    check_f("rstd", HOSTF(drstd, N), rstd, N, 1, REDUCE);
+
+    begin("rmsnorm_backward", name);
+    float *g = frand(ND, -1, 1), *dg = DEVF(g, ND), *drs = DEVF(rstd, N);
+    for (int variant = 0; variant < 3; variant++) { /* both, dx only, dweight only */
+        float *gx = variant != 2 ? frand(ND, -1, 1) : NULL;
+        float *gw = variant != 1 ? frand(D, -1, 1) : NULL;
+        float *dgx = gx ? DEVF(gx, ND) : NULL, *dgw = gw ? DEVF(gw, D) : NULL;
+        cpu->rmsnorm_backward(gx, gw, g, x, w, rstd, N, D);
+        gpu->rmsnorm_backward(dgx, dgw, dg, dx_, dw_, drs, N, D);
+        gpu_done();
+        if (gx)
+            check_f("dx", HOSTF(dgx, ND), gx, ND, D, REDUCE);
+        if (gw)
+            check_f("dweight", HOSTF(dgw, D), gw, D, 1, REDUCE);
+    }
+    free_all();
+}
+
+/* ---- matmul
+ * ---------------------------------------------------------------------------------------- */
+
+static void test_matmul(int N, int I, int O, const char *name)
+{
+    const size_t NI = (size_t)N * I, OI = (size_t)O * I, NO = (size_t)N * O;
+    float *x = frand(NI, -0.5, 0.5), *w = frand(OI, -0.5, 0.5);
+    float *dx_ = DEVF(x, NI), *dw_ = DEVF(w, OI);
+
+    begin("matmul_forward", name);
+    float *out = fnan(NO), *dout = DEVF(out, NO);
+    cpu->matmul_forward(out, x, w, N, I, O);
+    gpu->matmul_forward(dout, dx_, dw_, N, I, O);
+    gpu_done();
+    check_f("out", HOSTF(dout, NO), out, NO, O, GEMM_K(I));
+
+    begin("matmul_backward", name);
+    float *g = frand(NO, -0.5, 0.5), *dg = DEVF(g, NO);
+    for (int variant = 0; variant < 3; variant++) { /* both, dx only, dw only */
+        float *gx = variant != 2 ? frand(NI, -1, 1) : NULL;
+        float *gw = variant != 1 ? frand(OI, -1, 1) : NULL;
+        float *dgx = gx ? DEVF(gx, NI) : NULL, *dgw = gw ? DEVF(gw, OI) : NULL;
+        cpu->matmul_backward(gx, gw, g, x, w, N, I, O);
+        gpu->matmul_backward(dgx, dgw, dg, dx_, dw_, N, I, O);
+        gpu_done();
+        if (gx)
+            check_f("dx", HOSTF(dgx, NI), gx, NI, I, GEMM_K(O));
+        if (gw)
+            check_f("dw", HOSTF(dgw, OI), gw, OI, I, GEMM_K(N));
+    }
+    free_all();
+}
+
+/* Many shapes, more than the cuBLASLt plan cache holds (it is flushed and refilled). */
+static void test_matmul_shapes(int shapes, const char *name)
+{
+    begin("matmul_forward", name);
+    const int I = 3, O = 2;
+    float *w = frand((size_t)O * I, -0.5, 0.5), *dw_ = DEVF(w, (size_t)O * I);
+    for (int N = 1; N <= shapes; N++) {
+        const int host_mark = n_host, dev_mark = n_dev;
+        float *x = frand((size_t)N * I, -0.5, 0.5), *out = fnan((size_t)N * O);
+        float *dout = DEVF(out, (size_t)N * O);
+        cpu->matmul_forward(out, x, w, N, I, O);
+        gpu->matmul_forward(dout, DEVF(x, (size_t)N * I), dw_, N, I, O);
+        gpu_done();
+        check_f("out", HOSTF(dout, (size_t)N * O), out, (size_t)N * O, O, GEMM);
+        free_since(host_mark, dev_mark);
+    }
+    free_all();
+}
+
+/* rows: rows of each of the G groups (zeros allowed). */
+static void test_grouped(int G, const int *rows, int I, int O, const char *name)
+{
+    int *offsets = hmem(sizeof(int) * (G + 1));
+    offsets[0] = 0;
+    for (int g = 0; g < G; g++)
+        offsets[g + 1] = offsets[g] + rows[g];
+    const int M = offsets[G];
+    const size_t MI = (size_t)M * I, MO = (size_t)M * O, GOI = (size_t)G * O * I;
+    float *x = frand(MI, -0.5, 0.5), *w = frand(GOI, -0.5, 0.5);
+    float *dx_ = DEVF(x, MI), *dw_ = DEVF(w, GOI);
+
+    begin("grouped_matmul_forward", name);
+    float *out = fnan(MO), *dout = DEVF(out, MO);
+    cpu->grouped_matmul_forward(out, x, w, offsets, G, I, O);
+    gpu->grouped_matmul_forward(dout, dx_, dw_, offsets, G, I, O);
+    gpu_done();
+    check_f("out", HOSTF(dout, MO), out, MO, O, GEMM_K(I));
+
+    begin("grouped_matmul_backward", name);
+    float *g = frand(MO, -0.5, 0.5), *dg = DEVF(g, MO);
+    for (int variant = 0; variant < 2; variant++) { /* both, dw only */
+        float *gx = variant == 0 ? frand(MI, -1, 1) : NULL;
+        float *gw = frand(GOI, -1, 1);
+        float *dgx = gx ? DEVF(gx, MI) : NULL, *dgw = DEVF(gw, GOI);
+        cpu->grouped_matmul_backward(gx, gw, g, x, w, offsets, G, I, O);
+        gpu->grouped_matmul_backward(dgx, dgw, dg, dx_, dw_, offsets, G, I, O);
+        gpu_done();
+        if (gx)
+            check_f("dx", HOSTF(dgx, MI), gx, MI, I, GEMM_K(O));
+        /* whole dw: an empty group's slice must be untouched on both sides */
+        check_f("dw", HOSTF(dgw, GOI), gw, GOI, I, GEMM_K(M));
+    }
+    free_all();
+}
+
+/* ---- swiglu, rope
+ * ------------------------------------------------------------------------------------ */
+
+static void test_swiglu(size_t n, const char *name)
+{
+    float *a = frand(n, -4, 4), *b = frand(n, -2, 2);
+    float *da_ = DEVF(a, n), *db_ = DEVF(b, n);
+
+    begin("swiglu_forward", name);
+    float *h = fnan(n), *dh = DEVF(h, n);
+    cpu->swiglu_forward(h, a, b, n);
+    gpu->swiglu_forward(dh, da_, db_, n);
+    gpu_done();
+    check_f("h", HOSTF(dh, n), h, n, 1, TIGHT);
+
+    begin("swiglu_backward", name);
+    float *g = frand(n, -1, 1), *dg = DEVF(g, n);
+    for (int variant = 0; variant < 3; variant++) { /* both, da only, db only */
+        float *ga = variant != 2 ? frand(n, -1, 1) : NULL;
+        float *gb = variant != 1 ? frand(n, -1, 1) : NULL;
+        float *dga = ga ? DEVF(ga, n) : NULL, *dgb = gb ? DEVF(gb, n) : NULL;
+        cpu->swiglu_backward(ga, gb, g, a, b, n);
+        gpu->swiglu_backward(dga, dgb, dg, da_, db_, n);
+        gpu_done();
+        if (ga)
+            check_f("da", HOSTF(dga, n), ga, n, 1, TIGHT);
+        if (gb)
+            check_f("db", HOSTF(dgb, n), gb, n, 1, TIGHT);
+    }
+    free_all();
+}
+
+static void test_rope(int B, int T, int H, int Hd, double theta, const char *name)
+{
+    const size_t nt = (size_t)T * (Hd / 2), nx = (size_t)B * T * H * Hd;
+
+    begin("rope_tables", name);
+    float *c = fnan(nt), *s = fnan(nt), *dc = DEVF(c, nt), *ds = DEVF(s, nt);
+    cpu->rope_tables(c, s, T, Hd, theta);
+    gpu->rope_tables(dc, ds, T, Hd, theta);
+    gpu_done();
+    check_f("cos", HOSTF(dc, nt), c, nt, Hd / 2, 2e-7, 1e-6);
+    check_f("sin", HOSTF(ds, nt), s, nt, Hd / 2, 2e-7, 1e-6);
+
+    /* the reference tables for both, so the rotation alone is compared */
+    float *rc = DEVF(c, nt), *rs = DEVF(s, nt);
+    for (int dir = 0; dir < 2; dir++) {
+        begin(dir == 0 ? "rope_forward" : "rope_backward", name);
+        float *x = frand(nx, -1, 1), *dx = DEVF(x, nx);
+        if (dir == 0) {
+            cpu->rope_forward(x, c, s, B, T, H, Hd);
+            gpu->rope_forward(dx, rc, rs, B, T, H, Hd);
+        } else {
+            cpu->rope_backward(x, c, s, B, T, H, Hd);
+            gpu->rope_backward(dx, rc, rs, B, T, H, Hd);
+        }
+        gpu_done();
+        check_f("x", HOSTF(dx, nx), x, nx, Hd, 1e-7, 1e-6);
+    }
+    free_all();
+}
+
+/* ---- attention ----------------------------------------------------------------------- */
+
+static void test_attention(int B, int T, int H, int Hd, double amp, const char *name)
+{
+    const size_t n = (size_t)B * T * H * Hd, nl = (size_t)B * H * T;
+    float *q = frand(n, -amp, amp), *k = frand(n, -amp, amp), *v = frand(n, -1, 1);
+    float *dq_ = DEVF(q, n), *dk_ = DEVF(k, n), *dv_ = DEVF(v, n);
+
+    begin("attention_forward", name);
+    float *out = fnan(n), *lse = fnan(nl), *dout = DEVF(out, n), *dlse = DEVF(lse, nl);
+    cpu->attention_forward(out, lse, q, k, v, B, T, H, Hd);
+    gpu->attention_forward(dout, dlse, dq_, dk_, dv_, B, T, H, Hd);
+    gpu_done();
+    check_f("out", HOSTF(dout, n), out, n, (size_t)H * Hd, ATTN);
+    check_f("lse", HOSTF(dlse, nl), lse, nl, T, ATTN);
+
+    begin("attention_backward", name);
+    /* the reference's out and lse as the saved activations of both */
+    float *g = frand(n, -1, 1), *dg = DEVF(g, n), *rout = DEVF(out, n), *rlse = DEVF(lse, nl);
+    for (int variant = 0; variant < 3; variant++) { /* all, dk + dv only, dq + dv only */
+        float *gq = variant != 1 ? frand(n, -1, 1) : NULL;
+        float *gk = variant != 2 ? frand(n, -1, 1) : NULL;
+        float *gv = frand(n, -1, 1);
+        float *dgq = gq ? DEVF(gq, n) : NULL, *dgk = gk ? DEVF(gk, n) : NULL, *dgv = DEVF(gv, n);
+        cpu->attention_backward(gq, gk, gv, g, out, lse, q, k, v, B, T, H, Hd);
+        gpu->attention_backward(dgq, dgk, dgv, dg, rout, rlse, dq_, dk_, dv_, B, T, H, Hd);
+        gpu_done();
+        if (gq)
+            check_f("dq", HOSTF(dgq, n), gq, n, (size_t)H * Hd, ATTN);
+        if (gk)
+            check_f("dk", HOSTF(dgk, n), gk, n, (size_t)H * Hd, ATTN);
+        check_f("dv", HOSTF(dgv, n), gv, n, (size_t)H * Hd, ATTN);
+    }
+    free_all();
+}
+
+/* ---- router -------------------------------------------------------------------------- */
+
+/* quantized: logits on a grid of 0.5, so probabilities tie exactly and the tie rule
+ * (lower index first) decides. */
+static void test_router(int N, int E, int K, int renorm, int quantized, const char *name)
+{
+    const size_t NE = (size_t)N * E, NK = (size_t)N * K;
+    float *logits = frand(NE, -3, 3);
+    if (quantized) {
+        int32_t *qv = irand(NE, -2, 3);
+        for (size_t i = 0; i < NE; i++)
+            logits[i] = 0.5f * (float)qv[i];
+    }
+
+    begin("router_forward", name);
+    float *probs = fnan(NE), *lse = fnan(N), *w = fnan(NK);
+    int32_t *idx = ipoison(NK);
+    float *dprobs_ = DEVF(probs, NE), *dlse = DEVF(lse, N), *dw_ = DEVF(w, NK);
+    int32_t *didx = DEVI(idx, NK);
+    cpu->router_forward(probs, lse, idx, w, logits, N, E, K, renorm);
+    gpu->router_forward(dprobs_, dlse, didx, dw_, DEVF(logits, NE), N, E, K, renorm);
+    gpu_done();
+    check_f("probs", HOSTF(dprobs_, NE), probs, NE, E, TIGHT);
+    check_f("lse", HOSTF(dlse, N), lse, N, 1, TIGHT);
+    check_i("idx", HOSTI(didx, NK), idx, NK);
+    check_f("w", HOSTF(dw_, NK), w, NK, K, TIGHT);
+
+    /* the reference's outputs as the inputs of the backward ops */
+    float *rprobs = DEVF(probs, NE), *rlse = DEVF(lse, N);
+    int32_t *ridx = DEVI(idx, NK);
+
+    begin("router_topk_backward", name);
+    float *gw = frand(NK, -1, 1), *dp = frand(NE, -1, 1), *ddp = DEVF(dp, NE);
+    cpu->router_topk_backward(dp, gw, probs, idx, N, E, K, renorm);
+    gpu->router_topk_backward(ddp, DEVF(gw, NK), rprobs, ridx, N, E, K, renorm);
+    gpu_done();
+    check_f("dprobs", HOSTF(ddp, NE), dp, NE, E, REDUCE);
+
+    begin("softmax_backward", name);
+    float *gp = frand(NE, -1, 1), *dl = frand(NE, -1, 1), *ddl = DEVF(dl, NE);
+    cpu->softmax_backward(dl, gp, probs, N, E);
+    gpu->softmax_backward(ddl, DEVF(gp, NE), rprobs, N, E);
+    gpu_done();
+    check_f("dlogits", HOSTF(ddl, NE), dl, NE, E, REDUCE);
+
+    begin("router_aux_partials", name);
+    int64_t *counts = hmem(sizeof(int64_t) * E), *gcounts = hmem(sizeof(int64_t) * E);
+    double *psum = hmem(sizeof(double) * E), *gpsum = hmem(sizeof(double) * E);
+    int32_t *c0 = irand(E, 0, 50);
+    float *p0 = frand(E, 0, 10);
+    for (int e = 0; e < E; e++) {
+        counts[e] = gcounts[e] = c0[e];
+        psum[e] = gpsum[e] = p0[e];
+    }
+    double z = cpu->router_aux_partials(counts, psum, probs, lse, idx, N, E, K);
+    double gz = gpu->router_aux_partials(gcounts, gpsum, rprobs, rlse, ridx, N, E, K);
+    gpu_done();
+    check_i64("counts", gcounts, counts, E);
+    check_d("psum", gpsum, psum, E, 1e-12, 1e-12);
+    check_d("sum lse^2", &gz, &z, 1, 1e-12, 1e-12);
+
+    begin("router_aux_backward", name);
+    const int64_t Ng = 3 * (int64_t)N + 1;
+    for (int variant = 0; variant < 3; variant++) { /* both, dprobs only, dlogits only */
+        float *ap = variant != 2 ? frand(NE, -1, 1) : NULL;
+        float *al = variant != 1 ? frand(NE, -1, 1) : NULL;
+        float *dap = ap ? DEVF(ap, NE) : NULL, *dal = al ? DEVF(al, NE) : NULL;
+        cpu->router_aux_backward(ap, al, probs, lse, counts, Ng, N, E, K, 0.3, 0.05);
+        gpu->router_aux_backward(dap, dal, rprobs, rlse, counts, Ng, N, E, K, 0.3, 0.05);
+        gpu_done();
+        if (ap)
+            check_f("dprobs", HOSTF(dap, NE), ap, NE, E, TIGHT);
+        if (al)
+            check_f("dlogits", HOSTF(dal, NE), al, NE, E, TIGHT);
+    }
+    free_all();
+}
+
+/* ---- routing plan, permute, combine -------------------------------------------------- */
+
+enum { IDX_RANDOM, IDX_HOLES, IDX_SKEWED };
+
+/* idx (N,K): random experts; HOLES: expert 3 never chosen and about one slot in six
+ * without an expert (-1); SKEWED: most slots on expert 0 (capacity drops). Weights on a
+ * grid of 1/4, so the capacity's tie rule decides often. */
+static void make_assignments(int32_t **idx_out, float **w_out, int N, int E, int K, int mode)
+{
+    const size_t NK = (size_t)N * K;
+    int32_t *idx = irand(NK, 0, E), *r = irand(NK, 0, 6);
+    int32_t *wq = irand(NK, 1, 5);
+    float *w = hmem(sizeof(float) * (NK ? NK : 1));
+    for (size_t a = 0; a < NK; a++) {
+        if (mode == IDX_HOLES) {
+            if (idx[a] == 3 && E > 4)
+                idx[a] = 4;
+            if (r[a] == 0)
+                idx[a] = -1;
+        } else if (mode == IDX_SKEWED && r[a] < 4) {
+            idx[a] = 0;
+        }
+        w[a] = 0.25f * (float)wq[a];
+    }
+    *idx_out = idx;
+    *w_out = w;
+}
+
+static void test_route(int N, int E, int K, int group, int capacity, int mode, int D,
+                       const char *name)
+{
+    const size_t NK = (size_t)N * K, ND = (size_t)N * D;
+    int32_t *idx;
+    float *w;
+    make_assignments(&idx, &w, N, E, K, mode);
+    int32_t *didx = DEVI(idx, NK);
+    float *dw_ = DEVF(w, NK);
+
+    begin("moe_route_plan", name);
+    int *offsets = hmem(sizeof(int) * (E + 1)), *goffsets = hmem(sizeof(int) * (E + 1));
+    for (int e = 0; e <= E; e++)
+        offsets[e] = goffsets[e] = POISON_INT;
+    int32_t *row_token = ipoison(NK), *row_slot = ipoison(NK), *slot_row = ipoison(NK);
+    int *scratch = (int *)ipoison(NK);
+    int32_t *drt = DEVI(row_token, NK), *drs = DEVI(row_slot, NK), *dsr = DEVI(slot_row, NK);
+    int *dscratch = (int *)DEVI(scratch, NK);
+    int M = cpu->moe_route_plan(offsets, row_token, row_slot, slot_row, scratch, idx, w, N, E, K,
+                                group, capacity);
+    int gM =
+        gpu->moe_route_plan(goffsets, drt, drs, dsr, dscratch, didx, dw_, N, E, K, group, capacity);
+    gpu_done();
+    check_i("M", &gM, &M, 1);
+    check_i("offsets", goffsets, offsets, E + 1);
+    check_i("slot_row", HOSTI(dsr, NK), slot_row, NK);
+    check_i("row_token", HOSTI(drt, NK), row_token, M);
+    check_i("row_slot", HOSTI(drs, NK), row_slot, M);
+    if (M != gM) {
+        free_all();
+        return;
+    }
+
+    /* the moves, on the reference plan */
+    const size_t MD = (size_t)M * D;
+    int32_t *rt = DEVI(row_token, NK), *rs = DEVI(row_slot, NK);
+    float *x = frand(ND, -1, 1), *dx_ = DEVF(x, ND);
+
+    begin("moe_permute", name);
+    float *out = fnan(MD), *dout = DEVF(out, MD);
+    cpu->moe_permute(out, x, row_token, M, D);
+    gpu->moe_permute(dout, dx_, rt, M, D);
+    gpu_done();
+    check_f("out", HOSTF(dout, MD), out, MD, D, EXACT);
+
+    begin("moe_permute_backward", name);
+    float *gx = frand(ND, -1, 1), *g = frand(MD, -1, 1), *dgx = DEVF(gx, ND);
+    cpu->moe_permute_backward(gx, g, row_token, M, D);
+    gpu->moe_permute_backward(dgx, DEVF(g, MD), rt, M, D);
+    gpu_done();
+    check_f("dx", HOSTF(dgx, ND), gx, ND, D, EXACT);
+
+    begin("moe_combine_forward", name);
+    float *y = frand(ND, -1, 1), *eo = frand(MD, -1, 1), *dy = DEVF(y, ND), *deo = DEVF(eo, MD);
+    cpu->moe_combine_forward(y, eo, w, row_token, row_slot, M, D, K);
+    gpu->moe_combine_forward(dy, deo, dw_, rt, rs, M, D, K);
+    gpu_done();
+    check_f("y", HOSTF(dy, ND), y, ND, D, EXACT);
+
+    begin("moe_combine_backward", name);
+    float *gy = frand(ND, -1, 1), *dgy = DEVF(gy, ND);
+    for (int variant = 0; variant < 3; variant++) { /* both, dexpert_out only, dw only */
+        float *ge = variant != 2 ? frand(MD, -1, 1) : NULL;
+        float *gw = variant != 1 ? frand(NK, -1, 1) : NULL;
+        float *dge = ge ? DEVF(ge, MD) : NULL, *dgw = gw ? DEVF(gw, NK) : NULL;
+        cpu->moe_combine_backward(ge, gw, gy, eo, w, row_token, row_slot, M, D, K);
+        gpu->moe_combine_backward(dge, dgw, dgy, deo, dw_, rt, rs, M, D, K);
+        gpu_done();
+        if (ge)
+            check_f("dexpert_out", HOSTF(dge, MD), ge, MD, D, EXACT);
+        if (gw)
+            check_f("dw", HOSTF(dgw, NK), gw, NK, K, REDUCE);
+    }
+    free_all();
+}
+
+/* The permute backward with arbitrary sources: M rows naming tokens in any order, repeats. */
+static void test_permute_backward_any(int N, int M, int D, const char *name)
+{
+    begin("moe_permute_backward", name);
+    const size_t ND = (size_t)N * D, MD = (size_t)M * D;
+    int32_t *rt = irand(M, 0, N);
+    float *gx = frand(ND, -1, 1), *g = frand(MD, -1, 1), *dgx = DEVF(gx, ND);
+    cpu->moe_permute_backward(gx, g, rt, M, D);
+    gpu->moe_permute_backward(dgx, DEVF(g, MD), DEVI(rt, M), M, D);
+    gpu_done();
+    check_f("dx", HOSTF(dgx, ND), gx, ND, D, EXACT);
+    free_all();
+}
+
+/* ---- exchange packing
+ * ------------------------------------------------------------------------------ */
+
+static void test_exchange(int N, int E, int K, int P, int D, int capacity, const char *name)
+{
+    const size_t NK = (size_t)N * K;
+    int32_t *idx;
+    float *w;
+    make_assignments(&idx, &w, N, E, K, IDX_SKEWED);
+    /* the plan (slot_row, with drops) from the reference */
+    int *offsets = hmem(sizeof(int) * (E + 1)), *scratch = hmem(sizeof(int) * (NK + 1));
+    int32_t *row_token = ipoison(NK), *row_slot = ipoison(NK), *slot_row = ipoison(NK);
+    cpu->moe_route_plan(offsets, row_token, row_slot, slot_row, scratch, idx, w, N, E, K, N,
+                        capacity);
+    int32_t *erank = hmem(sizeof(int32_t) * E), *elocal = hmem(sizeof(int32_t) * E);
+    const int per = (E + P - 1) / P;
+    for (int e = 0; e < E; e++) {
+        erank[e] = e / per;
+        elocal[e] = e % per;
+    }
+    const size_t row_bytes = ((size_t)(D + K) * 4 + (size_t)K * 4 + 7) & ~(size_t)7;
+    const size_t max_rows = (size_t)N * P + 1, nbytes = max_rows * row_bytes;
+
+    begin("moe_pack_dispatch", name);
+    char *rows = hmem(nbytes), *grows;
+    memset(rows, 0xAB, nbytes);
+    char *drows = dev(rows, nbytes);
+    int32_t *st = ipoison(max_rows), *dst = DEVI(st, max_rows);
+    int *send_rows = hmem(sizeof(int) * P), *send_assign = hmem(sizeof(int) * P);
+    int *gsend_rows = hmem(sizeof(int) * P), *gsend_assign = hmem(sizeof(int) * P);
+    for (int p = 0; p < P; p++)
+        send_rows[p] = send_assign[p] = gsend_rows[p] = gsend_assign[p] = POISON_INT;
+    float *x = frand((size_t)N * D, -1, 1);
+    int n = cpu->moe_pack_dispatch(rows, st, send_rows, send_assign, x, idx, w, slot_row, erank,
+                                   elocal, N, D, K, P, row_bytes);
+    int gn = gpu->moe_pack_dispatch(drows, dst, gsend_rows, gsend_assign, DEVF(x, (size_t)N * D),
+                                    DEVI(idx, NK), DEVF(w, NK), DEVI(slot_row, NK), DEVI(erank, E),
+                                    DEVI(elocal, E), N, D, K, P, row_bytes);
+    gpu_done();
+    check_i("rows", &gn, &n, 1);
+    check_i("send_rows", gsend_rows, send_rows, P);
+    check_i("send_assign", gsend_assign, send_assign, P);
+    if (gn != n) {
+        free_all();
+        return;
+    }
+    check_i("send_token", HOSTI(dst, n), st, n);
+    grows = host_of(drows, nbytes);
+    for (int r = 0; r < n; r++) {
+        const float *a = (const float *)(grows + r * row_bytes);
+        const float *b = (const float *)(rows + r * row_bytes);
+        check_f("row x", a, b, D, 1, EXACT);
+        check_f("row w", a + D, b + D, K, 1, EXACT);
+        check_i("row lidx", (const int32_t *)(a + D + K), (const int32_t *)(b + D + K), K);
+    }
+
+    begin("moe_unpack_dispatch", name);
+    float *ux = fnan((size_t)n * D), *uw = fnan((size_t)n * K);
+    int32_t *ul = ipoison((size_t)n * K);
+    float *dux = DEVF(ux, (size_t)n * D), *duw = DEVF(uw, (size_t)n * K);
+    int32_t *dul = DEVI(ul, (size_t)n * K);
+    cpu->moe_unpack_dispatch(ux, uw, ul, rows, n, D, K, row_bytes);
+    gpu->moe_unpack_dispatch(dux, duw, dul, dev(rows, nbytes), n, D, K, row_bytes);
+    gpu_done();
+    check_f("x", HOSTF(dux, (size_t)n * D), ux, (size_t)n * D, D, EXACT);
+    check_f("w", HOSTF(duw, (size_t)n * K), uw, (size_t)n * K, K, EXACT);
+    check_i("lidx", HOSTI(dul, (size_t)n * K), ul, (size_t)n * K);
+
+    begin("moe_pack_grad_rows", name);
+    const size_t nw = (size_t)n * (D + K);
+    float *gx = frand((size_t)n * D, -1, 1), *gw = frand((size_t)n * K, -1, 1);
+    float *grow = fnan(nw), *dgrow = DEVF(grow, nw);
+    cpu->moe_pack_grad_rows(grow, gx, gw, n, D, K);
+    gpu->moe_pack_grad_rows(dgrow, DEVF(gx, (size_t)n * D), DEVF(gw, (size_t)n * K), n, D, K);
+    gpu_done();
+    check_f("rows", HOSTF(dgrow, nw), grow, nw, (size_t)(D + K), EXACT);
+
+    begin("moe_scatter_grad_rows", name);
+    float *srows = frand(nw, -1, 1);
+    float *sdx = frand((size_t)N * D, -1, 1), *sdw = frand(NK, -1, 1);
+    float *dsdx = DEVF(sdx, (size_t)N * D), *dsdw = DEVF(sdw, NK);
+    cpu->moe_scatter_grad_rows(sdx, sdw, srows, st, n, D, K);
+    gpu->moe_scatter_grad_rows(dsdx, dsdw, DEVF(srows, nw), DEVI(st, n), n, D, K);
+    gpu_done();
+    check_f("dx", HOSTF(dsdx, (size_t)N * D), sdx, (size_t)N * D, D, EXACT);
+    check_f("dw", HOSTF(dsdw, NK), sdw, NK, K, EXACT);
+    free_all();
+}
+
+/* ---- loss ---------------------------------------------------------------------------- */
+
+static void test_cross_entropy(int N, int V, const char *name)
+{
+    const size_t NV = (size_t)N * V;
+    float *logits = frand(NV, -4, 4), *dlog_ = DEVF(logits, NV);
+    int32_t *tg = irand(N, 0, V), *dtg = DEVI(tg, N);
+
+    begin("cross_entropy_forward", name);
+    float *loss = fnan(N), *lse = fnan(N), *dloss = DEVF(loss, N), *dlse = DEVF(lse, N);
+    cpu->cross_entropy_forward(loss, lse, logits, tg, N, V);
+    gpu->cross_entropy_forward(dloss, dlse, dlog_, dtg, N, V);
+    gpu_done();
+    check_f("losses", HOSTF(dloss, N), loss, N, 1, TIGHT);
+    check_f("lse", HOSTF(dlse, N), lse, N, 1, TIGHT);
+
+    begin("cross_entropy_backward", name);
+    float *g = frand(NV, -1, 1), *dg = DEVF(g, NV);
+    const float scale = 1.0f / (2.0f * (float)N);
+    cpu->cross_entropy_backward(g, logits, lse, tg, scale, N, V);
+    gpu->cross_entropy_backward(dg, dlog_, DEVF(lse, N), dtg, scale, N, V);
+    gpu_done();
+    check_f("dlogits", HOSTF(dg, NV), g, NV, V, TIGHT);
+    free_all();
+}
+
+/* ---- optimizer pieces
+ * ---------------------------------------------------------------------------- */
+
+static void test_reductions(size_t n, const char *name)
+{
+    float *x = frand(n, -1, 1), *dx = DEVF(x, n);
+    double mag = 0.0;
+    for (size_t i = 0; i < n; i++)
+        mag += fabs(x[i]);
+
+    begin("sum_values", name);
+    double r = cpu->sum_values(x, n), g = gpu->sum_values(dx, n);
+    gpu_done();
+    check_d("sum", &g, &r, 1, 1e-13 * mag + 1e-300, 1e-12);
+
+    begin("sum_squares", name);
+    r = cpu->sum_squares(x, n);
+    g = gpu->sum_squares(dx, n);
+    gpu_done();
+    check_d("sum", &g, &r, 1, 1e-300, 1e-12);
+
+    begin("scale_inplace", name);
+    cpu->scale_inplace(x, 0.37f, n);
+    gpu->scale_inplace(dx, 0.37f, n);
+    gpu_done();
+    check_f("x", HOSTF(dx, n), x, n, 1, EXACT);
+
+    begin("all_finite", name);
+    int want = cpu->all_finite(x, n), got = gpu->all_finite(dx, n);
+    gpu_done();
+    check_i("finite", &got, &want, 1);
+    float bad[2] = {NAN, INFINITY};
+    for (int b = 0; b < 2 && n > 0; b++) {
+        size_t at = b == 0 ? n - 1 : n / 2;
+        gpu->copy(dx + at, &bad[b], sizeof(float), MOE_COPY_H2D);
+        x[at] = bad[b];
+        want = cpu->all_finite(x, n);
+        got = gpu->all_finite(dx, n);
+        gpu_done();
+        check_i(b == 0 ? "NaN at the end" : "inf in the middle", &got, &want, 1);
+    }
+    free_all();
+}
+
+static void test_adamw(size_t n, int t, const char *name)
+{
+    begin("adamw_update", name);
+    float *p = frand(n, -1, 1), *g = frand(n, -1, 1), *m = frand(n, -0.1, 0.1);
+    float *v = frand(n, 0, 0.01);
+    float *dp = DEVF(p, n), *dm = DEVF(m, n), *dv = DEVF(v, n);
+    cpu->adamw_update(p, g, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, t);
+    gpu->adamw_update(dp, DEVF(g, n), dm, dv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, t);
+    gpu_done();
+    check_f("p", HOSTF(dp, n), p, n, 1, TIGHT);
+    check_f("m", HOSTF(dm, n), m, n, 1, TIGHT);
+    check_f("v", HOSTF(dv, n), v, n, 1, TIGHT);
+    free_all();
+}
+
+/* ---- main
+ * ---------------------------------------------------------------------------------------- */
+
+int main(void)
+{
+    const char *why = NULL;
+    gpu = moe_backend_cuda(&why);
+    if (!gpu) {
+        printf("SKIP: no usable GPU: %s\n", why ? why : "unknown");
+        return 77;
+    }
+
+    test_add(1, "n=1");
+    test_add(91, "n=91");
+    test_add(512 * 64 + 3, "n=32771");
+
+    test_embedding(7, 13, 11, "N=7 D=13 V=11");
+    test_embedding(1, 5, 3, "one token");
+    test_embedding(512, 64, 256, "tiny");
+    test_embedding(3000, 33, 5, "many repeats");
+
+    test_rmsnorm(7, 13, "N=7 D=13");
+    test_rmsnorm(1, 64, "one token");
+    test_rmsnorm(512, 64, "tiny");
+    test_rmsnorm(600, 1000, "N=600 D=1000");
+
+    test_matmul(7, 13, 5, "N=7 I=13 O=5");
+    test_matmul(1, 1, 1, "1x1x1");
+    test_matmul(1, 64, 256, "one token");
+    test_matmul(512, 64, 64, "tiny attn proj");
+    test_matmul(512, 64, 128, "tiny up");
+    test_matmul(512, 128, 64, "tiny down");
+    test_matmul(512, 64, 256, "tiny lm head");
+    test_matmul(512, 64, 8, "tiny router");
+    test_matmul(33, 77, 1, "O=1");
+    test_matmul_shapes(900, "900 shapes (plan cache flush)");
+
+    const int g1[] = {3, 0, 5, 1};
+    test_grouped(4, g1, 13, 7, "odd, an empty group");
+    const int g2[] = {70, 0, 130, 1, 64, 200, 0, 47};
+    test_grouped(8, g2, 64, 128, "tiny w1");
+    test_grouped(8, g2, 128, 64, "tiny w2");
+    const int g3[] = {0, 0};
+    test_grouped(2, g3, 16, 16, "all groups empty");
+
+    test_swiglu(1, "n=1");
+    test_swiglu(1001, "n=1001");
+    test_swiglu(512 * 128, "tiny");
+
+    test_rope(2, 5, 3, 6, 10000.0, "B=2 T=5 H=3 Hd=6");
+    test_rope(8, 64, 4, 16, 10000.0, "tiny");
+    test_rope(1, 256, 2, 64, 500000.0, "T=256 Hd=64");
+    test_rope(1, 1, 1, 2, 10000.0, "T=1 Hd=2");
+
+    test_attention(1, 1, 1, 2, 1.0, "T=1 Hd=2");
+    test_attention(2, 1, 3, 16, 1.0, "T=1 B=2 H=3");
+    test_attention(2, 7, 3, 6, 1.0, "B=2 T=7 H=3 Hd=6");
+    test_attention(8, 64, 4, 16, 1.0, "tiny");
+    test_attention(1, 256, 2, 64, 1.0, "T=256 Hd=64");
+    test_attention(2, 100, 2, 32, 3.0, "T=100 Hd=32 peaky");
+    test_attention(1, 33, 1, 128, 1.0, "T=33 Hd=128");
+    test_attention(1, 40, 2, 96, 1.0, "T=40 Hd=96");
+
+    test_router(7, 5, 1, 0, 0, "N=7 E=5 K=1");
+    test_router(7, 5, 5, 1, 0, "K=E renorm");
+    test_router(7, 5, 5, 0, 1, "K=E ties");
+    test_router(1, 3, 2, 1, 0, "one token");
+    test_router(512, 8, 2, 1, 0, "tiny");
+    test_router(512, 8, 2, 0, 1, "tiny ties");
+    test_router(33, 64, 6, 1, 1, "E=64 K=6 ties");
+    test_router(5, 300, 3, 1, 0, "E=300");
+
+    test_route(7, 5, 2, 7, -1, IDX_RANDOM, 13, "dropless N=7 E=5 K=2");
+    test_route(12, 8, 2, 12, -1, IDX_HOLES, 9, "zero-token expert, no-expert slots");
+    test_route(9, 4, 1, 9, -1, IDX_RANDOM, 5, "K=1");
+    test_route(6, 4, 4, 6, -1, IDX_RANDOM, 5, "K=E");
+    test_route(1, 4, 2, 1, -1, IDX_RANDOM, 8, "one token");
+    test_route(0, 4, 2, 1, -1, IDX_RANDOM, 8, "no tokens");
+    test_route(16, 4, 2, 16, 3, IDX_SKEWED, 7, "capacity 3, ties");
+    test_route(12, 4, 2, 4, 2, IDX_SKEWED, 7, "capacity 2 per group of 4");
+    test_route(12, 8, 2, 12, 2, IDX_HOLES, 7, "capacity with holes");
+    test_route(10, 4, 2, 10, 0, IDX_RANDOM, 3, "capacity 0");
+    test_route(512, 8, 2, 512, -1, IDX_RANDOM, 64, "tiny dropless");
+    test_route(512, 8, 2, 512, 128, IDX_SKEWED, 64, "tiny capacity 128");
+    test_route(4096, 64, 4, 4096, 300, IDX_SKEWED, 32, "N=4096 E=64 K=4 capacity");
+    test_route(4096, 64, 4, 1, 1, IDX_RANDOM, 4, "capacity 1 per token (many groups)");
+    test_permute_backward_any(37, 200, 11, "any order, repeats");
+    test_permute_backward_any(5000, 300, 3, "sparse targets");
+
+    test_exchange(7, 6, 2, 1, 13, -1, "P=1");
+    test_exchange(13, 6, 2, 3, 9, -1, "P=3 dropless");
+    test_exchange(13, 6, 3, 3, 9, 4, "P=3 capacity");
+    test_exchange(512, 8, 2, 4, 64, 160, "tiny P=4");
+    test_exchange(1, 4, 2, 2, 5, -1, "one token");
+    test_exchange(9, 4, 2, 2, 5, 0, "everything dropped");
+
+    test_cross_entropy(7, 13, "N=7 V=13");
+    test_cross_entropy(1, 5, "one token");
+    test_cross_entropy(512, 256, "tiny");
+    test_cross_entropy(3, 50257, "V=50257");
+
+    test_reductions(1, "n=1");
+    test_reductions(1000, "n=1000");
+    test_reductions(1000003, "n=1000003");
+    begin("all_finite", "n=0");
+    {
+        int got = gpu->all_finite(NULL, 0), want = 1;
+        check_i("empty", &got, &want, 1);
+    }
+
+    test_adamw(1, 1, "n=1 t=1");
+    test_adamw(1001, 7, "n=1001 t=7");
+
+    int failed = 0;
+    printf("\n%-26s %12s %12s  %s\n", "op", "worst_abs", "worst_rel", "result");
+    for (int i = 0; i < n_results; i++) {
+        const op_result *r = &results[i];
+        printf("%-26s %12.3g %12.3g  %s\n", r->op, r->worst_abs, r->worst_rel,
+               r->failed ? "FAIL" : "PASS");
+        failed += r->failed != 0;
+    }
+    /* every op of the table must have been tested */
+    const char *listed[] = {
+#define MOE_OP_NAME(fn) #fn,
+        MOE_OPS_LIST(MOE_OP_NAME)
+#undef MOE_OP_NAME
+    };
+    for (size_t i = 0; i < sizeof listed / sizeof *listed; i++) {
+        int seen = 0;
+        for (int j = 0; j < n_results; j++)
+            seen |= strcmp(results[j].op, listed[i]) == 0;
+        if (!seen) {
+            printf("FAIL %s: no test\n", listed[i]);
+            failed++;
+        }
+    }
+    printf("%s: %d of %d ops failed\n", failed ? "FAIL" : "PASS", failed, n_results);
+    return failed ? 1 : 0;
+}
