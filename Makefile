@@ -12,7 +12,7 @@ BUILD ?= build
 TEST_LABEL ?=
 endif
 
-.PHONY: run test deps test-deps build clean
+.PHONY: run test test-gpu deps test-deps build clean
 
 deps:
 	@bash scripts/deps.sh
@@ -29,6 +29,13 @@ run: deps build
 
 test: test-deps build
 	@bash scripts/run-tests.sh $(BUILD) "$(TEST_LABEL)"
+
+# On a GPU host: build with CUDA for T4 and the local GPU, run the GPU tests (label gpu).
+test-gpu: test-deps
+	@cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_CUDA=ON \
+	  -DCMAKE_CUDA_ARCHITECTURES="75;native" >/dev/null
+	@cmake --build build-gpu -j $(JOBS)
+	@bash scripts/run-tests.sh build-gpu gpu
 
 clean:
 	rm -rf build build-asan
