@@ -33,7 +33,7 @@ test: test-deps build
 # On a GPU host: build with CUDA for T4 and the local GPU, run the GPU tests (label gpu).
 test-gpu: test-deps
 	@cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_CUDA=ON \
-	  -DCMAKE_CUDA_ARCHITECTURES="75;native" >/dev/null
+	  -DCMAKE_CUDA_ARCHITECTURES="75;$$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)" >/dev/null
 	@cmake --build build-gpu -j $(JOBS)
 	@bash scripts/run-tests.sh build-gpu gpu
 
