@@ -416,6 +416,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "moe-dist: --resume needs auto or a checkpoint directory\n");
         return EXIT_USAGE;
     }
+    /* a stop request during start-up is kept too (installed again after MPI starts, in
+     * case the MPI library replaced a handler) */
+    if (strcmp(a.verb, "train") == 0 && moe_signals_install() != 0)
+        return 1;
     if (moe_ranks_init(&argc, &argv, &ranks) != 0)
         return 1;
     rc = strcmp(a.verb, "train") == 0 ? cmd_train(&a) : cmd_dump(&a);

@@ -15,6 +15,7 @@
 # Exit status 77 (skipped) when not root or when Slurm cannot be installed or started.
 # MOE_SLURM_KEEP=DIR keeps the daemons' logs and the jobs' output; MOE_SLURM_STEPS
 # changes the run length (60); MOE_SLURM_NO_GPU=1 runs without stand-in GPUs.
+# shellcheck shell=bash source=tests/lib.sh
 source "$(dirname "$0")/../lib.sh"
 [ -n "${WORK:-}" ] && [ -d "$WORK" ] || { echo "tests/lib.sh did not set up WORK" >&2; exit 1; }
 SKIP=77
@@ -43,9 +44,9 @@ fi
 echo "slurm $(dpkg-query -W -f='${Version}' slurmd) installed ($(elapsed)s)"
 
 # ---- start a one-node cluster ----
-PIDS=()
 stop_cluster() {
   if [ -s "$D/slurmctld.pid" ]; then # end this cluster's jobs first, then its daemons
+    # shellcheck disable=SC2046 # one argument per job id
     scancel --full --quiet $(squeue -h -o %i 2>/dev/null) 2>/dev/null
     for _ in $(seq 1 20); do
       [ -z "$(squeue -h 2>/dev/null)" ] && ! pgrep -f '^slurmstepd: \[' >/dev/null && break
@@ -239,8 +240,9 @@ fi
 story=$(grep -E '^(moe-dist.sbatch|stopped|resumed|done:|  .* local [0-9]+/)' "$log")
 
 # ---- 3. the time limit: --signal=B:USR1@50 on a 2-minute job (the template's mechanism).
-# slurmctld looks at time limits every 30 s and signals early rather than late, so the
-# signal comes 40 to 70 s in (on a 1-minute job it could come before moe-dist is up).
+# slurmctld looks at time limits periodically and signals early rather than late: the
+# signal comes 40 to 70 s in (on a 1-minute job it came 2 to 27 s in, before moe-dist
+# was always up).
 t=$(date +%s)
 id=$(submit limit --time=2 --signal=B:USR1@50 -- --set train.steps=100000) ||
   { fail "sbatch: $id"; finish; }
