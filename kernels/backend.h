@@ -104,6 +104,13 @@ extern const moe_backend moe_backend_cpu;
  * in why (a static string). */
 const moe_backend *moe_backend_cuda(const char **why);
 
+/* One GPU per rank: makes device (local_rank mod visible devices) current, before the
+ * cuda backend first starts, and writes its PCI bus id ("0000:1b:00.0") into bus_id for
+ * the CPU binding. CUDA_VISIBLE_DEVICES is respected (it decides what is visible).
+ * MOE_ERR_INVALID with the reason when no GPU is usable (the caller then runs on the
+ * CPU, or fails if CUDA was asked for). */
+moe_status moe_cuda_pick_device(int local_rank, char *bus_id, size_t cap);
+
 /* Picks the backend for `request` ("auto", "cpu", "cuda"): auto takes cuda when usable.
  * Asking cuda without one is an error that says why. */
 moe_status moe_backend_select(const char *request, const moe_backend **out);

@@ -46,6 +46,14 @@ const moe_backend *moe_backend_cuda(const char **why)
     *why = "this build has no CUDA (configure with the CUDA toolkit installed)";
     return NULL;
 }
+
+moe_status moe_cuda_pick_device(int local_rank, char *bus_id, size_t cap)
+{
+    (void)local_rank;
+    if (cap)
+        bus_id[0] = '\0';
+    return MOE_ERR_INVALID;
+}
 #endif
 
 moe_status moe_backend_select(const char *request, const moe_backend **out)

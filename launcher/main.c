@@ -183,7 +183,11 @@ static int cmd_train(const cli_args *a)
     int rc = load_config(a, &cfg);
     if (rc)
         return rc;
-    if (moe_bind_rank(&ranks, cfg.bind, NULL) != MOE_OK) /* CPU backend: no GPU bus id */
+    /* one GPU per rank, by local rank; its bus id decides the CPU binding */
+    char bus_id[32] = "";
+    int gpu = strcmp(cfg.backend, "cpu") != 0 &&
+              moe_cuda_pick_device(ranks.local_rank, bus_id, sizeof bus_id) == MOE_OK;
+    if (moe_bind_rank(&ranks, cfg.bind, gpu ? bus_id : NULL) != MOE_OK)
         return fail_job(1);
     moe_comm *comm = NULL;
     if (moe_comm_create(&comm, cfg.ep) != MOE_OK)

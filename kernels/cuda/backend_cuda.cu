@@ -327,3 +327,20 @@ extern "C" const moe_backend *moe_backend_cuda(const char **why)
         *why = reason;
     return reason ? NULL : &cuda_backend;
 }
+
+extern "C" moe_status moe_cuda_pick_device(int local_rank, char *bus_id, size_t cap)
+{
+    int count = 0;
+    if (cap)
+        bus_id[0] = '\0';
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) {
+        cudaGetLastError(); /* clear it: the CPU path may follow */
+        return MOE_ERR_INVALID;
+    }
+    int dev = local_rank % count;
+    if (cudaSetDevice(dev) != cudaSuccess ||
+        cudaDeviceGetPCIBusId(bus_id, (int)cap, dev) != cudaSuccess)
+        MOE_FAIL(MOE_ERR_DEVICE, "cannot select GPU %d of %d for local rank %d", dev, count,
+                 local_rank);
+    return MOE_OK;
+}
