@@ -77,6 +77,19 @@ moe_status moe_comm_exchange_start(moe_comm *c, const void *send, const size_t *
                                    const size_t *recv_displs, moe_comm_handle after,
                                    moe_comm_handle *done);
 
+/* The same for host buffers, always through MPI (e.g. expert weights staged on the host
+ * when re-planning), also on GPU runs. */
+moe_status moe_comm_exchange_host_start(moe_comm *c, const void *send, const size_t *send_counts,
+                                        const size_t *send_displs, void *recv,
+                                        const size_t *recv_counts, const size_t *recv_displs,
+                                        moe_comm_handle after, moe_comm_handle *done);
+
+/* Collective: from now on the gradient allreduce and the token exchange take device
+ * buffers and go through NCCL on `stream` (a cudaStream_t), the compute stream, so they
+ * follow the kernels that produced their inputs; communicators are bootstrapped over MPI.
+ * Host collectives (counts, sums, gathers) stay on MPI. Builds without CUDA: an error. */
+moe_status moe_comm_enable_device(moe_comm *c, void *stream);
+
 /* Blocking exchange of one int64 per peer inside the EP group (the counts before a
  * token exchange): recv[p] = what peer p put in its send[this rank]. Point to point
  * (one message per peer), so a timeout names the peers that sent nothing. */

@@ -9,6 +9,10 @@
  * deadline, naming the peers of the point-to-point requests still open. */
 #include "comm/comm.h"
 
+#ifdef MOE_HAVE_CUDA
+#include "comm/nccl/comm_nccl.h"
+#endif
+
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,6 +41,8 @@ struct moe_comm {
     int ctx_layer;
     MPI_Request *scratch; /* 2 * ep requests for the count exchange */
     int *scratch_peer;
+    struct moe_nccl *nccl; /* GPU runs: device-memory collectives go through NCCL */
+    char *is_device;       /* per handle: 1 when it is an NCCL event */
 };
 
 /* req_peer encoding: recv from EP peer p = p; send to p = -2 - p; collective = -1. */
@@ -206,8 +212,9 @@ moe_status moe_comm_create(moe_comm **out, int ep)
     c->group = calloc(POOL_HANDLES, sizeof *c->group);
     c->scratch = malloc(sizeof(MPI_Request) * 2 * (size_t)ep);
     c->scratch_peer = malloc(sizeof(int) * 2 * (size_t)ep);
+    c->is_device = calloc(POOL_HANDLES, 1);
     if (!c->req || !c->req_peer || !c->n_req || !c->what || !c->group || !c->scratch ||
-        !c->scratch_peer) {
+        !c->scratch_peer || !c->is_device) {
         st = MOE_ERR_NOMEM;
         moe_log_at(__FILE__, __LINE__, "cannot allocate the request pool");
         goto fail;
@@ -225,6 +232,9 @@ void moe_comm_destroy(moe_comm *c)
 {
     if (!c)
         return;
+#ifdef MOE_HAVE_CUDA
+    moe_nccl_destroy(c->nccl);
+#endif
     for (int g = MOE_GROUP_EP; g <= MOE_GROUP_EDP; g++)
         if (c->groups[g] != MPI_COMM_NULL)
             MPI_Comm_free(&c->groups[g]);
@@ -235,6 +245,7 @@ void moe_comm_destroy(moe_comm *c)
     free(c->group);
     free(c->scratch);
     free(c->scratch_peer);
+    free(c->is_device);
     free(c);
 }
 
@@ -285,6 +296,12 @@ moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h)
         MOE_FAIL(MOE_ERR_INVALID, "wait on an invalid communication handle %d", h);
     int n = c->n_req[h];
     c->n_req[h] = -1;
+#ifdef MOE_HAVE_CUDA
+    if (c->is_device[h]) {
+        c->is_device[h] = 0;
+        return moe_nccl_wait(c->nccl, h, c->timeout_s, c->what[h]);
+    }
+#endif
     size_t at = (size_t)h * c->reqs_per_handle;
     if (n > 0)
         MOE_CHECK(poll_requests(c, c->req + at, c->req_peer + at, n, c->what[h], c->group[h]));
@@ -309,6 +326,17 @@ moe_status moe_comm_allreduce_start(moe_comm *c, moe_group g, void *buf, size_t 
     MOE_CHECK(take_handle(
         c, g == MOE_GROUP_WORLD ? "gradient allreduce over the world" : "expert gradient allreduce",
         g, done));
+#ifdef MOE_HAVE_CUDA
+    if (c->nccl) {
+        moe_status st = moe_nccl_allreduce(c->nccl, g, buf, count, elem_bytes, *done);
+        c->is_device[*done] = st == MOE_OK;
+        if (st != MOE_OK) {
+            c->n_req[*done] = -1;
+            *done = MOE_COMM_NONE;
+        }
+        return st;
+    }
+#endif
     size_t at = (size_t)*done * c->reqs_per_handle;
     c->req_peer[at] = PEER_COLLECTIVE;
     int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, real_type(elem_bytes), MPI_SUM,
@@ -326,6 +354,29 @@ moe_status moe_comm_exchange_start(moe_comm *c, const void *send, const size_t *
                                    const size_t *send_displs, void *recv, const size_t *recv_counts,
                                    const size_t *recv_displs, moe_comm_handle after,
                                    moe_comm_handle *done)
+{
+#ifdef MOE_HAVE_CUDA
+    if (c->nccl) {
+        MOE_CHECK(moe_comm_wait(c, after));
+        MOE_CHECK(take_handle(c, "token exchange", MOE_GROUP_EP, done));
+        moe_status st = moe_nccl_exchange(c->nccl, c->ep_size, send, send_counts, send_displs, recv,
+                                          recv_counts, recv_displs, *done);
+        c->is_device[*done] = st == MOE_OK;
+        if (st != MOE_OK) {
+            c->n_req[*done] = -1;
+            *done = MOE_COMM_NONE;
+        }
+        return st;
+    }
+#endif
+    return moe_comm_exchange_host_start(c, send, send_counts, send_displs, recv, recv_counts,
+                                        recv_displs, after, done);
+}
+
+moe_status moe_comm_exchange_host_start(moe_comm *c, const void *send, const size_t *send_counts,
+                                        const size_t *send_displs, void *recv,
+                                        const size_t *recv_counts, const size_t *recv_displs,
+                                        moe_comm_handle after, moe_comm_handle *done)
 {
     MOE_CHECK(moe_comm_wait(c, after));
     for (int p = 0; p < c->ep_size; p++)
@@ -479,6 +530,20 @@ fail:
     free(counts);
     free(displs);
     return st;
+}
+
+moe_status moe_comm_enable_device(moe_comm *c, void *stream)
+{
+#ifdef MOE_HAVE_CUDA
+    if (c->nccl)
+        return MOE_OK;
+    MOE_CHECK(moe_nccl_create(&c->nccl, c->groups, stream, POOL_HANDLES));
+    return MOE_OK;
+#else
+    (void)c;
+    (void)stream;
+    MOE_FAIL(MOE_ERR_INVALID, "this build has no CUDA, so no NCCL");
+#endif
 }
 
 void moe_comm_abort(int code)

@@ -78,6 +78,8 @@ typedef struct moe_backend {
     void (*copy)(void *dst, const void *src, size_t nbytes, moe_copy_kind kind);
     /* waits for queued work; reports an asynchronous failure with its message */
     moe_status (*sync)(void);
+    /* the stream every op runs on (a cudaStream_t; NULL on the cpu), for NCCL */
+    void *(*native_stream)(void);
     /* compute capability of the device, major*10 + minor (0 on the cpu) */
     int (*compute_capability)(void);
     /* Sets the GEMM precision. For bf16/fp16 the backend keeps a 16-bit shadow of the

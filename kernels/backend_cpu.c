@@ -15,6 +15,7 @@ static void cpu_copy(void *dst, const void *src, size_t nbytes, moe_copy_kind ki
 }
 static moe_status cpu_sync(void) { return MOE_OK; }
 static int cpu_capability(void) { return 0; }
+static void *cpu_stream(void) { return NULL; }
 static moe_status cpu_set_precision(moe_precision p, const real *params, size_t n, size_t max)
 {
     (void)params;
@@ -34,6 +35,7 @@ const moe_backend moe_backend_cpu = {.name = "cpu",
                                      .zero = cpu_zero,
                                      .copy = cpu_copy,
                                      .sync = cpu_sync,
+                                     .native_stream = cpu_stream,
                                      .compute_capability = cpu_capability,
                                      .set_precision = cpu_set_precision,
                                      .refresh_shadow = cpu_refresh_shadow,

@@ -1001,8 +1001,8 @@ moe_status moe_model_move_experts(moe_model *m, const int *expert_rank, real **e
         }
         if (P > 1) {
             moe_comm_handle done;
-            MOE_CHECK_GOTO(st, moe_comm_exchange_start(m->comm, sendb, sc, sd, recvb, rc, rd,
-                                                       MOE_COMM_NONE, &done));
+            MOE_CHECK_GOTO(st, moe_comm_exchange_host_start(m->comm, sendb, sc, sd, recvb, rc, rd,
+                                                            MOE_COMM_NONE, &done));
             MOE_CHECK_GOTO(st, moe_comm_wait(m->comm, done));
         }
         /* unpack: staying experts, then arrivals by source then expert id */

@@ -147,14 +147,8 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
     tr->rank = comm ? moe_comm_rank(comm, MOE_GROUP_WORLD) : 0;
     const moe_backend *be = NULL;
     MOE_CHECK_GOTO(st, moe_backend_select(cfg->backend, &be));
-    if (be->on_device && tr->world > 1) {
-        moe_log_at(__FILE__, __LINE__,
-                   "the %s backend runs one process for now; several ranks use "
-                   "[parallel] backend = cpu",
-                   be->name);
-        st = MOE_ERR_INVALID;
-        goto fail;
-    }
+    if (be->on_device && tr->world > 1) /* device collectives over NCCL */
+        MOE_CHECK_GOTO(st, moe_comm_enable_device(comm, be->native_stream()));
     MOE_CHECK_GOTO(st, moe_model_create(&tr->model, cfg, comm, be));
     MOE_CHECK_GOTO(st, setup_precision(tr));
     if (cfg->dense_layers < cfg->n_layers &&

@@ -202,6 +202,7 @@ static moe_status cuda_sync(void)
 /* ---- the table ----------------------------------------------------------------------- */
 
 static int cuda_compute_capability(void) { return g.capability; }
+static void *cuda_native_stream(void) { return (void *)g.stream; }
 
 /* The GEMM precision and its parameter shadow live with the GEMMs (matmul.cu). */
 extern "C" moe_status cuda_gemm_set_precision(moe_precision p, const real *params, size_t n,
@@ -236,6 +237,7 @@ static void fill_table(moe_backend *b)
     b->zero = cuda_zero;
     b->copy = cuda_copy;
     b->sync = cuda_sync;
+    b->native_stream = cuda_native_stream;
     b->compute_capability = cuda_compute_capability;
     b->set_precision = cuda_set_precision;
     b->refresh_shadow = cuda_refresh_shadow;

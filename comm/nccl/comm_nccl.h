@@ -1,0 +1,30 @@
+/* comm/nccl/comm_nccl.h: the device half of comm/ for GPU runs: NCCL communicators of the
+ * world, EP and EDP groups (bootstrapped over their MPI communicators), and the two
+ * collectives whose buffers live on the GPU (gradient allreduce, token exchange), queued
+ * on the compute stream so they follow the kernels that produced their inputs. A handle is
+ * a CUDA event recorded after the operation; waiting polls it and
+ * ncclCommGetAsyncError with the comm timeout, and a failure or timeout aborts the NCCL
+ * communicators so the job can end (launcher/ calls MPI_Abort). Internal to comm/. */
+#ifndef MOE_COMM_NCCL_H
+#define MOE_COMM_NCCL_H
+
+#include <mpi.h>
+#include <stddef.h>
+
+#include "util/status.h"
+
+typedef struct moe_nccl moe_nccl;
+
+/* Collective over the world: one NCCL communicator per MPI communicator in groups[3]. */
+moe_status moe_nccl_create(moe_nccl **out, MPI_Comm groups[3], void *stream, int n_events);
+void moe_nccl_destroy(moe_nccl *n);
+moe_status moe_nccl_allreduce(moe_nccl *n, int group, void *buf, size_t count, size_t elem_bytes,
+                              int event);
+/* Byte counts per EP peer, as moe_comm_exchange_start. */
+moe_status moe_nccl_exchange(moe_nccl *n, int peers, const void *send, const size_t *send_counts,
+                             const size_t *send_displs, void *recv, const size_t *recv_counts,
+                             const size_t *recv_displs, int event);
+/* Waits for the event of a handle, up to timeout_s; names `what` on failure. */
+moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *what);
+
+#endif

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# On a 2-GPU host (after `. .device-kit/setup.sh`): the NCCL path. Trains the tiny config on
+# 2 GPUs (ep 2 and ep 1) and on 2 CPU ranks, compares the losses, and times the bench shape
+# on 2 GPUs with ep 2 next to the peer's DDP. Logs under $OUT.
+set -uo pipefail
+OUT=${OUT:-gpu2-out}
+mkdir -p "$OUT"
+B=build-gpu
+{ cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES="75;90" && cmake --build $B; } >"$OUT/build.log" 2>&1 ||
+  { tail -40 "$OUT/build.log"; exit 1; }
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
+run() { # name np backend ep accum extra...
+  local name=$1 np=$2 be=$3 ep=$4 acc=$5; shift 5
+  timeout 300 mpirun -np "$np" --bind-to none -x NCCL_NVLS_ENABLE=0 ./$B/moe-dist train \
+    --set parallel.backend=$be --set parallel.ep=$ep --set train.grad_accum=$acc \
+    --set train.steps=50 --set log.jsonl="$OUT/$name.jsonl" "$@" >"$OUT/$name.log" 2>&1
+  echo "$name: exit $?"
+}
+run cpu_w2ep2 2 cpu 2 1
+run gpu_w2ep2 2 cuda 2 1
+run gpu_w2ep1 2 cuda 1 1
+run gpu_w1 1 cuda 1 2
+run gpu_w2ep2_bf16 2 cuda 2 1 --set precision.mode=bf16
+python3 - "$OUT" <<'PY'
+import json, sys
+d = sys.argv[1]
+def load(n):
+    try: return [json.loads(l) for l in open(f"{d}/{n}.jsonl")]
+    except Exception as e: print(n, "missing:", e); return None
+ref = load("cpu_w2ep2")
+for n in ("gpu_w2ep2", "gpu_w2ep1", "gpu_w1", "gpu_w2ep2_bf16"):
+    g = load(n)
+    if not g or not ref: continue
+    worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(g, ref))
+    print(f"{n} vs cpu world 2 ep 2: {len(g)} steps, worst relative loss difference {worst:.2e}, "
+          f"final {g[-1]['loss']:.5f} vs {ref[-1]['loss']:.5f}")
+PY
+tail -2 "$OUT/gpu_w2ep2.log"
+if [ "${BENCH:-1}" = 1 ]; then
+  timeout 200 mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE=0 ./$B/moe-dist train \
+    configs/bench-h200.ini --set parallel.ep=2 --set log.jsonl="$OUT/bench2.jsonl" \
+    >"$OUT/bench2.log" 2>&1; echo "bench 2 GPUs ep 2: exit $?"; tail -2 "$OUT/bench2.log"
+  timeout 150 torchrun --nproc_per_node=2 .device-kit/peers/hf_mixtral_bench.py 4 32 8 2048 \
+    >"$OUT/peer_ddp.log" 2>&1; echo "peer DDP: exit $?"; grep hf-mixtral "$OUT/peer_ddp.log"
+fi
