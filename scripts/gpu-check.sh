@@ -44,6 +44,11 @@ for mode in ("fp32", "bf16", "fp16"):
 PY
 python3 tests/torch/check_mixtral_export.py ./$B/moe-dist --device cuda >"$OUT/mixtral.log" 2>&1
 echo "mixtral export check: exit $?"
+bash tests/gpu/loss_scaling.sh ./$B/moe-dist . >"$OUT/loss_scaling.log" 2>&1
+echo "fp16 loss scaling: exit $?"; grep -E "^ok|FAIL|scales" "$OUT/loss_scaling.log"
+timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 ./$B/tests/test_cuda_ops \
+  >"$OUT/sanitizer_ops.log" 2>&1
+echo "compute-sanitizer memcheck test_cuda_ops: exit $?"
 for tool in memcheck racecheck; do
   timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 ./$B/tests/test_cuda_model \
     >"$OUT/sanitizer_${tool}.log" 2>&1
