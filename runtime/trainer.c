@@ -378,14 +378,27 @@ static moe_status print_expert_load(moe_trainer *tr, int tty, FILE *out)
     return MOE_OK;
 }
 
+/* A number as JSON: non-finite values (the gradient norm of a skipped fp16 step) as null. */
+static const char *json_num(char *buf, size_t cap, double x)
+{
+    if (isfinite(x))
+        snprintf(buf, cap, "%.9g", x);
+    else
+        snprintf(buf, cap, "null");
+    return buf;
+}
+
 static void write_jsonl(FILE *f, const moe_step_result *r, double tok_per_s)
 {
+    char loss[32], ce[32], aux[32], z[32], norm[32];
     fprintf(f,
-            "{\"step\":%d,\"loss\":%.9g,\"ce\":%.9g,\"aux\":%.9g,\"z\":%.9g,\"grad_norm\":%.9g,"
+            "{\"step\":%d,\"loss\":%s,\"ce\":%s,\"aux\":%s,\"z\":%s,\"grad_norm\":%s,"
             "\"lr\":%.9g,\"sequences\":%lld,\"dropped\":%lld,\"a2a_bytes\":%lld,"
             "\"a2a_bytes_saved\":%lld,\"loss_scale\":%.9g,\"skipped\":%d,\"step_s\":%.6f,"
             "\"tok_per_s\":%.1f}\n",
-            r->step + 1, r->loss, r->ce, r->aux, r->z, r->grad_norm, r->lr, (long long)r->sequences,
+            r->step + 1, json_num(loss, sizeof loss, r->loss), json_num(ce, sizeof ce, r->ce),
+            json_num(aux, sizeof aux, r->aux), json_num(z, sizeof z, r->z),
+            json_num(norm, sizeof norm, r->grad_norm), r->lr, (long long)r->sequences,
             (long long)r->dropped, (long long)r->a2a_bytes, (long long)r->a2a_saved, r->loss_scale,
             r->skipped, r->seconds, tok_per_s);
     fflush(f);
