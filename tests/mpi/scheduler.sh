@@ -16,6 +16,16 @@ grep -q "^moe-dist routing_stats v1 layers 2 experts 16 top_k 2 steps 20" "$WORK
 expect_exit 0 "plan-experts" -- "$MOE" plan-experts "$WORK/stats.txt" --ranks 4 --out "$WORK/plan.txt"
 grep -Eq "predicted cross-rank token rows: [0-9]+ -> [0-9]+ \([0-9.]+% fewer\)" "$WORK/out" &&
   pass "plan-experts predicts the saving" || fail "plan-experts output"
+# the cost model against the bytes the runtime counted over the same 20 contiguous steps:
+# a row is one token vector (64 fp32) sent in dispatch and again in combine
+predicted=$(sed -n 's/^predicted cross-rank token rows: \([0-9]*\) -> .*/\1/p' "$WORK/out")
+$PY - "$WORK/base.jsonl" "$predicted" <<'PY' && pass "cost model matches counted bytes" || fail "cost model"
+import json, sys
+rows = sum(json.loads(l)["a2a_bytes"] for l in open(sys.argv[1])) / (2 * 64 * 4)
+pred = float(sys.argv[2])
+print(f"cross-rank rows: counted {rows:.0f}, predicted {pred:.0f} ({100*(pred/rows-1):+.2f}%)")
+assert abs(pred / rows - 1) < 0.02
+PY
 mpi 4 "$MOE" train "$SRC/configs/tiny.ini" "${common[@]}" --set log.jsonl="$WORK/file.jsonl" \
   --set parallel.placement="$WORK/plan.txt" >"$WORK/file.log" 2>&1 || fail "plan-file run: exit $?"
 $PY - "$WORK" "$TOL" <<'PY' && pass "placement changes no math" || fail "losses differ"
