@@ -45,23 +45,7 @@ moe_status moe_placement_save(const moe_placement *p, const char *path, const ch
     return MOE_OK;
 }
 
-/* Logs "plan file path:line: message" from this file:line; returns MOE_ERR_INVALID. */
-#define BAD(r, ...) bad_line(__LINE__, (r), __VA_ARGS__)
-
-static moe_status __attribute__((format(printf, 3, 4)))
-bad_line(int src_line, const moe_text_reader *r, const char *fmt, ...)
-{
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (r->lineno > 0)
-        moe_log_at(__FILE__, src_line, "plan file %s:%d: %s", r->path, r->lineno, msg);
-    else
-        moe_log_at(__FILE__, src_line, "plan file %s: %s", r->path, msg);
-    return MOE_ERR_INVALID;
-}
+#define BAD(r, ...) MOE_TEXT_BAD((r), __VA_ARGS__)
 
 static moe_status read_header(moe_text_reader *r, int *E, int *R)
 {

@@ -196,23 +196,7 @@ moe_status moe_routing_stats_save(const moe_routing_stats *s, const char *path)
     return MOE_OK;
 }
 
-/* Logs "path:line: message" (or "path: message" at line 0) from this file:line. */
-#define BAD(r, ...) bad_line(__LINE__, (r), __VA_ARGS__)
-
-static moe_status __attribute__((format(printf, 3, 4)))
-bad_line(int src_line, const moe_text_reader *r, const char *fmt, ...)
-{
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (r->lineno > 0)
-        moe_log_at(__FILE__, src_line, "routing_stats file %s:%d: %s", r->path, r->lineno, msg);
-    else
-        moe_log_at(__FILE__, src_line, "routing_stats file %s: %s", r->path, msg);
-    return MOE_ERR_INVALID;
-}
+#define BAD(r, ...) MOE_TEXT_BAD((r), __VA_ARGS__)
 
 /* Reads the next line, which must be `keyword`, then the nidx indices ix[], then ':' and
  * exactly n counts >= 0 into v. */

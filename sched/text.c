@@ -1,15 +1,33 @@
 /* sched/text.c: line reader and strict number parsing for sched/'s text files. */
 #include "sched/text.h"
 
+#include <stdarg.h>
+
 #include <ctype.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
+moe_status moe_text_error(const char *src_file, int src_line, const moe_text_reader *r,
+                          const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (r->lineno > 0)
+        moe_log_at(src_file, src_line, "%s %s:%d: %s", r->what, r->path, r->lineno, msg);
+    else
+        moe_log_at(src_file, src_line, "%s %s: %s", r->what, r->path, msg);
+    return MOE_ERR_INVALID;
+}
+
 moe_status moe_text_open(moe_text_reader *r, const char *path, const char *what)
 {
     memset(r, 0, sizeof *r);
     r->path = path;
+    r->what = what;
     r->f = fopen(path, "r");
     if (!r->f)
         MOE_FAIL(MOE_ERR_IO, "cannot open %s %s: %s", what, path, strerror(errno));

@@ -14,10 +14,17 @@
 typedef struct {
     FILE *f;
     const char *path;
-    char *line; /* the current line, without its newline */
-    size_t cap; /* bytes allocated for line */
-    int lineno; /* 1-based number of the current line */
+    char *line;       /* the current line, without its newline */
+    size_t cap;       /* bytes allocated for line */
+    int lineno;       /* 1-based number of the current line */
+    const char *what; /* the kind of file, for messages ("plan file") */
 } moe_text_reader;
+
+/* Logs "<what> path:line: message" (or "<what> path: message" before the first line) at
+ * the caller's file:line; returns MOE_ERR_INVALID. */
+moe_status moe_text_error(const char *src_file, int src_line, const moe_text_reader *r,
+                          const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+#define MOE_TEXT_BAD(r, ...) moe_text_error(__FILE__, __LINE__, (r), __VA_ARGS__)
 
 /* Opens `path` for reading; `what` names the kind of file in the error ("plan file").
  * MOE_ERR_IO when it cannot be opened, naming it and the reason. */
