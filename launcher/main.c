@@ -292,15 +292,14 @@ static moe_status dump_step(const moe_config *cfg, const char *dir, const char *
     MOE_CHECK_GOTO(st, write_file(dir, "config.ini", ini, ini_len));
     MOE_CHECK_GOTO(st, moe_data_batch(tr->data, tokens, 0, (int)S));
     MOE_CHECK_GOTO(st, write_file(dir, "tokens.bin", tokens, sizeof(int32_t) * (size_t)(S * T1)));
-    for (size_t i = 0; i < n; i++)
-        buf[i] = (float)tr->model->params[i];
+    /* the arenas may live on the GPU: copy them to the host first (real is float) */
+    tr->model->be->copy(buf, tr->model->params, sizeof(float) * n, MOE_COPY_D2H);
     MOE_CHECK_GOTO(st, write_file(dir, "params.bin", buf, sizeof(float) * n));
-    for (size_t i = 0; i < n; i++)
-        buf[i] = (float)tr->model->grads[i];
+    tr->model->be->copy(buf, tr->model->grads, sizeof(float) * n, MOE_COPY_D2H);
     MOE_CHECK_GOTO(st, write_file(dir, "grads.bin", buf, sizeof(float) * n));
     MOE_CHECK_GOTO(st, dump_tensors_json(dir, tr->model, &r));
     if (r.micro_batches == 1) { /* the logits of the one micro-batch: (S*T, V) float32 */
-        const moe_model *m = tr->model;
+        moe_model *m = tr->model;
         size_t nl = (size_t)m->N * m->V;
         float *logits = malloc(sizeof(float) * nl);
         real *host = malloc(sizeof(real) * nl);
@@ -310,10 +309,11 @@ static moe_status dump_step(const moe_config *cfg, const char *dir, const char *
             st = MOE_ERR_NOMEM;
             goto fail;
         }
-        m->be->copy(host, m->logits, sizeof(real) * nl, MOE_COPY_D2H);
-        for (size_t i = 0; i < nl; i++)
+        st = moe_model_logits(m, host);
+        for (size_t i = 0; st == MOE_OK && i < nl; i++)
             logits[i] = (float)host[i];
-        st = write_file(dir, "logits.bin", logits, sizeof(float) * nl);
+        if (st == MOE_OK)
+            st = write_file(dir, "logits.bin", logits, sizeof(float) * nl);
         free(logits);
         free(host);
         MOE_CHECK_GOTO(st, st);

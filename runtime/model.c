@@ -274,7 +274,7 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     }
     m->hf = TAKE(c, real, N * D);
     m->rstdf = TAKE(c, real, N);
-    m->logits = TAKE(c, real, N * m->V);
+    m->logits = TAKE(c, real, (size_t)m->head_rows * m->V);
     m->ce_lse = TAKE(c, real, N);
     m->ce_loss = TAKE(c, real, N);
     m->rope_cos = TAKE(c, real, (size_t)m->T * (m->Hd / 2));
@@ -300,7 +300,7 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->dw = TAKE(c, real, NK);
     m->dprobs = TAKE(c, real, N * m->E);
     m->drlogits = TAKE(c, real, N * m->E);
-    m->dlogits = TAKE(c, real, N * m->V);
+    m->dlogits = TAKE(c, real, (size_t)m->head_rows * m->V);
     m->route_scratch = TAKE(c, int, R * m->K);
     m->src_offsets = TAKE(h, int, m->E + 1);
     m->lslot_row = TAKE(c, int32_t, R * m->K);
@@ -467,6 +467,10 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
         size_t a = (size_t)m->N * wt, b = (size_t)m->Mmax * we;
         m->max_gemm_operand = a > b ? a : b;
     }
+    /* LM head chunk: at most 2^22 logits (16 MiB in fp32) at once, whole micro-batch when
+     * that fits */
+    m->head_rows = (int)((size_t)(1 << 22) / (size_t)m->V);
+    m->head_rows = m->head_rows < 1 ? 1 : m->head_rows > m->N ? m->N : m->head_rows;
     m->row_bytes =
         ((size_t)(m->D + m->K) * sizeof(real) + (size_t)m->K * sizeof(int32_t) + 7) & ~(size_t)7;
     m->capacity = cfg->capacity_factor > 0
@@ -747,8 +751,14 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
     }
     m->be->rmsnorm_forward(m->hf, m->rstdf, m->x[m->L], m->p.final_norm, N, D,
                            (real)m->cfg.norm_eps);
-    m->be->matmul_forward(m->logits, m->hf, m->p.lm_head, N, D, m->V);
-    m->be->cross_entropy_forward(m->ce_loss, m->ce_lse, m->logits, m->targets, N, m->V);
+    /* LM head and cross-entropy in chunks of head_rows tokens: the logits of the whole
+     * micro-batch never exist at once */
+    for (int r0 = 0; r0 < N; r0 += m->head_rows) {
+        int rows = N - r0 < m->head_rows ? N - r0 : m->head_rows;
+        m->be->matmul_forward(m->logits, m->hf + (size_t)r0 * D, m->p.lm_head, rows, D, m->V);
+        m->be->cross_entropy_forward(m->ce_loss + r0, m->ce_lse + r0, m->logits, m->targets + r0,
+                                     rows, m->V);
+    }
     stats->ce_sum = m->be->sum_values(m->ce_loss, (size_t)N);
     stats->tokens = N;
     return m->be->sync();
@@ -887,15 +897,34 @@ static void grad_ready(moe_model *m, int stage)
         m->grad_ready(m->grad_ready_ctx, stage);
 }
 
+moe_status moe_model_logits(moe_model *m, real *host)
+{
+    for (int r0 = 0; r0 < m->N; r0 += m->head_rows) {
+        int rows = m->N - r0 < m->head_rows ? m->N - r0 : m->head_rows;
+        m->be->matmul_forward(m->logits, m->hf + (size_t)r0 * m->D, m->p.lm_head, rows, m->D, m->V);
+        m->be->copy(host + (size_t)r0 * m->V, m->logits, sizeof(real) * (size_t)rows * m->V,
+                    MOE_COPY_D2H);
+    }
+    return m->be->sync();
+}
+
 moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
 {
     const int N = m->N, D = m->D;
     const size_t ND = (size_t)N * D;
     real dloss = (real)(m->loss_scale / ((double)step_sequences * m->T));
-    m->be->zero(m->dlogits, sizeof(real) * (size_t)N * m->V);
-    m->be->cross_entropy_backward(m->dlogits, m->logits, m->ce_lse, m->targets, dloss, N, m->V);
     m->be->zero(m->dh, sizeof(real) * ND);
-    m->be->matmul_backward(m->dh, m->g.lm_head, m->dlogits, m->hf, m->p.lm_head, N, D, m->V);
+    for (int r0 = 0; r0 < N; r0 += m->head_rows) {
+        int rows = N - r0 < m->head_rows ? N - r0 : m->head_rows;
+        const real *h = m->hf + (size_t)r0 * D;
+        if (rows < N) /* several chunks: the logits of this one were overwritten */
+            m->be->matmul_forward(m->logits, h, m->p.lm_head, rows, D, m->V);
+        m->be->zero(m->dlogits, sizeof(real) * (size_t)rows * m->V);
+        m->be->cross_entropy_backward(m->dlogits, m->logits, m->ce_lse + r0, m->targets + r0, dloss,
+                                      rows, m->V);
+        m->be->matmul_backward(m->dh + (size_t)r0 * D, m->g.lm_head, m->dlogits, h, m->p.lm_head,
+                               rows, D, m->V);
+    }
     m->be->zero(m->dres, sizeof(real) * ND);
     m->be->rmsnorm_backward(m->dres, m->g.final_norm, m->dh, m->x[m->L], m->p.final_norm, m->rstdf,
                             N, D);

@@ -144,8 +144,9 @@ typedef struct moe_model {
     real **x;                        /* L+1 residual streams (N, D): x[0] embedding, x[L] final */
     moe_layer_acts *acts;            /* L */
     real *hf, *rstdf;                /* final norm (N, D), (N) */
-    real *logits, *ce_lse, *ce_loss; /* (N, V), (N), (N) */
-    real *rope_cos, *rope_sin;       /* (T, Hd/2), computed once */
+    real *logits, *ce_lse, *ce_loss; /* (head_rows, V), (N), (N) */
+    int head_rows; /* tokens per LM-head chunk (the logits never exist for all N at once) */
+    real *rope_cos, *rope_sin; /* (T, Hd/2), computed once */
 
     /* backward scratch, reused across layers */
     real *dres, *dh, *dq, *dk, *dv, *datt, *dffn; /* (N, D) */
@@ -158,7 +159,7 @@ typedef struct moe_model {
     char *send_buf, *recv_buf;                    /* packed exchange rows: max(rows) * row_bytes */
     size_t row_bytes;                             /* D reals + K reals + K int32, 8-aligned */
     int Rmax, Mmax;                               /* rows received / expert rows, worst case */
-    real *dlogits;                                /* (N, V) */
+    real *dlogits;                                /* (head_rows, V) */
     int *route_scratch;                           /* (Rmax*K) */
     int *src_offsets;                             /* (E+1): the source-side plan (capacity drops) */
     int32_t *lslot_row;                           /* (Rmax*K): expert-side plan scratch */
@@ -215,6 +216,9 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
  * Collective over the EP group (token exchanges). Calls m->grad_ready after each
  * stage when set. */
 moe_status moe_model_backward(moe_model *m, int64_t step_sequences);
+
+/* The logits (N, V) of the last forward, recomputed chunk by chunk into host memory. */
+moe_status moe_model_logits(moe_model *m, real *host);
 
 /* Index of the tensor named `name`, or -1. */
 int moe_model_find_tensor(const moe_model *m, const char *name);

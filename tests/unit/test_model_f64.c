@@ -21,6 +21,7 @@ typedef struct {
     const char *name;
     int dense_layers, shared, K, renorm;
     double capacity_factor;
+    int head_rows; /* 0: the model's choice; else LM-head chunks of this many tokens */
 } model_case;
 
 static moe_config small_config(const model_case *c)
@@ -71,6 +72,10 @@ static void check_case(const model_case *c)
     moe_config cfg = small_config(c);
     moe_model *m = NULL;
     assert_int_equal(moe_model_create(&m, &cfg, NULL, NULL), MOE_OK);
+    if (c->head_rows > 0) { /* smaller chunks than sized for: the buffers are large enough */
+        assert_true(c->head_rows <= m->head_rows);
+        m->head_rows = c->head_rows;
+    }
     /* random weights everywhere, norms included, large enough that routing is decisive */
     for (size_t i = 0; i < m->n_params; i++)
         m->params[i] = 0.5 * moe_rng_normal(99, 1, i);
@@ -127,28 +132,35 @@ static void check_case(const model_case *c)
 static void test_dropless_k2_shared_dense(void **state)
 {
     (void)state;
-    model_case c = {"dropless k2 shared dense", 1, 1, 2, 1, 0};
+    model_case c = {"dropless k2 shared dense", 1, 1, 2, 1, 0, 0};
     check_case(&c);
 }
 
 static void test_dropless_k1(void **state)
 {
     (void)state;
-    model_case c = {"dropless k1", 0, 0, 1, 0, 0};
+    model_case c = {"dropless k1", 0, 0, 1, 0, 0, 0};
     check_case(&c);
 }
 
 static void test_dropless_k3_norenorm(void **state)
 {
     (void)state;
-    model_case c = {"dropless k3 no renorm", 0, 1, 3, 0, 0};
+    model_case c = {"dropless k3 no renorm", 0, 1, 3, 0, 0, 0};
+    check_case(&c);
+}
+
+static void test_lm_head_in_chunks(void **state)
+{
+    (void)state;
+    model_case c = {"dropless k2, LM head in chunks of 3 tokens", 1, 1, 2, 1, 0, 3};
     check_case(&c);
 }
 
 static void test_capacity_k2(void **state)
 {
     (void)state;
-    model_case c = {"capacity k2", 0, 0, 2, 1, 0.5};
+    model_case c = {"capacity k2", 0, 0, 2, 1, 0.5, 0};
     check_case(&c);
 }
 
@@ -157,7 +169,7 @@ static void test_capacity_k2(void **state)
 static void test_detects_wrong_gradient(void **state)
 {
     (void)state;
-    model_case c = {"broken", 0, 0, 2, 1, 0};
+    model_case c = {"broken", 0, 0, 2, 1, 0, 0};
     moe_config cfg = small_config(&c);
     moe_model *m = NULL;
     assert_int_equal(moe_model_create(&m, &cfg, NULL, NULL), MOE_OK);
@@ -186,8 +198,11 @@ static void test_detects_wrong_gradient(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_dropless_k2_shared_dense), cmocka_unit_test(test_dropless_k1),
-        cmocka_unit_test(test_dropless_k3_norenorm),     cmocka_unit_test(test_capacity_k2),
+        cmocka_unit_test(test_dropless_k2_shared_dense),
+        cmocka_unit_test(test_dropless_k1),
+        cmocka_unit_test(test_dropless_k3_norenorm),
+        cmocka_unit_test(test_capacity_k2),
+        cmocka_unit_test(test_lm_head_in_chunks),
         cmocka_unit_test(test_detects_wrong_gradient),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
