@@ -467,9 +467,10 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
         size_t a = (size_t)m->N * wt, b = (size_t)m->Mmax * we;
         m->max_gemm_operand = a > b ? a : b;
     }
-    /* LM head chunk: at most 2^22 logits (16 MiB in fp32) at once, whole micro-batch when
-     * that fits */
-    m->head_rows = (int)((size_t)(1 << 22) / (size_t)m->V);
+    /* LM head chunk: at most 2^25 logits (128 MiB in fp32) at once, the whole micro-batch
+     * when that fits (a (N, V) fp32 copy would be 2 GiB, and its gradient as much, at the
+     * bench shape: N 16384, V 32768) */
+    m->head_rows = (int)((size_t)(1 << 25) / (size_t)m->V);
     m->head_rows = m->head_rows < 1 ? 1 : m->head_rows > m->N ? m->N : m->head_rows;
     m->row_bytes =
         ((size_t)(m->D + m->K) * sizeof(real) + (size_t)m->K * sizeof(int32_t) + 7) & ~(size_t)7;
