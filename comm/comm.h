@@ -98,15 +98,9 @@ moe_status moe_comm_exchange_counts(moe_comm *c, const int64_t *send, int64_t *r
 /* Waits for a handle (MOE_COMM_NONE returns at once) and releases it. */
 moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h);
 
-/* Lets outstanding operations progress without waiting (MPI needs calls to progress). */
-void moe_comm_progress(moe_comm *c);
-
 /* Blocking sum of n doubles / int64s over group g, in place. */
 moe_status moe_comm_sum_doubles(moe_comm *c, moe_group g, double *vals, int n);
 moe_status moe_comm_sum_int64(moe_comm *c, moe_group g, int64_t *vals, int n);
-
-/* Blocking barrier over the world. */
-moe_status moe_comm_barrier(moe_comm *c);
 
 /* Gathers nbytes from every rank of the world at world rank 0. On rank 0, *out receives
  * a malloc'ed buffer with every rank's bytes in rank order (the caller frees it) and

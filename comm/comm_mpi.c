@@ -308,15 +308,6 @@ moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h)
     return MOE_OK;
 }
 
-void moe_comm_progress(moe_comm *c)
-{
-    int flag;
-    for (int h = 0; h < POOL_HANDLES; h++)
-        if (c->n_req[h] > 0)
-            MPI_Testall(c->n_req[h], c->req + (size_t)h * c->reqs_per_handle, &flag,
-                        MPI_STATUSES_IGNORE);
-}
-
 moe_status moe_comm_allreduce_start(moe_comm *c, moe_group g, void *buf, size_t count,
                                     size_t elem_bytes, moe_comm_handle after, moe_comm_handle *done)
 {
@@ -451,14 +442,6 @@ moe_status moe_comm_sum_int64(moe_comm *c, moe_group g, int64_t *vals, int n)
     MPI_Request r;
     MPI_TRY(MPI_Iallreduce(MPI_IN_PLACE, vals, n, MPI_INT64_T, MPI_SUM, c->groups[g], &r), "sum");
     MOE_CHECK(wait_one(c, &r, "sum of counters", g));
-    return MOE_OK;
-}
-
-moe_status moe_comm_barrier(moe_comm *c)
-{
-    MPI_Request r;
-    MPI_TRY(MPI_Ibarrier(c->groups[MOE_GROUP_WORLD], &r), "barrier");
-    MOE_CHECK(wait_one(c, &r, "barrier", MOE_GROUP_WORLD));
     return MOE_OK;
 }
 

@@ -26,6 +26,7 @@
 #include "runtime/checkpoint.h"
 #include "runtime/model.h"
 #include "runtime/trainer.h"
+#include "sched/stats.h"
 #include "util/status.h"
 
 #define EXIT_USAGE 2
@@ -38,7 +39,8 @@ static const char usage_text[] =
     "  train [CONFIG]          train; without CONFIG, the embedded default (configs/tiny.ini)\n"
     "  dump CONFIG --out DIR   run the first step's forward and backward and write the\n"
     "                          weights, gradients and losses to DIR (for reference checks)\n"
-    "  inspect CKPT            print a checkpoint's manifest and verify every checksum\n"
+    "  inspect CKPT|STATS      print a checkpoint's manifest and verify every checksum, or\n"
+    "                          print a routing_stats file (load, top co-activations)\n"
     "  plan-experts STATS --ranks R [--nodes N] [--out PLAN]\n"
     "                          plan an expert placement from a routing_stats file and\n"
     "                          print the predicted traffic against the contiguous one\n"
@@ -352,6 +354,15 @@ static int cmd_inspect(const cli_args *a)
     if (!a->config_path) {
         fprintf(stderr, "moe-dist: inspect needs a checkpoint directory\n%s", usage_text);
         return EXIT_USAGE;
+    }
+    struct stat sb;
+    if (stat(a->config_path, &sb) == 0 && S_ISREG(sb.st_mode)) { /* a routing_stats file */
+        moe_routing_stats *s = NULL;
+        if (moe_routing_stats_load(&s, a->config_path) != MOE_OK)
+            return 1;
+        moe_status st = moe_routing_stats_print(s, stdout, 5);
+        moe_routing_stats_destroy(s);
+        return st == MOE_OK ? 0 : 1;
     }
     moe_status st = moe_checkpoint_inspect(a->config_path, stdout);
     fflush(stdout);

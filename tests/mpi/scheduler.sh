@@ -13,6 +13,8 @@ mpi 4 "$MOE" train "$SRC/configs/tiny.ini" "${common[@]}" --set log.jsonl="$WORK
 grep -q "re-plan at step 10" "$WORK/auto.log" && pass "re-planned at step 10" || fail "no re-plan"
 grep -q "^moe-dist routing_stats v1 layers 2 experts 16 top_k 2 steps 20" "$WORK/stats.txt" &&
   pass "routing statistics written" || fail "statistics file header"
+expect_exit 0 "inspect the statistics" -- "$MOE" inspect "$WORK/stats.txt"
+grep -qi "layer" "$WORK/out" && pass "inspect prints the statistics" || fail "inspect output"
 expect_exit 0 "plan-experts" -- "$MOE" plan-experts "$WORK/stats.txt" --ranks 4 --out "$WORK/plan.txt"
 grep -Eq "predicted cross-rank token rows: [0-9]+ -> [0-9]+ \([0-9.]+% fewer\)" "$WORK/out" &&
   pass "plan-experts predicts the saving" || fail "plan-experts output"
