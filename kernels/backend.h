@@ -57,7 +57,8 @@ extern "C" {
     X(sum_squares)                                                                                 \
     X(scale_inplace)                                                                               \
     X(all_finite)                                                                                  \
-    X(adamw_update)
+    X(adamw_update)                                                                                \
+    X(adamw_update_multi)
 
 typedef enum { MOE_COPY_H2D, MOE_COPY_D2H, MOE_COPY_D2D } moe_copy_kind;
 

@@ -193,6 +193,13 @@ int all_finite(const real *x, size_t n);
  * step t (t >= 1). m, v: first and second moments, updated in place. */
 void adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr, real beta1,
                   real beta2, real eps, real wd, int t);
+/* The same step over a whole arena of n elements in one pass (multi-tensor): segment s
+ * is the range [offsets[s], offsets[s+1]) with weight decay wd[s], offsets[0] = 0 and
+ * offsets[n_segs] = n; every gradient is multiplied by grad_scale first (clipping, removal
+ * of the loss scale). offsets (n_segs + 1) and wd (n_segs) live in the backend's memory. */
+void adamw_update_multi(real *p, const real *g, real *m, real *v, size_t n, const int64_t *offsets,
+                        const real *wd, int n_segs, real lr, real beta1, real beta2, real eps,
+                        real grad_scale, int t);
 
 #ifdef __cplusplus
 }

@@ -38,8 +38,9 @@ int all_finite(const real *x, size_t n)
 
 /* As torch.optim.AdamW: p *= 1 - lr*wd; m, v updated; p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2)
  * + eps), with bc1 = 1 - beta1^t, bc2 = 1 - beta2^t. */
-void adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr, real beta1,
-                  real beta2, real eps, real wd, int t)
+/* AdamW over n elements with gradients scaled by `scale`. */
+static void adamw_range(real *p, const real *g, real *m, real *v, size_t n, real lr, real beta1,
+                        real beta2, real eps, real wd, double scale, int t)
 {
     const double b1 = beta1, b2 = beta2;
     const double step = (double)lr / (1.0 - pow(b1, t));
@@ -47,11 +48,29 @@ void adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr, r
     const double decay = 1.0 - (double)lr * wd;
 #pragma omp parallel for schedule(static) if (n > 65536)
     for (size_t i = 0; i < n; i++) {
-        double gi = g[i];
+        double gi = scale == 1.0 ? (double)g[i] : (double)g[i] * scale;
         double mi = b1 * m[i] + (1.0 - b1) * gi;
         double vi = b2 * v[i] + (1.0 - b2) * gi * gi;
         m[i] = (real)mi;
         v[i] = (real)vi;
         p[i] = (real)(p[i] * decay - step * mi / (sqrt(vi) / sqrt_bc2 + eps));
+    }
+}
+
+void adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr, real beta1,
+                  real beta2, real eps, real wd, int t)
+{
+    adamw_range(p, g, m, v, n, lr, beta1, beta2, eps, wd, 1.0, t);
+}
+
+void adamw_update_multi(real *p, const real *g, real *m, real *v, size_t n, const int64_t *offsets,
+                        const real *wd, int n_segs, real lr, real beta1, real beta2, real eps,
+                        real grad_scale, int t)
+{
+    (void)n; /* = offsets[n_segs] */
+    for (int s = 0; s < n_segs; s++) {
+        size_t lo = (size_t)offsets[s], len = (size_t)(offsets[s + 1] - offsets[s]);
+        adamw_range(p + lo, g + lo, m + lo, v + lo, len, lr, beta1, beta2, eps, wd[s], grad_scale,
+                    t);
     }
 }

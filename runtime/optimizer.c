@@ -6,8 +6,10 @@
 #include <math.h>
 #include <stdlib.h>
 
-moe_status moe_optimizer_create(moe_optimizer **out, size_t n_params, const moe_backend *be)
+moe_status moe_optimizer_create(moe_optimizer **out, const moe_model *model, const moe_config *cfg,
+                                const moe_backend *be)
 {
+    const size_t n_params = model->n_params;
     moe_optimizer *opt = calloc(1, sizeof *opt);
     *out = NULL;
     if (!opt)
@@ -16,12 +18,35 @@ moe_status moe_optimizer_create(moe_optimizer **out, size_t n_params, const moe_
     opt->m = be->alloc(n_params * sizeof(real));
     opt->v = be->alloc(n_params * sizeof(real));
     opt->n_params = n_params;
-    if (!opt->m || !opt->v) {
-        moe_optimizer_destroy(opt);
-        MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate optimizer state for %zu parameters", n_params);
+    /* runs of adjacent tensors (the arena is in tensor order) with the same decay */
+    int64_t *off = malloc(sizeof(int64_t) * ((size_t)model->n_tensors + 1));
+    real *wd = malloc(sizeof(real) * ((size_t)model->n_tensors + 1));
+    int n = 0;
+    for (int i = 0; off && wd && i < model->n_tensors; i++) {
+        const moe_tensor *t = &model->tensors[i];
+        real w = t->decay ? (real)cfg->weight_decay : 0;
+        if (n == 0 || wd[n - 1] != w || off[n] != (int64_t)t->offset) {
+            off[n] = (int64_t)t->offset;
+            wd[n++] = w;
+        }
+        off[n] = (int64_t)(t->offset + t->count);
     }
+    opt->n_segs = n;
+    opt->seg_offsets = be->alloc(sizeof(int64_t) * ((size_t)n + 1));
+    opt->seg_wd = be->alloc(sizeof(real) * ((size_t)n + 1));
+    if (!opt->m || !opt->v || !off || !wd || !opt->seg_offsets || !opt->seg_wd ||
+        (n > 0 && off[0] != 0) || (n > 0 && off[n] != (int64_t)n_params)) {
+        free(off);
+        free(wd);
+        moe_optimizer_destroy(opt);
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot set up optimizer state for %zu parameters", n_params);
+    }
+    be->copy(opt->seg_offsets, off, sizeof(int64_t) * ((size_t)n + 1), MOE_COPY_H2D);
+    be->copy(opt->seg_wd, wd, sizeof(real) * (size_t)n, MOE_COPY_H2D);
+    free(off);
+    free(wd);
     *out = opt;
-    return MOE_OK;
+    return be->sync();
 }
 
 void moe_optimizer_destroy(moe_optimizer *opt)
@@ -30,6 +55,8 @@ void moe_optimizer_destroy(moe_optimizer *opt)
         return;
     opt->be->release(opt->m);
     opt->be->release(opt->v);
+    opt->be->release(opt->seg_offsets);
+    opt->be->release(opt->seg_wd);
     free(opt);
 }
 
@@ -57,13 +84,8 @@ void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *
                         double grad_scale)
 {
     opt->t++;
-    for (int i = 0; i < model->n_tensors; i++) {
-        const moe_tensor *t = &model->tensors[i];
-        real *g = model->grads + t->offset;
-        if (grad_scale != 1.0)
-            opt->be->scale_inplace(g, (real)grad_scale, t->count);
-        opt->be->adamw_update(model->params + t->offset, g, opt->m + t->offset, opt->v + t->offset,
-                              t->count, (real)lr, (real)cfg->beta1, (real)cfg->beta2,
-                              (real)cfg->adam_eps, t->decay ? (real)cfg->weight_decay : 0, opt->t);
-    }
+    opt->be->adamw_update_multi(model->params, model->grads, opt->m, opt->v, opt->n_params,
+                                opt->seg_offsets, opt->seg_wd, opt->n_segs, (real)lr,
+                                (real)cfg->beta1, (real)cfg->beta2, (real)cfg->adam_eps,
+                                (real)grad_scale, opt->t);
 }

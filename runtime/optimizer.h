@@ -16,13 +16,18 @@ struct moe_backend;
 typedef struct {
     const struct moe_backend *be; /* where the state lives */
     real *m, *v;                  /* (n_params) each */
+    int64_t *seg_offsets;         /* (n_segs + 1) runs of tensors with one weight decay */
+    real *seg_wd;                 /* (n_segs) their weight decay; both in backend memory */
+    int n_segs;
     size_t n_params;
     int t; /* AdamW steps taken */
 } moe_optimizer;
 
-/* Allocates zeroed state for n_params elements in the backend's memory. On failure
- * *out is NULL. */
-moe_status moe_optimizer_create(moe_optimizer **out, size_t n_params, const struct moe_backend *be);
+/* Allocates zeroed state for the model's parameters in the backend's memory, and the
+ * table of runs of tensors that share a weight decay (one multi-tensor AdamW launch per
+ * step). On failure *out is NULL. */
+moe_status moe_optimizer_create(moe_optimizer **out, const moe_model *model, const moe_config *cfg,
+                                const struct moe_backend *be);
 void moe_optimizer_destroy(moe_optimizer *opt);
 
 /* Learning rate at optimizer step `step` (0-based): linear warmup from lr/warmup to lr
@@ -32,9 +37,9 @@ double moe_lr_at(const moe_config *cfg, int step);
 /* Scale factor for global-norm clipping: min(1, clip / norm); 1 when clip is 0. */
 double moe_clip_scale(double norm, double clip);
 
-/* One AdamW step over every tensor of the model: weight decay on tensors with
- * decay != 0 (matrices and embeddings; never norms). Gradients are multiplied by
- * grad_scale first (the clipping factor). */
+/* One AdamW step over every tensor of the model in one multi-tensor pass: weight decay
+ * on tensors with decay != 0 (matrices and embeddings; never norms). Gradients are
+ * multiplied by grad_scale first (the clipping factor over the loss scale). */
 void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
                         double grad_scale);
 

@@ -161,7 +161,7 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
     tr->model->grad_ready_ctx = tr;
     MOE_CHECK_GOTO(st, build_buckets(tr));
     MOE_CHECK_GOTO(st, moe_data_create(&tr->data, cfg));
-    MOE_CHECK_GOTO(st, moe_optimizer_create(&tr->opt, tr->model->n_params, be));
+    MOE_CHECK_GOTO(st, moe_optimizer_create(&tr->opt, tr->model, cfg, be));
     tr->tokens = malloc(sizeof(int32_t) * (size_t)cfg->micro_batch * (cfg->seq_len + 1));
     if (!tr->tokens) {
         st = MOE_ERR_NOMEM;

@@ -114,3 +114,46 @@ extern "C" void cuda_adamw_update(real *p, const real *g, real *m, real *v, size
     MOE_CUDA_LAUNCH(adamw_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0, p, g,
                     m, v, n, b1, b2, step, sqrt_bc2, decay, (double)eps);
 }
+
+/* Multi-tensor AdamW: one pass over the arena; each element finds its segment (for the
+ * weight decay) by binary search in the segment offsets. As adamw_kernel otherwise. */
+static __global__ void adamw_multi_kernel(real *p, const real *g, real *m, real *v,
+                                          const int64_t *offsets, const real *wd, int n_segs,
+                                          size_t n, double b1, double b2, double step,
+                                          double sqrt_bc2, double lr, double eps, double scale)
+{
+    MOE_CUDA_GRID_STRIDE(i, n)
+    {
+        int lo = 0, hi = n_segs - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            if ((int64_t)i >= offsets[mid])
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        const double decay = 1.0 - lr * (double)wd[lo];
+        const double gi = scale == 1.0 ? (double)g[i] : __dmul_rn((double)g[i], scale);
+        const double mi = __dadd_rn(__dmul_rn(b1, m[i]), __dmul_rn(1.0 - b1, gi));
+        const double vi = __dadd_rn(__dmul_rn(b2, v[i]), __dmul_rn(__dmul_rn(1.0 - b2, gi), gi));
+        m[i] = (real)mi;
+        v[i] = (real)vi;
+        const double denom = __dadd_rn(__ddiv_rn(sqrt(vi), sqrt_bc2), eps);
+        p[i] =
+            (real)__dsub_rn(__dmul_rn((double)p[i], decay), __ddiv_rn(__dmul_rn(step, mi), denom));
+    }
+}
+
+extern "C" void cuda_adamw_update_multi(real *p, const real *g, real *m, real *v, size_t n,
+                                        const int64_t *offsets, const real *wd, int n_segs, real lr,
+                                        real beta1, real beta2, real eps, real grad_scale, int t)
+{
+    if (n_segs <= 0 || n == 0)
+        return;
+    const double b1 = beta1, b2 = beta2;
+    const double step = (double)lr / (1.0 - pow(b1, t));
+    const double sqrt_bc2 = sqrt(1.0 - pow(b2, t));
+    MOE_CUDA_LAUNCH(adamw_multi_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
+                    p, g, m, v, offsets, wd, n_segs, n, b1, b2, step, sqrt_bc2, (double)lr,
+                    (double)eps, (double)grad_scale);
+}

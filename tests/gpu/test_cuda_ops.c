@@ -899,6 +899,31 @@ static void test_adamw(size_t n, int t, const char *name)
     free_all();
 }
 
+/* Multi-tensor AdamW: segments with different weight decay, a gradient scale. */
+static void test_adamw_multi(size_t n, int t, const char *name)
+{
+    begin("adamw_update_multi", name);
+    float *p = frand(n, -1, 1), *g = frand(n, -1, 1), *m = frand(n, -0.1, 0.1);
+    float *v = frand(n, 0, 0.01);
+    int64_t off[4] = {0, (int64_t)(n / 3), (int64_t)(n / 3 + 1), (int64_t)n};
+    float wd[3] = {0.1f, 0.0f, 0.05f};
+    float *dp = DEVF(p, n), *dm = DEVF(m, n), *dv = DEVF(v, n);
+    int64_t *doff = gpu->alloc(sizeof off);
+    float *dwd = gpu->alloc(sizeof wd);
+    gpu->copy(doff, off, sizeof off, MOE_COPY_H2D);
+    gpu->copy(dwd, wd, sizeof wd, MOE_COPY_H2D);
+    cpu->adamw_update_multi(p, g, m, v, n, off, wd, 3, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.37f, t);
+    gpu->adamw_update_multi(dp, DEVF(g, n), dm, dv, n, doff, dwd, 3, 1e-3f, 0.9f, 0.95f, 1e-8f,
+                            0.37f, t);
+    gpu_done();
+    check_f("p", HOSTF(dp, n), p, n, 1, TIGHT);
+    check_f("m", HOSTF(dm, n), m, n, 1, TIGHT);
+    check_f("v", HOSTF(dv, n), v, n, 1, TIGHT);
+    gpu->release(doff);
+    gpu->release(dwd);
+    free_all();
+}
+
 /* ---- main
  * ---------------------------------------------------------------------------------------- */
 
@@ -1009,6 +1034,8 @@ int main(void)
         check_i("empty", &got, &want, 1);
     }
 
+    test_adamw_multi(1000, 3, "3 segments");
+    test_adamw_multi(7, 1, "tiny");
     test_adamw(1, 1, "n=1 t=1");
     test_adamw(1001, 7, "n=1001 t=7");
 

@@ -72,7 +72,7 @@ static pair make_pair(const moe_config *cfg, uint64_t seed)
 {
     pair p;
     assert_int_equal(moe_model_create(&p.m, cfg, NULL, NULL), MOE_OK);
-    assert_int_equal(moe_optimizer_create(&p.opt, p.m->n_params, p.m->be), MOE_OK);
+    assert_int_equal(moe_optimizer_create(&p.opt, p.m, cfg, p.m->be), MOE_OK);
     for (size_t i = 0; i < p.m->n_params; i++) {
         p.m->params[i] = (real)moe_rng_normal(seed, 1, i);
         p.opt->m[i] = (real)moe_rng_normal(seed, 2, i);

@@ -338,6 +338,38 @@ static void test_cross_entropy_forward(void **state)
     assert_true(fabs(losses[2] - log(5.0)) < 1e-6); /* uniform logits: log V */
 }
 
+/* The multi-tensor step equals the per-tensor step on each segment, with its own weight
+ * decay; a gradient scale of 0.5 (exact in float) equals halving the gradients first. */
+static void test_adamw_update_multi(void **state)
+{
+    (void)state;
+    enum { n = 11, segs = 3 };
+    const int64_t offsets[segs + 1] = {0, 4, 5, 11};
+    const real wd[segs] = {0.1f, 0.0f, 0.3f};
+    real p0[n], g[n], half[n], m0[n], v0[n];
+    for (int i = 0; i < n; i++) {
+        p0[i] = (real)(0.3 * i - 1.0);
+        g[i] = (real)(0.05 * (i % 5) - 0.11);
+        half[i] = g[i] * 0.5f;
+        m0[i] = (real)(0.01 * i);
+        v0[i] = (real)(1e-4 * (i + 1));
+    }
+    real p[n], m[n], v[n], pr[n], mr[n], vr[n];
+    memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
+    memcpy(pr, p0, sizeof p), memcpy(mr, m0, sizeof m), memcpy(vr, v0, sizeof v);
+    adamw_update_multi(p, g, m, v, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, 0.5f, 4);
+    for (int s = 0; s < segs; s++) {
+        size_t lo = (size_t)offsets[s], len = (size_t)(offsets[s + 1] - offsets[s]);
+        adamw_update(pr + lo, half + lo, mr + lo, vr + lo, len, 0.01f, 0.9f, 0.95f, 1e-8f, wd[s],
+                     4);
+    }
+    assert_memory_equal(p, pr, sizeof p);
+    assert_memory_equal(m, mr, sizeof m);
+    assert_memory_equal(v, vr, sizeof v);
+    /* the decay differs per segment: segment 1 has none */
+    assert_true(p[4] != p0[4]); /* it still moves with its gradient */
+}
+
 static void test_adamw_update(void **state)
 {
     (void)state;
@@ -582,6 +614,7 @@ int main(void)
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_cross_entropy_forward),
         cmocka_unit_test(test_adamw_update),
+        cmocka_unit_test(test_adamw_update_multi),
         cmocka_unit_test(test_all_finite),
         cmocka_unit_test(test_small_forwards),
         cmocka_unit_test(test_matmul_naive),
