@@ -94,22 +94,28 @@ void attention_backward(real *dq, real *dk, real *dv, const real *dout, const re
 /* From fp32 logits (N,E): probs (N,E) = softmax, lse (N) = logsumexp(logits), and the
  * top-k: idx (N,K) experts in order of decreasing probability (ties: lower index first),
  * w (N,K) their probabilities, divided by their sum when renorm != 0. */
-void router_forward(real *probs, real *lse, int32_t *idx, real *w, const real *logits, int N, int E,
-                    int K, int renorm);
+void router_forward(real *probs, real *lse, int32_t *idx, real *w, double *aux_part,
+                    const real *logits, int N, int E, int K, int renorm);
 /* Gradient of the top-k weights dw (N,K) into dprobs (N,E) +=. */
 void router_topk_backward(real *dprobs, const real *dw, const real *probs, const int32_t *idx,
                           int N, int E, int K, int renorm);
 /* dlogits (N,E) += softmax backward of dprobs. */
 void softmax_backward(real *dlogits, const real *dprobs, const real *probs, int N, int E);
 
-/* Partial sums for the auxiliary losses over this rank's N tokens:
- * counts (E) += number of top-k assignments per expert (before capacity drops),
- * psum (E) += sum over tokens of probs, and returns sum over tokens of lse^2.
+/* The auxiliary losses' partial sums, written by router_forward into aux_part (skipped
+ * when NULL) in the same pass: per chunk of MOE_AUX_CHUNK consecutive rows, E top-k
+ * assignment counts (before capacity drops, as doubles: exact), E sums of probs and the
+ * sum of lse^2, i.e. router_aux_part_len(N, E) doubles. router_aux_partials adds the
+ * chunks in order: counts (E) +=, psum (E) +=, and returns the sum of lse^2.
  * The losses, once partials are summed over ranks (global token count Ng):
  *   aux = E * sum_e (counts_e / (Ng*K)) * (psum_e / Ng)
  *   z   = (sum lse^2) / Ng */
-double router_aux_partials(int64_t *counts, double *psum, const real *probs, const real *lse,
-                           const int32_t *idx, int N, int E, int K);
+#define MOE_AUX_CHUNK 64
+static inline size_t router_aux_part_len(int N, int E)
+{
+    return N > 0 ? (size_t)((N + MOE_AUX_CHUNK - 1) / MOE_AUX_CHUNK) * (2 * (size_t)E + 1) : 0;
+}
+double router_aux_partials(int64_t *counts, double *psum, const double *aux_part, int N, int E);
 /* Gradients of coef_aux*aux + coef_z*z given the global partials:
  * dprobs (N,E) += coef_aux * E * counts_e / (Ng*K) / Ng ;
  * dlogits (N,E) += coef_z * 2 * lse_n / Ng * probs (the z-loss term). */

@@ -1,7 +1,8 @@
 /* kernels/router.c: CPU reference of the MoE router: softmax of the logits, top-k with
  * optional renormalisation, their backward, and the auxiliary (load-balance and z)
- * losses' partial sums and gradients. Sums are in double; rows run in parallel, the
- * per-expert partial sums run sequentially over tokens (a fixed order). */
+ * losses' partial sums (by router_forward, per chunk of MOE_AUX_CHUNK rows) and gradients.
+ * Sums are in double; rows and chunks run in parallel, the sums inside a chunk run
+ * sequentially over its rows and router_aux_partials adds the chunks in order. */
 #include <math.h>
 
 #include "kernels/ops.h"
@@ -48,14 +49,34 @@ static void topk_row(int32_t *idx, real *w, const real *p, int E, int K, int ren
             w[k] = (real)(w[k] / sum);
 }
 
-void router_forward(real *probs, real *lse, int32_t *idx, real *w, const real *logits, int N, int E,
-                    int K, int renorm)
+void router_forward(real *probs, real *lse, int32_t *idx, real *w, double *aux_part,
+                    const real *logits, int N, int E, int K, int renorm)
 {
 #pragma omp parallel for schedule(static) if ((long)N * E > 65536)
     for (int n = 0; n < N; n++) {
         real *p = probs + (size_t)n * E;
         lse[n] = (real)softmax_row(p, logits + (size_t)n * E, E);
         topk_row(idx + (size_t)n * K, w + (size_t)n * K, p, E, K, renorm);
+    }
+    if (!aux_part)
+        return;
+    /* the aux partials, chunk by chunk, rows in order inside a chunk */
+    const int chunks = (N + MOE_AUX_CHUNK - 1) / MOE_AUX_CHUNK;
+#pragma omp parallel for schedule(static) if ((long)N * E > 65536)
+    for (int c = 0; c < chunks; c++) {
+        double *cnt = aux_part + (size_t)c * (2 * (size_t)E + 1), *psum = cnt + E;
+        double lse2 = 0.0;
+        for (int e = 0; e < 2 * E; e++)
+            cnt[e] = 0.0;
+        const int hi = N < (c + 1) * MOE_AUX_CHUNK ? N : (c + 1) * MOE_AUX_CHUNK;
+        for (int n = c * MOE_AUX_CHUNK; n < hi; n++) {
+            for (int k = 0; k < K; k++)
+                cnt[idx[(size_t)n * K + k]] += 1.0;
+            for (int e = 0; e < E; e++)
+                psum[e] += probs[(size_t)n * E + e];
+            lse2 += (double)lse[n] * lse[n];
+        }
+        psum[E] = lse2;
     }
 }
 
@@ -99,16 +120,17 @@ void softmax_backward(real *dlogits, const real *dprobs, const real *probs, int 
     }
 }
 
-double router_aux_partials(int64_t *counts, double *psum, const real *probs, const real *lse,
-                           const int32_t *idx, int N, int E, int K)
+double router_aux_partials(int64_t *counts, double *psum, const double *aux_part, int N, int E)
 {
+    const int chunks = N > 0 ? (N + MOE_AUX_CHUNK - 1) / MOE_AUX_CHUNK : 0;
     double lse2 = 0.0;
-    for (int n = 0; n < N; n++) {
-        for (int k = 0; k < K; k++)
-            counts[idx[(size_t)n * K + k]]++;
-        for (int e = 0; e < E; e++)
-            psum[e] += probs[(size_t)n * E + e];
-        lse2 += (double)lse[n] * lse[n];
+    for (int c = 0; c < chunks; c++) {
+        const double *cnt = aux_part + (size_t)c * (2 * (size_t)E + 1), *ps = cnt + E;
+        for (int e = 0; e < E; e++) {
+            counts[e] += (int64_t)cnt[e];
+            psum[e] += ps[e];
+        }
+        lse2 += ps[E];
     }
     return lse2;
 }

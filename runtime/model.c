@@ -311,6 +311,7 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->send_buf = TAKE(c, char, (R > N * (size_t)m->K ? R : N * (size_t)m->K) * m->row_bytes);
     m->recv_buf = TAKE(c, char, (R > N * (size_t)m->K ? R : N * (size_t)m->K) * m->row_bytes);
     m->aux_psum = TAKE(h, double, m->E);
+    m->aux_part = TAKE(c, double, router_aux_part_len(N, m->E));
     m->load = TAKE(h, int64_t, (size_t)m->L * m->E);
 }
 
@@ -578,11 +579,11 @@ static void router_forward_layer(moe_model *m, int l, moe_fwd_stats *stats)
     moe_layer_acts *a = &m->acts[l];
     const int N = m->N, E = m->E, K = m->K;
     m->be->matmul_forward(a->logits, a->h2, w->router, N, m->D, E);
-    m->be->router_forward(a->probs, a->rlse, a->idx, a->w, a->logits, N, E, K, m->cfg.renorm_topk);
+    m->be->router_forward(a->probs, a->rlse, a->idx, a->w, m->aux_part, a->logits, N, E, K,
+                          m->cfg.renorm_topk);
     memset(a->mb_counts, 0, sizeof(int64_t) * E);
     memset(m->aux_psum, 0, sizeof(double) * E);
-    stats->z_sum +=
-        m->be->router_aux_partials(a->mb_counts, m->aux_psum, a->probs, a->rlse, a->idx, N, E, K);
+    stats->z_sum += m->be->router_aux_partials(a->mb_counts, m->aux_psum, m->aux_part, N, E);
     double aux = 0;
     for (int e = 0; e < E; e++) {
         aux += (double)a->mb_counts[e] / ((double)N * K) * (m->aux_psum[e] / N);

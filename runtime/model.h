@@ -167,6 +167,7 @@ typedef struct moe_model {
     int64_t *xc_count; /* (2*ep): row counts sent and received */
     int32_t *src_row_token, *src_row_slot; /* (N*K) */
     double *aux_psum;                      /* (E) */
+    double *aux_part;                      /* router_aux_part_len(N, E): the router's partials */
 
     int64_t *load;   /* (L, E): assignments per expert since the last reset */
     void *act_base;  /* the one backend block all activations are carved from */

@@ -1,6 +1,9 @@
-/* kernels/cuda/router.cu: the MoE router: softmax and top-k of the logits, their
- * backward, and the auxiliary losses' partial sums (copied back to the host, which waits
- * for the stream) and gradients. One warp per row; sums in double as the CPU reference.
+/* kernels/cuda/router.cu: the MoE router in one kernel: softmax and top-k of the
+ * logits and the auxiliary losses' partial sums (per chunk of MOE_AUX_CHUNK rows: one
+ * block per chunk, one warp per row, each warp summing its rows into its own shared
+ * accumulators, added over the warps in order: deterministic), their backward and
+ * gradients. router_aux_partials copies the chunks back and adds them on the host (the
+ * host waits for the stream). Sums in double as the CPU reference.
  * Top-k: the k-th choice is the best element after the (k-1)-th in the order
  * (probability decreasing, index increasing), i.e. ties go to the lower index, exactly
  * the reference's greedy choice. */
@@ -9,7 +12,6 @@
 #include "kernels/cuda/cuda_common.cuh"
 
 #define ROWS_PER_BLOCK (MOE_CUDA_THREADS / 32)
-#define AUX_CHUNK 256    /* rows per partial sum of psum and lse^2 */
 #define AUX_COLS_MAX 256 /* experts per launch of the aux backward (kernel parameter) */
 
 /* a precedes b in the top-k order */
@@ -18,14 +20,10 @@ static __device__ __forceinline__ int precedes(float pa, int a, float pb, int b)
     return pa > pb || (pa == pb && a < b);
 }
 
-static __global__ void router_forward_kernel(real *probs, real *lse, int32_t *idx, real *w,
-                                             const real *logits, int N, int E, int K, int renorm)
+/* One row: softmax into p and lse, top-k into in and wn (lane 0 writes). */
+static __device__ __forceinline__ void router_row(real *p, real *lse_n, int32_t *in, real *wn,
+                                                  const real *l, int E, int K, int renorm, int lane)
 {
-    const int n = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (n >= N)
-        return; /* whole warp */
-    const real *l = logits + (size_t)n * E;
-    real *p = probs + (size_t)n * E;
     float m = -INFINITY;
     for (int e = lane; e < E; e += 32)
         m = fmaxf(m, l[e]);
@@ -38,11 +36,9 @@ static __global__ void router_forward_kernel(real *probs, real *lse, int32_t *id
     for (int e = lane; e < E; e += 32)
         p[e] = (real)exp((double)l[e] - s);
     if (lane == 0)
-        lse[n] = (real)s;
+        *lse_n = (real)s;
     __syncwarp(); /* p is read back below */
 
-    int32_t *in = idx + (size_t)n * K;
-    real *wn = w + (size_t)n * K;
     float prev_p = INFINITY;
     int prev = -1;
     double wsum = 0.0;
@@ -82,15 +78,89 @@ static __global__ void router_forward_kernel(real *probs, real *lse, int32_t *id
         for (int k = lane; k < K; k += 32)
             wn[k] = (real)(wn[k] / wsum);
     }
+    __syncwarp(); /* in, wn, p are read back by the partial sums */
 }
 
-extern "C" void cuda_router_forward(real *probs, real *lse, int32_t *idx, real *w,
+/* Block = one chunk of MOE_AUX_CHUNK rows, warps rows warp, warp + W, ...; shared:
+ * per warp E probability sums (double) and E counts (int), then the chunk's partials
+ * (when part != NULL) as the warps' sums added in warp order. */
+static __global__ void router_forward_kernel(real *probs, real *lse, int32_t *idx, real *w,
+                                             double *part, const real *logits, int N, int E, int K,
+                                             int renorm)
+{
+    extern __shared__ double rsm[];
+    const int W = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    double *wpsum = rsm + (size_t)warp * E, *wlse2 = rsm + (size_t)W * E;
+    int *wcnt = (int *)(wlse2 + W) + (size_t)warp * E;
+    if (part)
+        for (int e = lane; e < E; e += 32) {
+            wpsum[e] = 0.0;
+            wcnt[e] = 0;
+        }
+    double lse2 = 0.0;
+    const int lo = blockIdx.x * MOE_AUX_CHUNK, hi = min(N, lo + MOE_AUX_CHUNK);
+    for (int n = lo + warp; n < hi; n += W) {
+        real *p = probs + (size_t)n * E;
+        int32_t *in = idx + (size_t)n * K;
+        router_row(p, lse + n, in, w + (size_t)n * K, logits + (size_t)n * E, E, K, renorm, lane);
+        if (!part)
+            continue;
+        for (int e = lane; e < E; e += 32)
+            wpsum[e] += p[e];
+        if (lane == 0) {
+            for (int k = 0; k < K; k++)
+                wcnt[in[k]]++;
+            lse2 += (double)lse[n] * lse[n];
+        }
+    }
+    if (!part)
+        return;
+    if (lane == 0)
+        wlse2[warp] = lse2;
+    __syncthreads();
+    double *out = part + (size_t)blockIdx.x * (2 * (size_t)E + 1);
+    const int *cnt0 = (const int *)(wlse2 + W);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        double ps = 0.0;
+        int c = 0;
+        for (int v = 0; v < W; v++) {
+            ps += rsm[(size_t)v * E + e];
+            c += cnt0[(size_t)v * E + e];
+        }
+        out[e] = (double)c;
+        out[E + e] = ps;
+    }
+    if (threadIdx.x == 0) {
+        double q = 0.0;
+        for (int v = 0; v < W; v++)
+            q += wlse2[v];
+        out[2 * E] = q;
+    }
+}
+
+/* Warps per block: 8, fewer when the per-warp accumulators would pass 48 KB. */
+static int router_warps(int E)
+{
+    int W = 8;
+    while (W > 1 && (size_t)W * E * (sizeof(double) + sizeof(int)) + W * sizeof(double) > 49152)
+        W >>= 1;
+    return W;
+}
+
+extern "C" void cuda_router_forward(real *probs, real *lse, int32_t *idx, real *w, double *aux_part,
                                     const real *logits, int N, int E, int K, int renorm)
 {
     if (N <= 0 || E <= 0)
         return;
-    MOE_CUDA_LAUNCH(router_forward_kernel, (N + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK,
-                    MOE_CUDA_THREADS, 0, probs, lse, idx, w, logits, N, E, K, renorm);
+    const int W = router_warps(E);
+    const size_t smem =
+        aux_part ? (size_t)W * E * (sizeof(double) + sizeof(int)) + W * sizeof(double) : 0;
+    if (smem > 49152) {
+        MOE_CUDA_FAIL("router: %d experts need %zu bytes of shared memory per block", E, smem);
+        return;
+    }
+    MOE_CUDA_LAUNCH(router_forward_kernel, (N + MOE_AUX_CHUNK - 1) / MOE_AUX_CHUNK, 32 * W, smem,
+                    probs, lse, idx, w, aux_part, logits, N, E, K, renorm);
 }
 
 /* One thread per row (K is small), the reference's loop. */
@@ -155,91 +225,14 @@ extern "C" void cuda_softmax_backward(real *dlogits, const real *dprobs, const r
 
 /* ---- auxiliary losses ---------------------------------------------------------------- */
 
-static __global__ void aux_count_kernel(unsigned long long *cnt, const int32_t *idx, int NK, int E)
+extern "C" double cuda_router_aux_partials(int64_t *counts, double *psum, const double *aux_part,
+                                           int N, int E)
 {
-    MOE_CUDA_GRID_STRIDE(a, NK)
-    {
-        const int e = idx[a];
-        if (e >= 0 && e < E)
-            atomicAdd(&cnt[e], 1ull);
-    }
-}
-
-/* Per chunk of AUX_CHUNK rows: psum_part[chunk][e] and lse2_part[chunk]. */
-static __global__ void aux_partial_kernel(double *psum_part, double *lse2_part, const real *probs,
-                                          const real *lse, int N, int E)
-{
-    const int chunk = blockIdx.x, lo = chunk * AUX_CHUNK, hi = min(N, lo + AUX_CHUNK);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        double s = 0.0;
-        for (int n = lo; n < hi; n++)
-            s += probs[(size_t)n * E + e];
-        psum_part[(size_t)chunk * E + e] = s;
-    }
-    double q = 0.0;
-    for (int n = lo + threadIdx.x; n < hi; n += blockDim.x)
-        q += (double)lse[n] * lse[n];
-    q = moe_block_sum_d(q);
-    if (threadIdx.x == 0)
-        lse2_part[chunk] = q;
-}
-
-/* res: E counts (as unsigned long long), E psums, then the lse^2 sum. */
-static __global__ void aux_final_kernel(unsigned long long *res, const unsigned long long *cnt,
-                                        const double *psum_part, const double *lse2_part,
-                                        int chunks, int E)
-{
-    double *psum = (double *)(res + E);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        double s = 0.0;
-        for (int c = 0; c < chunks; c++)
-            s += psum_part[(size_t)c * E + e];
-        psum[e] = s;
-        res[e] = cnt[e];
-    }
-    double q = 0.0;
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x)
-        q += lse2_part[c];
-    q = moe_block_sum_d(q);
-    if (threadIdx.x == 0)
-        psum[E] = q;
-}
-
-extern "C" double cuda_router_aux_partials(int64_t *counts, double *psum, const real *probs,
-                                           const real *lse, const int32_t *idx, int N, int E, int K)
-{
-    if (N <= 0 || E <= 0)
+    const size_t n = router_aux_part_len(N, E);
+    if (n == 0 || E <= 0)
         return 0.0;
-    const int chunks = (N + AUX_CHUNK - 1) / AUX_CHUNK;
-    moe_cuda_carve c = {NULL, 0};
-    unsigned long long *cnt = NULL, *res = NULL;
-    double *psum_part = NULL, *lse2_part = NULL;
-    for (int pass = 0; pass < 2; pass++) {
-        if (pass == 1 && !moe_cuda_carve_alloc(&c))
-            return 0.0;
-        cnt = MOE_CUDA_TAKE(&c, unsigned long long, E);
-        res = MOE_CUDA_TAKE(&c, unsigned long long, 2 * (size_t)E + 1);
-        psum_part = MOE_CUDA_TAKE(&c, double, (size_t)chunks *E);
-        lse2_part = MOE_CUDA_TAKE(&c, double, chunks);
-    }
-    MOE_CUDA_OK(cudaMemsetAsync(cnt, 0, sizeof(unsigned long long) * E, moe_cuda_stream()));
-    if (K > 0)
-        MOE_CUDA_LAUNCH(aux_count_kernel, moe_cuda_blocks((size_t)N * K, MOE_CUDA_THREADS),
-                        MOE_CUDA_THREADS, 0, cnt, idx, N * K, E);
-    MOE_CUDA_LAUNCH(aux_partial_kernel, chunks, MOE_CUDA_THREADS, 0, psum_part, lse2_part, probs,
-                    lse, N, E);
-    MOE_CUDA_LAUNCH(aux_final_kernel, 1, MOE_CUDA_THREADS, 0, res, cnt, psum_part, lse2_part,
-                    chunks, E);
-    const unsigned long long *host =
-        (const unsigned long long *)moe_cuda_fetch(res, sizeof(unsigned long long) * (2 * E + 1));
-    if (!host)
-        return 0.0;
-    const double *hpsum = (const double *)(host + E);
-    for (int e = 0; e < E; e++) {
-        counts[e] += (int64_t)host[e];
-        psum[e] += hpsum[e];
-    }
-    return hpsum[E];
+    const double *host = (const double *)moe_cuda_fetch(aux_part, sizeof(double) * n);
+    return host ? router_aux_partials(counts, psum, host, N, E) : 0.0;
 }
 
 /* The aux term of dprobs is one constant per expert, computed on the host from the host

@@ -548,8 +548,10 @@ static void test_router(int N, int E, int K, int renorm, int quantized, const ch
     int32_t *idx = ipoison(NK);
     float *dprobs_ = DEVF(probs, NE), *dlse = DEVF(lse, N), *dw_ = DEVF(w, NK);
     int32_t *didx = DEVI(idx, NK);
-    cpu->router_forward(probs, lse, idx, w, logits, N, E, K, renorm);
-    gpu->router_forward(dprobs_, dlse, didx, dw_, DEVF(logits, NE), N, E, K, renorm);
+    const size_t np = router_aux_part_len(N, E);
+    double *part = hmem(sizeof(double) * np), *dpart = dmem(sizeof(double) * np);
+    cpu->router_forward(probs, lse, idx, w, part, logits, N, E, K, renorm);
+    gpu->router_forward(dprobs_, dlse, didx, dw_, dpart, DEVF(logits, NE), N, E, K, renorm);
     gpu_done();
     check_f("probs", HOSTF(dprobs_, NE), probs, NE, E, TIGHT);
     check_f("lse", HOSTF(dlse, N), lse, N, 1, TIGHT);
@@ -583,8 +585,9 @@ static void test_router(int N, int E, int K, int renorm, int quantized, const ch
         counts[e] = gcounts[e] = c0[e];
         psum[e] = gpsum[e] = p0[e];
     }
-    double z = cpu->router_aux_partials(counts, psum, probs, lse, idx, N, E, K);
-    double gz = gpu->router_aux_partials(gcounts, gpsum, rprobs, rlse, ridx, N, E, K);
+    /* the partials router_forward wrote in the same kernel, added to counts and psum */
+    double z = cpu->router_aux_partials(counts, psum, part, N, E);
+    double gz = gpu->router_aux_partials(gcounts, gpsum, dpart, N, E);
     gpu_done();
     check_i64("counts", gcounts, counts, E);
     check_d("psum", gpsum, psum, E, 1e-12, 1e-12);
@@ -995,6 +998,8 @@ int main(void)
     test_router(512, 8, 2, 0, 1, "tiny ties");
     test_router(33, 64, 6, 1, 1, "E=64 K=6 ties");
     test_router(5, 300, 3, 1, 0, "E=300");
+    test_router(2100, 32, 2, 1, 0, "N=2100 E=32 (33 chunks, the last partial)");
+    test_router(700, 600, 2, 1, 1, "E=600 (fewer warps per block) ties");
 
     test_route(7, 5, 2, 7, -1, IDX_RANDOM, 13, "dropless N=7 E=5 K=2");
     test_route(12, 8, 2, 12, -1, IDX_HOLES, 9, "zero-token expert, no-expert slots");

@@ -176,14 +176,14 @@ static void test_router_forward(void **state)
     real probs[N * E], lse[N], w[N * K];
     int32_t idx[N * K];
 
-    router_forward(probs, lse, idx, w, logits, N, E, K, 0);
+    router_forward(probs, lse, idx, w, NULL, logits, N, E, K, 0);
     assert_true(close_to("probs", probs, want_p, N * E, 1e-7, 1e-6));
     assert_true(close_to("lse", lse, want_lse, N, 1e-6, 1e-6));
     assert_memory_equal(idx, want_idx, sizeof idx);
     const double want_w[N * K] = {want_p[1], want_p[2], want_p[6], want_p[4], 0.25, 0.25};
     assert_true(close_to("w", w, want_w, N * K, 1e-7, 1e-6));
 
-    router_forward(probs, lse, idx, w, logits, N, E, K, 1);
+    router_forward(probs, lse, idx, w, NULL, logits, N, E, K, 1);
     assert_memory_equal(idx, want_idx, sizeof idx);
     const double e2 = exp(2.0), e05 = exp(0.5);
     const double want_wr[N * K] = {0.5, 0.5, e2 / (e2 + e05), e05 / (e2 + e05), 0.5, 0.5};
@@ -192,24 +192,40 @@ static void test_router_forward(void **state)
     /* K = E: every expert, in decreasing order */
     int32_t idx4[N * E];
     real w4[N * E];
-    router_forward(probs, lse, idx4, w4, logits, N, E, E, 0);
+    router_forward(probs, lse, idx4, w4, NULL, logits, N, E, E, 0);
     const int32_t want_idx4[N * E] = {1, 2, 0, 3, 2, 0, 3, 1, 0, 1, 2, 3};
     assert_memory_equal(idx4, want_idx4, sizeof idx4);
 }
 
+/* The partials written by router_forward, chunk by chunk, against sums by hand over
+ * 150 rows (3 chunks, the last one partial), added to what counts and psum held. */
 static void test_router_aux_partials(void **state)
 {
     (void)state;
-    enum { N = 2, E = 3, K = 2 };
-    const real probs[N * E] = {0.5f, 0.25f, 0.25f, 0.125f, 0.375f, 0.5f};
-    const real lse[N] = {1, 2};
-    const int32_t idx[N * K] = {0, 2, 2, 1};
-    int64_t counts[E] = {5, 0, 0};
-    double psum[E] = {1, 0, 0};
-    double lse2 = router_aux_partials(counts, psum, probs, lse, idx, N, E, K);
-    assert_true(lse2 == 5.0);
-    assert_true(counts[0] == 6 && counts[1] == 1 && counts[2] == 2);
-    assert_true(psum[0] == 1.625 && psum[1] == 0.625 && psum[2] == 0.75);
+    enum { N = 150, E = 3, K = 2 };
+    real logits[N * E], probs[N * E], lse[N], w[N * K];
+    int32_t idx[N * K];
+    for (int i = 0; i < N * E; i++)
+        logits[i] = (real)((i * 7919 % 23) * 0.25 - 2.5); /* a fixed, varied pattern */
+    double part[(N + MOE_AUX_CHUNK - 1) / MOE_AUX_CHUNK * (2 * E + 1)];
+    assert_int_equal(router_aux_part_len(N, E), sizeof part / sizeof part[0]);
+    router_forward(probs, lse, idx, w, part, logits, N, E, K, 1);
+    int64_t counts[E] = {5, 0, 0}, want_c[E] = {5, 0, 0};
+    double psum[E] = {1, 0, 0}, want_p[E] = {1, 0, 0}, want_l = 0.0;
+    for (int n = 0; n < N; n++) {
+        for (int k = 0; k < K; k++)
+            want_c[idx[n * K + k]]++;
+        for (int e = 0; e < E; e++)
+            want_p[e] += exp((double)logits[n * E + e] - (double)lse[n]);
+        want_l += (double)lse[n] * lse[n];
+    }
+    double lse2 = router_aux_partials(counts, psum, part, N, E);
+    assert_true(fabs(lse2 - want_l) <= 1e-9 * want_l);
+    for (int e = 0; e < E; e++) {
+        assert_int_equal(counts[e], want_c[e]);
+        assert_true(fabs(psum[e] - want_p[e]) <= 1e-6 * want_p[e]);
+    }
+    assert_int_equal(counts[0] + counts[1] + counts[2], 5 + N * K);
 }
 
 /* ---- attention ------------------------------------------------------------------ */

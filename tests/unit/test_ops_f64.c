@@ -415,7 +415,7 @@ typedef struct {
 static double rt_loss(void *c)
 {
     rt_ctx *r = c;
-    router_forward(r->probs, r->lse, r->idx, r->w, r->logits, r->N, r->E, r->K, r->renorm);
+    router_forward(r->probs, r->lse, r->idx, r->w, NULL, r->logits, r->N, r->E, r->K, r->renorm);
     if (r->idx_ref && memcmp(r->idx, r->idx_ref, (size_t)r->N * r->K * sizeof(int32_t)) != 0)
         r->topk_changed = 1;
     if (r->wrt_w)
@@ -515,23 +515,39 @@ typedef struct {
     int topk_changed;
 } aux_ctx;
 
+/* The partial sums from probs, lse and idx as given (the loss w.r.t. probs holds the
+ * router's outputs fixed): counts +=, psum +=, returns the sum of lse^2. */
+static double given_partials(int64_t *counts, double *psum, const aux_ctx *a)
+{
+    double lse2 = 0.0;
+    for (int n = 0; n < AUX_N; n++) {
+        for (int k = 0; k < AUX_K; k++)
+            counts[a->idx[n * AUX_K + k]]++;
+        for (int e = 0; e < AUX_E; e++)
+            psum[e] += a->probs[n * AUX_E + e];
+        lse2 += (double)a->lse[n] * a->lse[n];
+    }
+    return lse2;
+}
+
 static double aux_loss(void *c)
 {
     aux_ctx *a = c;
     enum { N = AUX_N, E = AUX_E, K = AUX_K };
-    if (a->from_logits) {
-        router_forward(a->probs, a->lse, a->idx, a->w, a->logits, N, E, K, 1);
-        if (memcmp(a->idx, a->idx_ref, N * K * sizeof(int32_t)) != 0)
-            a->topk_changed = 1;
-    }
     int64_t counts[E];
-    double psum[E];
+    double psum[E], part[(N + MOE_AUX_CHUNK - 1) / MOE_AUX_CHUNK * (2 * E + 1)], lse2;
     for (int e = 0; e < E; e++) {
         counts[e] = aux_other_counts[e];
         psum[e] = aux_other_psum[e];
     }
-    double lse2 =
-        aux_other_lse2 + router_aux_partials(counts, psum, a->probs, a->lse, a->idx, N, E, K);
+    if (a->from_logits) { /* the partials as router_forward writes them */
+        router_forward(a->probs, a->lse, a->idx, a->w, part, a->logits, N, E, K, 1);
+        if (memcmp(a->idx, a->idx_ref, N * K * sizeof(int32_t)) != 0)
+            a->topk_changed = 1;
+        lse2 = aux_other_lse2 + router_aux_partials(counts, psum, part, N, E);
+    } else {
+        lse2 = aux_other_lse2 + given_partials(counts, psum, a);
+    }
     double Ng = N + AUX_N_OTHER, aux = 0.0;
     for (int e = 0; e < E; e++)
         aux += (double)counts[e] / (Ng * K) * (psum[e] / Ng);
@@ -552,7 +568,7 @@ static void test_router_aux_backward(void **state)
                  pool_alloc(&pl, N * K * sizeof(int32_t)),
                  1,
                  0};
-    router_forward(a.probs, a.lse, a.idx, a.w, a.logits, N, E, K, 1);
+    router_forward(a.probs, a.lse, a.idx, a.w, NULL, a.logits, N, E, K, 1);
     memcpy(a.idx_ref, a.idx, N * K * sizeof(int32_t));
     int64_t counts[E];
     double psum[E];
@@ -560,7 +576,7 @@ static void test_router_aux_backward(void **state)
         counts[e] = aux_other_counts[e];
         psum[e] = 0.0;
     }
-    router_aux_partials(counts, psum, a.probs, a.lse, a.idx, N, E, K);
+    given_partials(counts, psum, &a);
     int64_t Ng = N + AUX_N_OTHER;
 
     real *dp0 = buf_rand(&pl, N * E, 0.1, 1), *dp = buf_copy(&pl, dp0, N * E);
@@ -582,7 +598,7 @@ static void test_router_aux_backward(void **state)
     assert_false(a.topk_changed);
 
     /* NULL for either gradient leaves the other the same */
-    router_forward(a.probs, a.lse, a.idx, a.w, a.logits, N, E, K, 1);
+    router_forward(a.probs, a.lse, a.idx, a.w, NULL, a.logits, N, E, K, 1);
     real *dpb = buf_copy(&pl, dp0, N * E), *dzb = buf_copy(&pl, dz0, N * E);
     router_aux_backward(dpb, NULL, a.probs, a.lse, counts, Ng, N, E, K, coef_aux, coef_z);
     router_aux_backward(NULL, dzb, a.probs, a.lse, counts, Ng, N, E, K, coef_aux, coef_z);
