@@ -1,0 +1,1468 @@
+/* bench/moe_bench.c: micro-benchmarks of the "cuda" backend, op by op, through the backend
+ * table (kernels/backend.h), at the bench shape of configs/bench-h200.ini by default.
+ *
+ * Each line: the op, its shape, the median time of N runs after a warm-up, the achieved
+ * rate and the ceiling it is held against, both measured in this process:
+ *   - memory-bound ops: GB/s counting the bytes the op must read and write (each input
+ *     read once, each output written once, an accumulated (+=) output read and written),
+ *     against a device-to-device copy of a large buffer counted the same way (2 bytes
+ *     moved per byte copied);
+ *   - GEMM-like ops: TFLOP/s against the backend's own dense matmul at a shape of equal
+ *     FLOPs, in the same precision (--precision, set through set_precision as the runtime
+ *     does);
+ *   - `moe-bench a2a` (under mpirun, one GPU per rank): the comm layer's token exchange
+ *     (comm/comm.h over NCCL, as runtime/model.c calls it) against grouped
+ *     ncclSend/ncclRecv of the same bytes on a communicator of its own, plus the pack and
+ *     unpack kernels around it.
+ * Times come from CUDA events on the backend's stream (host clock with a barrier per run
+ * for communication). Without a usable GPU: "SKIP: no CUDA device", exit 77.
+ *
+ * Dimension letters as kernels/ops.h: B sequences, T length, D d_model, H heads, Hd head
+ * dim, E experts, K top-k, F expert hidden, V vocabulary, L layers, N = B*T tokens,
+ * M = N*K routed rows, P ranks.
+ *
+ * Owns: nothing of the library; a program (it exits on failure, MPI_Abort under MPI). */
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cuda_runtime.h>
+#include <mpi.h>
+#include <nccl.h>
+
+#include "comm/comm.h"
+#include "kernels/backend.h"
+#include "util/rng.h"
+#include "util/status.h"
+
+#define EXIT_SKIP 77
+#define EXIT_USAGE 2
+#define SEED 20250101u
+#define PATTERN (1 << 20) /* random values tiled into device buffers */
+#define MAX_CEILINGS 32
+#define MAX_BLOCKS 64
+
+/* ---- options ----------------------------------------------------------------------------- */
+
+typedef struct {
+    int B, T, D, H, E, K, F, V, L;
+    int reps, warmup;
+    moe_precision prec;
+    const char *op; /* NULL: every op */
+    int copy_mib;
+} bench_opts;
+
+static bench_opts opt = {
+    .B = 8,
+    .T = 2048,
+    .D = 1024,
+    .H = 16,
+    .E = 32,
+    .K = 2,
+    .F = 2816,
+    .V = 32768,
+    .L = 4,
+    .reps = 20,
+    .warmup = 3,
+    .prec = MOE_PREC_BF16,
+    .op = NULL,
+    .copy_mib = 1024,
+};
+
+static const char *prec_name(moe_precision p)
+{
+    return p == MOE_PREC_BF16 ? "bf16" : p == MOE_PREC_FP16 ? "fp16" : "fp32";
+}
+
+/* ---- failure: the whole job ends (every rank under MPI) ------------------------------------ */
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+
+static void die(const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    moe_log("moe-bench: %s", msg);
+    int mpi = 0;
+    if (MPI_Initialized(&mpi) == MPI_SUCCESS && mpi)
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    exit(1);
+}
+
+#define CUDA_CK(call)                                                                              \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            die("%s:%d: %s: %s", __FILE__, __LINE__, #call, cudaGetErrorString(e_));               \
+    } while (0)
+
+#define NCCL_CK(call)                                                                              \
+    do {                                                                                           \
+        ncclResult_t r_ = (call);                                                                  \
+        if (r_ != ncclSuccess)                                                                     \
+            die("%s:%d: %s: %s", __FILE__, __LINE__, #call, ncclGetErrorString(r_));               \
+    } while (0)
+
+#define MPI_CK(call)                                                                               \
+    do {                                                                                           \
+        if ((call) != MPI_SUCCESS)                                                                 \
+            die("%s:%d: %s failed", __FILE__, __LINE__, #call);                                    \
+    } while (0)
+
+#define MOE_CK(call)                                                                               \
+    do {                                                                                           \
+        moe_status s_ = (call);                                                                    \
+        if (s_ != MOE_OK)                                                                          \
+            die("%s:%d: %s: %s", __FILE__, __LINE__, #call, moe_status_str(s_));                   \
+    } while (0)
+
+/* ---- the backend, its memory, random contents ----------------------------------------------- */
+
+static const moe_backend *gpu;
+static cudaStream_t stream;
+static cudaEvent_t *ev_start, *ev_end; /* opt.reps each */
+static int rank, world = 1;            /* a2a mode: MPI world */
+static real *pat_normal, *pat_pos;     /* host, PATTERN each */
+
+static void *blocks[MAX_BLOCKS];
+static int n_blocks;
+
+/* Zeroed device memory, freed by free_all. */
+static void *dmem(size_t nbytes)
+{
+    if (n_blocks == MAX_BLOCKS)
+        die("more than %d device blocks in one benchmark", MAX_BLOCKS);
+    void *p = gpu->alloc(nbytes ? nbytes : 1);
+    if (!p)
+        die("cannot allocate %zu bytes (%.2f GiB) on the GPU: try a smaller shape", nbytes,
+            (double)nbytes / (1 << 30));
+    return blocks[n_blocks++] = p;
+}
+
+static real *dreal(size_t n) { return dmem(sizeof(real) * n); }
+
+static void sync_or_die(const char *what)
+{
+    if (gpu->sync() != MOE_OK)
+        die("the backend reported a failure during %s", what);
+}
+
+/* Releases every block, and the 16-bit shadow of the last GEMM benchmark. */
+static void free_all(void)
+{
+    sync_or_die("a benchmark");
+    MOE_CK(gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0));
+    for (int i = 0; i < n_blocks; i++)
+        gpu->release(blocks[i]);
+    n_blocks = 0;
+}
+
+/* n values of the host pattern (normal, or uniform in [0.1, 1.1) when positive) times
+ * scale, tiled: one upload, then device copies that double the filled part. */
+static real *dfill(size_t n, double scale, int positive)
+{
+    real *d = dreal(n);
+    size_t done = n < PATTERN ? n : PATTERN;
+    gpu->copy(d, positive ? pat_pos : pat_normal, sizeof(real) * done, MOE_COPY_H2D);
+    while (done < n) {
+        size_t chunk = done < n - done ? done : n - done;
+        gpu->copy(d + done, d, sizeof(real) * chunk, MOE_COPY_D2D);
+        done += chunk;
+    }
+    if (scale != 1.0)
+        gpu->scale_inplace(d, (real)scale, n);
+    return d;
+}
+
+static void *dupload(const void *h, size_t nbytes)
+{
+    void *d = dmem(nbytes);
+    gpu->copy(d, h, nbytes, MOE_COPY_H2D);
+    return d;
+}
+
+/* The GEMM precision for the weights [w, w + nw) (the "parameter arena" of the benchmark)
+ * and activation operands of at most max_operand elements. */
+static void use_precision(const real *w, size_t nw, size_t max_operand)
+{
+    MOE_CK(gpu->set_precision(opt.prec, w, nw, max_operand));
+    MOE_CK(gpu->refresh_shadow());
+    sync_or_die("set_precision");
+}
+
+/* ---- timing --------------------------------------------------------------------------------- */
+
+typedef void (*op_fn)(void);
+
+static int cmp_float(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(float *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_float);
+    return n % 2 ? v[n / 2] : 0.5 * ((double)v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Median milliseconds of fn over opt.reps runs after opt.warmup, from CUDA events on the
+ * backend's stream around each run. Under MPI: the slowest rank's median. */
+static double time_gpu(op_fn fn)
+{
+    float ms[opt.reps];
+    for (int i = 0; i < opt.warmup; i++)
+        fn();
+    sync_or_die("the warm-up");
+    for (int i = 0; i < opt.reps; i++) {
+        CUDA_CK(cudaEventRecord(ev_start[i], stream));
+        fn();
+        CUDA_CK(cudaEventRecord(ev_end[i], stream));
+    }
+    sync_or_die("the timed runs");
+    for (int i = 0; i < opt.reps; i++)
+        CUDA_CK(cudaEventElapsedTime(&ms[i], ev_start[i], ev_end[i]));
+    double med = median(ms, opt.reps);
+    if (world > 1)
+        MPI_CK(MPI_Allreduce(MPI_IN_PLACE, &med, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
+    return med;
+}
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return 1e3 * (double)ts.tv_sec + 1e-6 * (double)ts.tv_nsec;
+}
+
+/* The same for communication: every rank starts each run after a barrier and stops it once
+ * its stream is idle (monotonic clock); the slowest rank's median. */
+static double time_comm(op_fn fn)
+{
+    float ms[opt.reps];
+    for (int i = 0; i < opt.warmup + opt.reps; i++) {
+        MPI_CK(MPI_Barrier(MPI_COMM_WORLD));
+        double t0 = now_ms();
+        fn();
+        sync_or_die("an exchange");
+        double t1 = now_ms();
+        if (i >= opt.warmup)
+            ms[i - opt.warmup] = (float)(t1 - t0);
+    }
+    double med = median(ms, opt.reps);
+    MPI_CK(MPI_Allreduce(MPI_IN_PLACE, &med, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
+    return med;
+}
+
+/* ---- the table ------------------------------------------------------------------------------ */
+
+typedef enum { RATE_NONE, RATE_GBS, RATE_TFS } rate_kind;
+
+typedef struct {
+    double rate;  /* GB/s or TFLOP/s; 0: none */
+    char by[64];  /* what gave it */
+    char key[64]; /* cache key */
+} ceiling;
+
+static ceiling ceilings[MAX_CEILINGS];
+static int n_ceilings;
+
+static void header(void)
+{
+    if (rank != 0)
+        return;
+    printf("%-18s %-44s %10s %10s %-5s %10s %7s  %s\n", "op", "shape", "ms", "rate", "unit",
+           "ceiling", "%ceil", "ceiling by");
+}
+
+/* One line: amount is bytes (GB/s) or FLOPs (TFLOP/s); c NULL or rate 0: no ceiling. */
+static void report(const char *op, const char *shape, double ms, double amount, rate_kind kind,
+                   const ceiling *c)
+{
+    if (rank != 0)
+        return;
+    double rate = 0;
+    const char *unit = "-";
+    if (kind == RATE_GBS) {
+        rate = amount / (ms * 1e-3) / 1e9;
+        unit = "GB/s";
+    } else if (kind == RATE_TFS) {
+        rate = amount / (ms * 1e-3) / 1e12;
+        unit = "TF/s";
+    }
+    char rate_s[32] = "-", ceil_s[32] = "-", pct_s[32] = "-";
+    if (kind != RATE_NONE)
+        snprintf(rate_s, sizeof rate_s, "%.1f", rate);
+    if (c && c->rate > 0) {
+        snprintf(ceil_s, sizeof ceil_s, "%.1f", c->rate);
+        snprintf(pct_s, sizeof pct_s, "%.1f", 100.0 * rate / c->rate);
+    }
+    printf("%-18s %-44s %10.4f %10s %-5s %10s %7s  %s\n", op, shape, ms, rate_s, unit, ceil_s,
+           pct_s, c && c->rate > 0 ? c->by : "-");
+    fflush(stdout);
+}
+
+static const ceiling *ceiling_find(const char *key)
+{
+    for (int i = 0; i < n_ceilings; i++)
+        if (strcmp(ceilings[i].key, key) == 0)
+            return &ceilings[i];
+    return NULL;
+}
+
+static const ceiling *ceiling_add(const char *key, double rate, const char *by)
+{
+    if (n_ceilings == MAX_CEILINGS)
+        die("more than %d ceilings", MAX_CEILINGS);
+    ceiling *c = &ceilings[n_ceilings++];
+    snprintf(c->key, sizeof c->key, "%s", key);
+    snprintf(c->by, sizeof c->by, "%s", by);
+    c->rate = rate;
+    return c;
+}
+
+/* ---- ceilings, measured once on first use and printed as lines of their own ---------------- */
+
+static struct {
+    real *x, *w, *out, *dout, *dx, *dw;
+    int N, I, O;
+    const void *src;
+    void *dst;
+    size_t nbytes;
+} cl;
+
+static void run_copy(void) { gpu->copy(cl.dst, cl.src, cl.nbytes, MOE_COPY_D2D); }
+static void run_dense(void) { gpu->matmul_forward(cl.out, cl.x, cl.w, cl.N, cl.I, cl.O); }
+static void run_dense_bwd(void)
+{
+    gpu->matmul_backward(cl.dx, cl.dw, cl.dout, cl.x, cl.w, cl.N, cl.I, cl.O);
+}
+
+/* Device copy bandwidth, counting read + write (2 bytes per byte copied), as every
+ * memory-bound line does. Frees what it takes only when no benchmark holds blocks. */
+static const ceiling *copy_ceiling(void)
+{
+    const ceiling *c = ceiling_find("copy");
+    if (c)
+        return c;
+    int mark = n_blocks;
+    cl.nbytes = (size_t)opt.copy_mib << 20;
+    cl.src = dmem(cl.nbytes);
+    cl.dst = dmem(cl.nbytes);
+    double ms = time_gpu(run_copy);
+    char shape[64];
+    snprintf(shape, sizeof shape, "%d MiB d2d (read+write counted)", opt.copy_mib);
+    double bytes = 2.0 * (double)cl.nbytes;
+    report("copy", shape, ms, bytes, RATE_GBS, NULL);
+    gpu->release((void *)cl.src);
+    gpu->release(cl.dst);
+    n_blocks = mark;
+    return ceiling_add("copy", bytes / (ms * 1e-3) / 1e9, "d2d copy");
+}
+
+/* The backend's dense matmul (forward, or backward with dx and dw: twice the FLOPs) at
+ * out (N,O) = x (N,I) W^T, in the benchmark precision. Measured before the caller
+ * allocates its own buffers (it sets the precision for its own weight). */
+static const ceiling *gemm_ceiling(int N, int I, int O, int bwd)
+{
+    char key[64], by[64];
+    snprintf(key, sizeof key, "gemm%s %dx%dx%d", bwd ? "_bwd" : "", N, I, O);
+    const ceiling *c = ceiling_find(key);
+    if (c)
+        return c;
+    int mark = n_blocks;
+    cl.N = N;
+    cl.I = I;
+    cl.O = O;
+    cl.x = dfill((size_t)N * I, 1.0, 0);
+    cl.w = dfill((size_t)O * I, 0.02, 0);
+    if (bwd) {
+        cl.dout = dfill((size_t)N * O, 1.0, 0);
+        cl.dx = dreal((size_t)N * I);
+        cl.dw = dreal((size_t)O * I);
+    } else {
+        cl.out = dreal((size_t)N * O);
+    }
+    use_precision(cl.w, (size_t)O * I, (size_t)N * (I > O ? I : O));
+    double ms = time_gpu(bwd ? run_dense_bwd : run_dense);
+    double flops = (bwd ? 4.0 : 2.0) * N * (double)I * O;
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d I=%d O=%d %s", N, I, O, prec_name(opt.prec));
+    report(bwd ? "dense_gemm_bwd" : "dense_gemm", shape, ms, flops, RATE_TFS, NULL);
+    sync_or_die("the dense GEMM");
+    MOE_CK(gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0));
+    for (int i = mark; i < n_blocks; i++)
+        gpu->release(blocks[i]);
+    n_blocks = mark;
+    snprintf(by, sizeof by, "%s", key);
+    return ceiling_add(key, flops / (ms * 1e-3) / 1e12, by);
+}
+
+/* A dense GEMM of the given FLOPs with N rows and I inputs: O rounded to a multiple of 64. */
+static const ceiling *gemm_ceiling_flops(double flops, int N, int I)
+{
+    double o = flops / (2.0 * N * (double)I);
+    long O = lround(o / 64.0) * 64;
+    if (O < 64)
+        O = 64;
+    if (O > INT_MAX / 2)
+        O = INT_MAX / 2;
+    return gemm_ceiling(N, I, (int)O, 0);
+}
+
+/* ---- shapes --------------------------------------------------------------------------------- */
+
+static int N_, M_, Hd_; /* tokens, routed rows, head dim */
+
+static int *uniform_offsets(int G, int rows)
+{
+    static int off[4097];
+    if (G > 4096)
+        die("at most 4096 experts");
+    for (int g = 0; g <= G; g++)
+        off[g] = (int)((long long)rows * g / G);
+    return off;
+}
+
+/* ---- the single-GPU benchmarks: buffers of the one running ------------------------------------
+ */
+
+static struct {
+    real *x, *y, *w, *out, *dout, *dx, *dw, *a, *b, *h, *da, *db, *dh;
+    real *q, *k, *v, *dq, *dk, *dv, *lse, *rstd, *cos_t, *sin_t;
+    real *logits, *probs, *wts, *dwts, *m1, *m2, *wd;
+    int32_t *idx, *row_token, *row_slot, *slot_row;
+    int *scratch, *offsets; /* offsets: host */
+    int64_t *segs;
+    double *aux; /* router aux-loss partials */
+    size_t n;
+    int n_segs, rows;
+} bf;
+
+static void run_router_gemm(void) { gpu->matmul_forward(bf.logits, bf.x, bf.w, N_, opt.D, opt.E); }
+
+static void bench_router_gemm(void)
+{
+    const ceiling *c = copy_ceiling();
+    const int N = N_, D = opt.D, E = opt.E;
+    bf.x = dfill((size_t)N * D, 1.0, 0);
+    bf.w = dfill((size_t)E * D, 0.02, 0);
+    bf.logits = dreal((size_t)N * E);
+    use_precision(bf.w, (size_t)E * D, (size_t)N * D);
+    double ms = time_gpu(run_router_gemm);
+    double bytes = sizeof(real) * ((double)N * D + (double)E * D + (double)N * E);
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d D=%d E=%d %s", N, D, E, prec_name(opt.prec));
+    report("router_gemm", shape, ms, bytes, RATE_GBS, c);
+    free_all();
+}
+
+static void run_router_topk(void)
+{
+    gpu->router_forward(bf.probs, bf.lse, bf.idx, bf.wts, bf.aux, bf.logits, N_, opt.E, opt.K, 1);
+}
+
+static void bench_router_topk(void)
+{
+    const ceiling *c = copy_ceiling();
+    const int N = N_, E = opt.E, K = opt.K;
+    bf.logits = dfill((size_t)N * E, 1.0, 0);
+    bf.probs = dreal((size_t)N * E);
+    bf.lse = dreal((size_t)N);
+    bf.idx = dmem(sizeof(int32_t) * N * K);
+    bf.wts = dreal((size_t)N * K);
+    const size_t n_aux = router_aux_part_len(N, E);
+    bf.aux = dmem(sizeof(double) * n_aux); /* as the runtime: the aux partials in the pass */
+    double ms = time_gpu(run_router_topk);
+    /* logits read; probs, lse, idx, w and the partials written */
+    double bytes = 4.0 * (2.0 * N * E + N + 2.0 * N * K) + 8.0 * (double)n_aux;
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d E=%d K=%d +aux partials", N, E, K);
+    report("router_topk", shape, ms, bytes, RATE_GBS, c);
+    free_all();
+}
+
+/* A dropless routing plan of random router logits (roughly N*K/E rows per expert), on the
+ * device: idx, wts, row_token, row_slot, slot_row; returns M. */
+static int make_plan(void)
+{
+    const int N = N_, E = opt.E, K = opt.K;
+    bf.logits = dfill((size_t)N * E, 1.0, 0);
+    bf.probs = dreal((size_t)N * E);
+    bf.lse = dreal((size_t)N);
+    bf.idx = dmem(sizeof(int32_t) * N * K);
+    bf.wts = dreal((size_t)N * K);
+    bf.row_token = dmem(sizeof(int32_t) * N * K);
+    bf.row_slot = dmem(sizeof(int32_t) * N * K);
+    bf.slot_row = dmem(sizeof(int32_t) * N * K);
+    bf.scratch = dmem(sizeof(int) * N * K);
+    bf.offsets = uniform_offsets(E, 0);
+    gpu->router_forward(bf.probs, bf.lse, bf.idx, bf.wts, NULL, bf.logits, N, E, K, 1);
+    int M = gpu->moe_route_plan(bf.offsets, bf.row_token, bf.row_slot, bf.slot_row, bf.scratch,
+                                bf.idx, bf.wts, N, E, K, N, -1);
+    sync_or_die("the routing plan");
+    if (M != N * K)
+        die("the dropless plan kept %d of %d rows", M, N * K);
+    return M;
+}
+
+static void run_route_plan(void)
+{
+    gpu->moe_route_plan(bf.offsets, bf.row_token, bf.row_slot, bf.slot_row, bf.scratch, bf.idx,
+                        bf.wts, N_, opt.E, opt.K, N_, -1);
+}
+
+static void bench_route_plan(void)
+{
+    const ceiling *c = copy_ceiling();
+    int M = make_plan();
+    double ms = time_gpu(run_route_plan);
+    /* reads idx, w; writes row_token, row_slot, slot_row, offsets */
+    double bytes = 4.0 * (2.0 * N_ * opt.K + 2.0 * M + (double)N_ * opt.K + opt.E + 1);
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d E=%d K=%d dropless", N_, opt.E, opt.K);
+    report("route_plan", shape, ms, bytes, RATE_GBS, c);
+    free_all();
+}
+
+static void run_permute(void) { gpu->moe_permute(bf.out, bf.x, bf.row_token, bf.rows, opt.D); }
+static void run_permute_bwd(void)
+{
+    gpu->moe_permute_backward(bf.dx, bf.dout, bf.row_token, bf.rows, opt.D);
+}
+
+static void bench_permute(int bwd)
+{
+    const ceiling *c = copy_ceiling();
+    const int N = N_, D = opt.D;
+    int M = bf.rows = make_plan();
+    double bytes;
+    if (!bwd) {
+        bf.x = dfill((size_t)N * D, 1.0, 0);
+        bf.out = dreal((size_t)M * D);
+        bytes = 4.0 * (2.0 * M * D + M);
+    } else {
+        bf.dout = dfill((size_t)M * D, 1.0, 0);
+        bf.dx = dreal((size_t)N * D);
+        bytes = 4.0 * ((double)M * D + 2.0 * N * D + M);
+    }
+    double ms = time_gpu(bwd ? run_permute_bwd : run_permute);
+    char shape[64];
+    snprintf(shape, sizeof shape, "M=%d D=%d (N=%d E=%d)", M, D, N, opt.E);
+    report(bwd ? "permute_bwd" : "permute", shape, ms, bytes, RATE_GBS, c);
+    free_all();
+}
+
+static void bench_permute_fwd(void) { bench_permute(0); }
+static void bench_permute_bwd(void) { bench_permute(1); }
+
+static void run_combine(void)
+{
+    gpu->moe_combine_forward(bf.y, bf.out, bf.wts, bf.row_token, bf.row_slot, bf.rows, opt.D,
+                             opt.K);
+}
+
+static void run_combine_bwd(void)
+{
+    gpu->moe_combine_backward(bf.dout, bf.dwts, bf.dx, bf.out, bf.wts, bf.row_token, bf.row_slot,
+                              bf.rows, opt.D, opt.K);
+}
+
+static void bench_combine(int bwd)
+{
+    const ceiling *c = copy_ceiling();
+    const int N = N_, D = opt.D, K = opt.K;
+    int M = bf.rows = make_plan();
+    double bytes;
+    bf.out = dfill((size_t)M * D, 1.0, 0); /* the experts' outputs */
+    if (!bwd) {
+        bf.y = dfill((size_t)N * D, 1.0, 0);
+        /* expert rows, y read and written, weights, row_token, row_slot */
+        bytes = 4.0 * ((double)M * D + 2.0 * N * D + (double)N * K + 2.0 * M);
+    } else {
+        bf.dx = dfill((size_t)N * D, 1.0, 0); /* dy */
+        bf.dout = dreal((size_t)M * D);       /* dexpert_out += */
+        bf.dwts = dreal((size_t)N * K);       /* dw += */
+        /* dexpert_out read and written, expert rows, dy, w, dw read and written, row maps */
+        bytes = 4.0 * (3.0 * M * D + (double)N * D + 3.0 * N * K + 2.0 * M);
+    }
+    double ms = time_gpu(bwd ? run_combine_bwd : run_combine);
+    char shape[64];
+    snprintf(shape, sizeof shape, "M=%d D=%d K=%d (N=%d)", M, D, K, N);
+    report(bwd ? "combine_bwd" : "combine", shape, ms, bytes, RATE_GBS, c);
+    free_all();
+}
+
+static void bench_combine_fwd(void) { bench_combine(0); }
+static void bench_combine_bwd(void) { bench_combine(1); }
+
+/* One expert's SwiGLU FFN on its share of rows: gate and up (rows, D) -> (rows, F), SwiGLU,
+ * down (rows, F) -> (rows, D); the three weights are one block (w1 | w3 | w2). */
+static void run_expert(void)
+{
+    const int R = bf.rows, D = opt.D, F = opt.F;
+    const size_t FD = (size_t)F * D;
+    gpu->matmul_forward(bf.a, bf.x, bf.w, R, D, F);
+    gpu->matmul_forward(bf.b, bf.x, bf.w + FD, R, D, F);
+    gpu->swiglu_forward(bf.h, bf.a, bf.b, (size_t)R * F);
+    gpu->matmul_forward(bf.out, bf.h, bf.w + 2 * FD, R, F, D);
+}
+
+static void bench_expert(void)
+{
+    const int R = bf.rows = M_ / opt.E, D = opt.D, F = opt.F;
+    const size_t FD = (size_t)F * D;
+    const ceiling *c = gemm_ceiling(R, D, 3 * F, 0);
+    bf.x = dfill((size_t)R * D, 1.0, 0);
+    bf.w = dfill(3 * FD, 0.02, 0);
+    bf.a = dreal((size_t)R * F);
+    bf.b = dreal((size_t)R * F);
+    bf.h = dreal((size_t)R * F);
+    bf.out = dreal((size_t)R * D);
+    use_precision(bf.w, 3 * FD, (size_t)R * (D > F ? D : F));
+    double ms = time_gpu(run_expert);
+    double flops = 6.0 * R * (double)D * F;
+    char shape[64];
+    snprintf(shape, sizeof shape, "rows=%d D=%d F=%d %s", R, D, F, prec_name(opt.prec));
+    report("expert", shape, ms, flops, RATE_TFS, c);
+    free_all();
+}
+
+/* Grouped GEMMs over E experts of M/E rows each (the issue's: 16384*2 routed rows / 32). */
+static void run_grouped(void)
+{
+    gpu->grouped_matmul_forward(bf.out, bf.x, bf.w, bf.offsets, opt.E, opt.D, opt.F);
+}
+
+static void run_grouped_bwd(void)
+{
+    gpu->grouped_matmul_backward(bf.dx, bf.dw, bf.dout, bf.x, bf.w, bf.offsets, opt.E, opt.D,
+                                 opt.F);
+}
+
+static void bench_grouped(int bwd)
+{
+    const int M = M_, D = opt.D, F = opt.F, E = opt.E;
+    const size_t W = (size_t)E * F * D;
+    const ceiling *c = gemm_ceiling(M, D, F, bwd);
+    bf.offsets = uniform_offsets(E, M);
+    bf.x = dfill((size_t)M * D, 1.0, 0);
+    bf.w = dfill(W, 0.02, 0);
+    if (!bwd) {
+        bf.out = dreal((size_t)M * F);
+    } else {
+        bf.dout = dfill((size_t)M * F, 1.0, 0);
+        bf.dx = dreal((size_t)M * D);
+        bf.dw = dreal(W);
+    }
+    use_precision(bf.w, W, (size_t)M * (D > F ? D : F));
+    double ms = time_gpu(bwd ? run_grouped_bwd : run_grouped);
+    double flops = (bwd ? 4.0 : 2.0) * M * (double)D * F;
+    char shape[64];
+    snprintf(shape, sizeof shape, "G=%d rows=%d D=%d F=%d %s", E, M / E, D, F, prec_name(opt.prec));
+    report(bwd ? "grouped_gemm_bwd" : "grouped_gemm", shape, ms, flops, RATE_TFS, c);
+    free_all();
+}
+
+static void bench_grouped_fwd(void) { bench_grouped(0); }
+static void bench_grouped_bwd(void) { bench_grouped(1); }
+
+/* Every expert's SwiGLU FFN as runtime/model.c runs it: grouped gate, grouped up, SwiGLU,
+ * grouped down; backward in reverse. Weights: one block w1 (E,F,D) | w3 | w2 (E,D,F). */
+static void run_experts_ffn(void)
+{
+    const int M = M_, D = opt.D, F = opt.F, E = opt.E;
+    const size_t W = (size_t)E * F * D;
+    gpu->grouped_matmul_forward(bf.a, bf.x, bf.w, bf.offsets, E, D, F);
+    gpu->grouped_matmul_forward(bf.b, bf.x, bf.w + W, bf.offsets, E, D, F);
+    gpu->swiglu_forward(bf.h, bf.a, bf.b, (size_t)M * F);
+    gpu->grouped_matmul_forward(bf.out, bf.h, bf.w + 2 * W, bf.offsets, E, F, D);
+}
+
+static void run_experts_ffn_bwd(void)
+{
+    const int M = M_, D = opt.D, F = opt.F, E = opt.E;
+    const size_t W = (size_t)E * F * D;
+    gpu->grouped_matmul_backward(bf.dh, bf.dw + 2 * W, bf.dout, bf.h, bf.w + 2 * W, bf.offsets, E,
+                                 F, D);
+    gpu->swiglu_backward(bf.da, bf.db, bf.dh, bf.a, bf.b, (size_t)M * F);
+    gpu->grouped_matmul_backward(bf.dx, bf.dw, bf.da, bf.x, bf.w, bf.offsets, E, D, F);
+    gpu->grouped_matmul_backward(bf.dx, bf.dw + W, bf.db, bf.x, bf.w + W, bf.offsets, E, D, F);
+}
+
+static void bench_experts_ffn(int bwd)
+{
+    const int M = M_, D = opt.D, F = opt.F, E = opt.E;
+    const size_t W = (size_t)E * F * D, MF = (size_t)M * F;
+    const ceiling *c = gemm_ceiling(M, D, 3 * F, bwd);
+    bf.offsets = uniform_offsets(E, M);
+    bf.x = dfill((size_t)M * D, 1.0, 0);
+    bf.w = dfill(3 * W, 0.02, 0);
+    if (!bwd) {
+        bf.a = dreal(MF);
+        bf.b = dreal(MF);
+        bf.h = dreal(MF);
+        bf.out = dreal((size_t)M * D);
+    } else {
+        bf.a = dfill(MF, 1.0, 0);
+        bf.b = dfill(MF, 1.0, 0);
+        bf.h = dfill(MF, 1.0, 0);
+        bf.dout = dfill((size_t)M * D, 1.0, 0);
+        bf.da = dreal(MF);
+        bf.db = dreal(MF);
+        bf.dh = dreal(MF);
+        bf.dx = dreal((size_t)M * D);
+        bf.dw = dreal(3 * W);
+    }
+    use_precision(bf.w, 3 * W, MF);
+    double ms = time_gpu(bwd ? run_experts_ffn_bwd : run_experts_ffn);
+    double flops = (bwd ? 12.0 : 6.0) * M * (double)D * F; /* the GEMMs only */
+    char shape[64];
+    snprintf(shape, sizeof shape, "G=%d rows=%d D=%d F=%d %s", E, M / E, D, F, prec_name(opt.prec));
+    report(bwd ? "experts_ffn_bwd" : "experts_ffn", shape, ms, flops, RATE_TFS, c);
+    free_all();
+}
+
+static void bench_experts_ffn_fwd(void) { bench_experts_ffn(0); }
+static void bench_experts_ffn_bwd(void) { bench_experts_ffn(1); }
+
+/* Causal attention: T(T+1)/2 query-key pairs per (sequence, head), 4*Hd FLOPs each forward
+ * (scores and the weighted sum of values), 10*Hd backward (scores recomputed, dP, dV, dQ,
+ * dK). */
+static double attention_pairs(void)
+{
+    return (double)opt.B * opt.H * (double)opt.T * (opt.T + 1) / 2.0;
+}
+
+static void run_attention(void)
+{
+    gpu->attention_forward(bf.out, bf.lse, bf.q, bf.k, bf.v, opt.B, opt.T, opt.H, Hd_);
+}
+
+static void run_attention_bwd(void)
+{
+    gpu->attention_backward(bf.dq, bf.dk, bf.dv, bf.dout, bf.out, bf.lse, bf.q, bf.k, bf.v, opt.B,
+                            opt.T, opt.H, Hd_);
+}
+
+static void bench_attention(int bwd)
+{
+    const int N = N_, D = opt.D;
+    const double flops = (bwd ? 10.0 : 4.0) * Hd_ * attention_pairs();
+    const ceiling *c = gemm_ceiling_flops(flops, N, D);
+    const size_t n = (size_t)N * D;
+    bf.q = dfill(n, 1.0, 0);
+    bf.k = dfill(n, 1.0, 0);
+    bf.v = dfill(n, 1.0, 0);
+    bf.out = dreal(n);
+    bf.lse = dreal((size_t)opt.B * opt.H * opt.T);
+    /* the attention kernels follow the GEMM precision (16-bit tiles on tensor cores where
+     * the backend has them); no weights, no operand workspace */
+    MOE_CK(gpu->set_precision(opt.prec, NULL, 0, 0));
+    if (bwd) {
+        bf.dout = dfill(n, 1.0, 0);
+        bf.dq = dreal(n);
+        bf.dk = dreal(n);
+        bf.dv = dreal(n);
+        run_attention(); /* out and lse for the backward */
+    }
+    double ms = time_gpu(bwd ? run_attention_bwd : run_attention);
+    char shape[64];
+    snprintf(shape, sizeof shape, "B=%d T=%d H=%d Hd=%d causal %s", opt.B, opt.T, opt.H, Hd_,
+             prec_name(opt.prec));
+    report(bwd ? "attention_bwd" : "attention", shape, ms, flops, RATE_TFS, c);
+    free_all();
+}
+
+static void bench_attention_fwd(void) { bench_attention(0); }
+static void bench_attention_bwd(void) { bench_attention(1); }
+
+static void run_rmsnorm(void)
+{
+    gpu->rmsnorm_forward(bf.out, bf.rstd, bf.x, bf.w, N_, opt.D, (real)1e-5);
+}
+
+static void run_rmsnorm_bwd(void)
+{
+    gpu->rmsnorm_backward(bf.dx, bf.dw, bf.dout, bf.x, bf.w, bf.rstd, N_, opt.D);
+}
+
+static void bench_rmsnorm(int bwd)
+{
+    const ceiling *c = copy_ceiling();
+    const int N = N_, D = opt.D;
+    bf.x = dfill((size_t)N * D, 1.0, 0);
+    bf.w = dfill((size_t)D, 1.0, 1);
+    bf.out = dreal((size_t)N * D);
+    bf.rstd = dreal((size_t)N);
+    double bytes;
+    if (!bwd) {
+        bytes = 4.0 * (2.0 * N * D + D + N);
+    } else {
+        bf.dout = dfill((size_t)N * D, 1.0, 0);
+        bf.dx = dreal((size_t)N * D);
+        bf.dw = dreal((size_t)D);
+        run_rmsnorm(); /* rstd */
+        /* dout, x, dx read and written, weight, rstd, dweight read and written */
+        bytes = 4.0 * (4.0 * N * D + 3.0 * D + N);
+    }
+    double ms = time_gpu(bwd ? run_rmsnorm_bwd : run_rmsnorm);
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d D=%d", N, D);
+    report(bwd ? "rmsnorm_bwd" : "rmsnorm", shape, ms, bytes, RATE_GBS, c);
+    free_all();
+}
+
+static void bench_rmsnorm_fwd(void) { bench_rmsnorm(0); }
+static void bench_rmsnorm_bwd(void) { bench_rmsnorm(1); }
+
+static void run_rope(void)
+{
+    gpu->rope_forward(bf.q, bf.cos_t, bf.sin_t, opt.B, opt.T, opt.H, Hd_);
+}
+
+static void run_rope_bwd(void)
+{
+    gpu->rope_backward(bf.q, bf.cos_t, bf.sin_t, opt.B, opt.T, opt.H, Hd_);
+}
+
+static void bench_rope(int bwd)
+{
+    const ceiling *c = copy_ceiling();
+    const size_t n = (size_t)N_ * opt.H * Hd_, tab = (size_t)opt.T * (Hd_ / 2);
+    bf.q = dfill(n, 1.0, 0);
+    bf.cos_t = dreal(tab);
+    bf.sin_t = dreal(tab);
+    gpu->rope_tables(bf.cos_t, bf.sin_t, opt.T, Hd_, 10000.0);
+    double ms = time_gpu(bwd ? run_rope_bwd : run_rope);
+    double bytes = 4.0 * (2.0 * (double)n + 2.0 * (double)tab); /* in place, and the tables */
+    char shape[64];
+    snprintf(shape, sizeof shape, "B=%d T=%d H=%d Hd=%d (one of q, k)", opt.B, opt.T, opt.H, Hd_);
+    report(bwd ? "rope_bwd" : "rope", shape, ms, bytes, RATE_GBS, c);
+    free_all();
+}
+
+static void bench_rope_fwd(void) { bench_rope(0); }
+static void bench_rope_bwd(void) { bench_rope(1); }
+
+static void run_swiglu(void) { gpu->swiglu_forward(bf.h, bf.a, bf.b, bf.n); }
+static void run_swiglu_bwd(void) { gpu->swiglu_backward(bf.da, bf.db, bf.dh, bf.a, bf.b, bf.n); }
+
+static void bench_swiglu(int bwd)
+{
+    const ceiling *c = copy_ceiling();
+    const size_t n = bf.n = (size_t)M_ * opt.F;
+    bf.a = dfill(n, 1.0, 0);
+    bf.b = dfill(n, 1.0, 0);
+    double bytes;
+    if (!bwd) {
+        bf.h = dreal(n);
+        bytes = 4.0 * 3.0 * (double)n;
+    } else {
+        bf.dh = dfill(n, 1.0, 0);
+        bf.da = dreal(n);
+        bf.db = dreal(n);
+        bytes = 4.0 * 7.0 * (double)n; /* dh, a, b; da and db read and written */
+    }
+    double ms = time_gpu(bwd ? run_swiglu_bwd : run_swiglu);
+    char shape[64];
+    snprintf(shape, sizeof shape, "n=%zu (M=%d x F=%d)", n, M_, opt.F);
+    report(bwd ? "swiglu_bwd" : "swiglu", shape, ms, bytes, RATE_GBS, c);
+    free_all();
+}
+
+static void bench_swiglu_fwd(void) { bench_swiglu(0); }
+static void bench_swiglu_bwd(void) { bench_swiglu(1); }
+
+/* The parameter arena of the model (no dense or shared FFN layers): its segments (one per
+ * tensor, in model order) and weight decay (0 for norms). Returns the element count. */
+static size_t arena_layout(int64_t *offs, real *wd, int *n_segs)
+{
+    const size_t D = (size_t)opt.D, E = (size_t)opt.E, F = (size_t)opt.F, V = (size_t)opt.V;
+    size_t n = 0;
+    int s = 0;
+#define SEG(count, decay)                                                                          \
+    do {                                                                                           \
+        if (offs) {                                                                                \
+            offs[s] = (int64_t)n;                                                                  \
+            wd[s] = (real)(decay);                                                                 \
+        }                                                                                          \
+        n += (count);                                                                              \
+        s++;                                                                                       \
+    } while (0)
+    SEG(V * D, 0.1); /* embedding */
+    for (int l = 0; l < opt.L; l++) {
+        SEG(D, 0.0); /* attention norm */
+        for (int i = 0; i < 4; i++)
+            SEG(D * D, 0.1); /* wq, wk, wv, wo */
+        SEG(D, 0.0);         /* ffn norm */
+        SEG(E * D, 0.1);     /* router */
+        for (int i = 0; i < 3; i++)
+            SEG(E * F * D, 0.1); /* w1, w3, w2 */
+    }
+    SEG(D, 0.0);     /* final norm */
+    SEG(V * D, 0.1); /* lm head */
+#undef SEG
+    if (offs)
+        offs[s] = (int64_t)n;
+    *n_segs = s;
+    return n;
+}
+
+static void run_adamw(void)
+{
+    gpu->adamw_update_multi(bf.x, bf.dout, bf.m1, bf.m2, bf.n, bf.segs, bf.wd, bf.n_segs,
+                            (real)1e-4, (real)0.9, (real)0.95, (real)1e-8, (real)0.5, 10);
+}
+
+static void run_grad_norm(void) { (void)gpu->sum_squares(bf.dout, bf.n); }
+
+static void bench_optimizer(int adamw)
+{
+    const ceiling *c = copy_ceiling();
+    int n_segs = 0;
+    arena_layout(NULL, NULL, &n_segs);
+    int64_t *offs = malloc(sizeof(int64_t) * (n_segs + 1));
+    real *wd = malloc(sizeof(real) * n_segs);
+    if (!offs || !wd)
+        die("out of host memory");
+    const size_t n = bf.n = arena_layout(offs, wd, &bf.n_segs);
+    bf.dout = dfill(n, 1e-3, 0); /* gradients */
+    double bytes;
+    if (adamw) {
+        bf.x = dfill(n, 0.02, 0); /* parameters */
+        bf.m1 = dfill(n, 1e-3, 0);
+        bf.m2 = dfill(n, 1e-6, 1);
+        bf.segs = dupload(offs, sizeof(int64_t) * (n_segs + 1));
+        bf.wd = dupload(wd, sizeof(real) * n_segs);
+        bytes = 4.0 * 7.0 * (double)n; /* p, g, m, v read; p, m, v written */
+    } else {
+        bytes = 4.0 * (double)n;
+    }
+    free(offs);
+    free(wd);
+    double ms = time_gpu(adamw ? run_adamw : run_grad_norm);
+    char shape[64];
+    snprintf(shape, sizeof shape, "params=%zu (%d tensors, L=%d)", n, n_segs, opt.L);
+    report(adamw ? "adamw" : "grad_norm", shape, ms, bytes, RATE_GBS, c);
+    free_all();
+}
+
+static void bench_adamw(void) { bench_optimizer(1); }
+static void bench_grad_norm(void) { bench_optimizer(0); }
+
+static void bench_copy(void) { (void)copy_ceiling(); }
+
+typedef struct {
+    const char *name;
+    void (*run)(void);
+} bench_op;
+
+static const bench_op single_ops[] = {
+    {"copy", bench_copy},
+    {"router_gemm", bench_router_gemm},
+    {"router_topk", bench_router_topk},
+    {"route_plan", bench_route_plan},
+    {"permute", bench_permute_fwd},
+    {"permute_bwd", bench_permute_bwd},
+    {"combine", bench_combine_fwd},
+    {"combine_bwd", bench_combine_bwd},
+    {"expert", bench_expert},
+    {"grouped_gemm", bench_grouped_fwd},
+    {"grouped_gemm_bwd", bench_grouped_bwd},
+    {"experts_ffn", bench_experts_ffn_fwd},
+    {"experts_ffn_bwd", bench_experts_ffn_bwd},
+    {"attention", bench_attention_fwd},
+    {"attention_bwd", bench_attention_bwd},
+    {"rmsnorm", bench_rmsnorm_fwd},
+    {"rmsnorm_bwd", bench_rmsnorm_bwd},
+    {"rope", bench_rope_fwd},
+    {"rope_bwd", bench_rope_bwd},
+    {"swiglu", bench_swiglu_fwd},
+    {"swiglu_bwd", bench_swiglu_bwd},
+    {"adamw", bench_adamw},
+    {"grad_norm", bench_grad_norm},
+};
+
+/* ---- a2a: dispatch and combine between ranks --------------------------------------------------
+ */
+
+static struct {
+    moe_comm *comm;
+    ncclComm_t nccl;
+    real *x, *logits, *probs, *lse, *wts, *xr, *wr, *eout, *back, *y;
+    int32_t *idx, *row_token, *row_slot, *slot_row, *erank, *elocal, *send_token, *lidx;
+    int *scratch, *offsets;     /* offsets: host */
+    int *send_rows, *recv_rows; /* host (P) */
+    int *send_assign;           /* host (P) */
+    int64_t *cnt_send, *cnt_recv;
+    char *rows, *recv;
+    size_t row_bytes;
+    size_t *xc; /* (4P): counts and displacements of the exchange running */
+    const void *src;
+    void *dst;
+    int n_send, n_recv;
+} a2;
+
+static void run_pack(void)
+{
+    a2.n_send = gpu->moe_pack_dispatch(a2.rows, a2.send_token, a2.send_rows, a2.send_assign, a2.x,
+                                       a2.idx, a2.wts, a2.slot_row, a2.erank, a2.elocal, N_, opt.D,
+                                       opt.K, world, a2.row_bytes);
+}
+
+static void run_counts(void)
+{
+    for (int p = 0; p < world; p++)
+        a2.cnt_send[p] = a2.send_rows[p];
+    MOE_CK(moe_comm_exchange_counts(a2.comm, a2.cnt_send, a2.cnt_recv));
+}
+
+/* Byte counts and displacements of an exchange: send srows[p] and receive rrows[p] rows of
+ * row_nbytes to and from each peer; returns the bytes this rank sends. */
+static double set_exchange(const void *src, const int *srows, void *dst, const int *rrows,
+                           size_t row_nbytes)
+{
+    size_t *sc = a2.xc, *sd = sc + world, *rc = sd + world, *rd = rc + world;
+    size_t so = 0, ro = 0;
+    for (int p = 0; p < world; p++) {
+        sc[p] = (size_t)srows[p] * row_nbytes;
+        sd[p] = so;
+        so += sc[p];
+        rc[p] = (size_t)rrows[p] * row_nbytes;
+        rd[p] = ro;
+        ro += rc[p];
+    }
+    a2.src = src;
+    a2.dst = dst;
+    return (double)so;
+}
+
+static void run_exchange_comm(void)
+{
+    size_t *sc = a2.xc, *sd = sc + world, *rc = sd + world, *rd = rc + world;
+    moe_comm_handle done;
+    MOE_CK(moe_comm_exchange_start(a2.comm, a2.src, sc, sd, a2.dst, rc, rd, MOE_COMM_NONE, &done));
+    MOE_CK(moe_comm_wait(a2.comm, done));
+}
+
+static void run_exchange_nccl(void)
+{
+    size_t *sc = a2.xc, *sd = sc + world, *rc = sd + world, *rd = rc + world;
+    NCCL_CK(ncclGroupStart());
+    for (int p = 0; p < world; p++) {
+        if (sc[p])
+            NCCL_CK(ncclSend((const char *)a2.src + sd[p], sc[p], ncclUint8, p, a2.nccl, stream));
+        if (rc[p])
+            NCCL_CK(ncclRecv((char *)a2.dst + rd[p], rc[p], ncclUint8, p, a2.nccl, stream));
+    }
+    NCCL_CK(ncclGroupEnd());
+}
+
+static void run_unpack(void)
+{
+    gpu->moe_unpack_dispatch(a2.xr, a2.wr, a2.lidx, a2.recv, a2.n_recv, opt.D, opt.K, a2.row_bytes);
+}
+
+static void run_unpermute(void)
+{
+    gpu->moe_permute_backward(a2.y, a2.back, a2.send_token, a2.n_send, opt.D);
+}
+
+static int want(const char *name) { return !opt.op || strcmp(opt.op, name) == 0; }
+
+/* The exchange through the comm layer, then raw NCCL of the same bytes (its ceiling). */
+static void bench_exchange(const char *op, const char *what, double bytes)
+{
+    double sum = bytes;
+    MPI_CK(MPI_Allreduce(MPI_IN_PLACE, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+    const double avg = sum / world; /* bytes sent per rank, self included */
+    char shape[64], raw_op[32], key[64];
+    snprintf(shape, sizeof shape, "P=%d %s %.1f MB/rank", world, what, avg / 1e6);
+    snprintf(raw_op, sizeof raw_op, "nccl_%s", op);
+    snprintf(key, sizeof key, "%s", raw_op);
+    double raw_ms = time_comm(run_exchange_nccl);
+    report(raw_op, shape, raw_ms, avg, RATE_GBS, NULL);
+    const ceiling *c = ceiling_add(key, avg / (raw_ms * 1e-3) / 1e9, "ncclSend/Recv same bytes");
+    double ms = time_comm(run_exchange_comm);
+    report(op, shape, ms, avg, RATE_GBS, c);
+}
+
+static void a2a_setup(void)
+{
+    const int N = N_, D = opt.D, E = opt.E, K = opt.K, P = world;
+    a2.row_bytes = ((size_t)(D + K) * sizeof(real) + (size_t)K * sizeof(int32_t) + 7) & ~(size_t)7;
+    a2.send_rows = calloc((size_t)P, sizeof(int));
+    a2.recv_rows = calloc((size_t)P, sizeof(int));
+    a2.send_assign = calloc((size_t)P, sizeof(int));
+    a2.cnt_send = calloc((size_t)P, sizeof(int64_t));
+    a2.cnt_recv = calloc((size_t)P, sizeof(int64_t));
+    a2.xc = calloc((size_t)4 * P, sizeof(size_t));
+    a2.offsets = calloc((size_t)E + 1, sizeof(int));
+    int32_t *er = calloc((size_t)E, sizeof(int32_t)), *el = calloc((size_t)E, sizeof(int32_t));
+    real *lg = malloc(sizeof(real) * N * E);
+    if (!a2.send_rows || !a2.recv_rows || !a2.send_assign || !a2.cnt_send || !a2.cnt_recv ||
+        !a2.xc || !a2.offsets || !er || !el || !lg)
+        die("out of host memory");
+    for (int e = 0; e < E; e++) {
+        er[e] = e / (E / P);
+        el[e] = e % (E / P);
+    }
+    /* router logits of this rank's tokens (its own random stream): a dropless plan */
+    for (size_t i = 0; i < (size_t)N * E; i++)
+        lg[i] = (real)moe_rng_normal(SEED, 100 + (uint64_t)rank, i);
+    a2.erank = dupload(er, sizeof(int32_t) * E);
+    a2.elocal = dupload(el, sizeof(int32_t) * E);
+    a2.logits = dupload(lg, sizeof(real) * N * E);
+    free(er);
+    free(el);
+    free(lg);
+    a2.x = dfill((size_t)N * D, 1.0, 0);
+    a2.probs = dreal((size_t)N * E);
+    a2.lse = dreal((size_t)N);
+    a2.wts = dreal((size_t)N * K);
+    a2.idx = dmem(sizeof(int32_t) * N * K);
+    a2.row_token = dmem(sizeof(int32_t) * N * K);
+    a2.row_slot = dmem(sizeof(int32_t) * N * K);
+    a2.slot_row = dmem(sizeof(int32_t) * N * K);
+    a2.scratch = dmem(sizeof(int) * N * K);
+    const int max_rows = N * (K < P ? K : P);
+    a2.rows = dmem(a2.row_bytes * max_rows);
+    a2.send_token = dmem(sizeof(int32_t) * max_rows);
+    a2.back = dreal((size_t)max_rows * D);
+    a2.y = dreal((size_t)N * D);
+    gpu->router_forward(a2.probs, a2.lse, a2.idx, a2.wts, NULL, a2.logits, N, E, K, 1);
+    gpu->moe_route_plan(a2.offsets, a2.row_token, a2.row_slot, a2.slot_row, a2.scratch, a2.idx,
+                        a2.wts, N, E, K, N, -1);
+    run_pack();
+    run_counts();
+    a2.n_recv = 0;
+    for (int p = 0; p < P; p++) {
+        if (a2.cnt_recv[p] < 0 || a2.cnt_recv[p] > INT_MAX - a2.n_recv)
+            die("peer %d announces %lld rows", p, (long long)a2.cnt_recv[p]);
+        a2.recv_rows[p] = (int)a2.cnt_recv[p];
+        a2.n_recv += a2.recv_rows[p];
+    }
+    a2.recv = dmem(a2.row_bytes * (size_t)(a2.n_recv ? a2.n_recv : 1));
+    a2.xr = dreal((size_t)(a2.n_recv ? a2.n_recv : 1) * D);
+    a2.wr = dreal((size_t)(a2.n_recv ? a2.n_recv : 1) * K);
+    a2.lidx = dmem(sizeof(int32_t) * (a2.n_recv ? a2.n_recv : 1) * K);
+    a2.eout = dfill((size_t)(a2.n_recv ? a2.n_recv : 1) * D, 1.0, 0);
+    sync_or_die("the a2a setup");
+}
+
+static const char *a2a_ops[] = {"copy",   "pack_dispatch", "a2a_counts", "dispatch",
+                                "unpack", "combine",       "unpermute",  NULL};
+
+static void a2a_run(void)
+{
+    const int D = opt.D, K = opt.K, N = N_;
+    const ceiling *c = copy_ceiling();
+    char shape[64];
+    a2a_setup();
+    if (want("pack_dispatch")) {
+        double ms = time_gpu(run_pack);
+        /* per row: its token read, the row written; per slot: idx, w, slot_row read */
+        double bytes = (double)a2.n_send * (D * 4.0 + (double)a2.row_bytes) + 12.0 * N * K;
+        snprintf(shape, sizeof shape, "N=%d K=%d P=%d rows=%d x %zu B", N, K, world, a2.n_send,
+                 a2.row_bytes);
+        report("pack_dispatch", shape, ms, bytes, RATE_GBS, c);
+    }
+    if (want("a2a_counts")) {
+        double ms = time_comm(run_counts);
+        snprintf(shape, sizeof shape, "P=%d one int64 per peer (MPI)", world);
+        report("a2a_counts", shape, ms, 0, RATE_NONE, NULL);
+    }
+    if (want("dispatch")) {
+        double bytes = set_exchange(a2.rows, a2.send_rows, a2.recv, a2.recv_rows, a2.row_bytes);
+        bench_exchange("dispatch", "token rows", bytes);
+    }
+    if (want("unpack")) {
+        double ms = time_gpu(run_unpack);
+        double bytes = (double)a2.n_recv * ((double)a2.row_bytes + 4.0 * (D + 2.0 * K));
+        snprintf(shape, sizeof shape, "rows=%d D=%d K=%d", a2.n_recv, D, K);
+        report("unpack", shape, ms, bytes, RATE_GBS, c);
+    }
+    if (want("combine")) {
+        /* expert outputs (R, D) back to the tokens' ranks: the dispatch counts reversed */
+        double bytes = set_exchange(a2.eout, a2.recv_rows, a2.back, a2.send_rows, sizeof(real) * D);
+        bench_exchange("combine", "expert rows", bytes);
+    }
+    if (want("unpermute")) {
+        double ms = time_gpu(run_unpermute);
+        double bytes = 4.0 * ((double)a2.n_send * D + 2.0 * N * D + a2.n_send);
+        snprintf(shape, sizeof shape, "rows=%d D=%d (N=%d)", a2.n_send, D, N);
+        report("unpermute", shape, ms, bytes, RATE_GBS, c);
+    }
+    free_all();
+}
+
+/* ---- main -------------------------------------------------------------------------------------
+ */
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: moe-bench [a2a] [--op NAME] [--precision fp32|bf16|fp16] [--reps N]\n"
+               "                 [--warmup N] [--B n] [--T n] [--D n] [--H n] [--E n] [--K n]\n"
+               "                 [--F n] [--V n] [--L n] [--copy-mib n] [--list]\n"
+               "Times each op of the cuda backend (median of --reps runs) at the shape of\n"
+               "configs/bench-h200.ini, against a copy-bandwidth or dense-GEMM ceiling measured\n"
+               "in the same process. 'a2a' (under mpirun, one GPU per rank): dispatch and\n"
+               "combine through comm/ against raw NCCL of equal bytes. See docs/bench.md.\n");
+}
+
+static void list_ops(void)
+{
+    printf("single GPU:");
+    for (size_t i = 0; i < sizeof single_ops / sizeof *single_ops; i++)
+        printf(" %s", single_ops[i].name);
+    printf("\na2a:");
+    for (int i = 0; a2a_ops[i]; i++)
+        printf(" %s", a2a_ops[i]);
+    printf("\n");
+}
+
+static int parse_int(const char *flag, const char *s, int lo, int hi)
+{
+    char *end = NULL;
+    long v = s ? strtol(s, &end, 10) : 0;
+    if (!s || !*s || *end || v < lo || v > hi) {
+        fprintf(stderr, "moe-bench: %s wants an integer in [%d, %d], got '%s'\n", flag, lo, hi,
+                s ? s : "");
+        exit(EXIT_USAGE);
+    }
+    return (int)v;
+}
+
+/* Returns 1 for a2a mode. Exits on bad usage. */
+static int parse_args(int argc, char **argv)
+{
+    int a2a = 0;
+    struct {
+        const char *flag;
+        int *v;
+        int lo, hi;
+    } ints[] = {
+        {"--B", &opt.B, 1, 1 << 20},        {"--T", &opt.T, 1, 1 << 24},
+        {"--D", &opt.D, 1, 1 << 20},        {"--H", &opt.H, 1, 4096},
+        {"--E", &opt.E, 1, 4096},           {"--K", &opt.K, 1, 4096},
+        {"--F", &opt.F, 1, 1 << 20},        {"--V", &opt.V, 1, 1 << 24},
+        {"--L", &opt.L, 1, 1024},           {"--reps", &opt.reps, 1, 10000},
+        {"--warmup", &opt.warmup, 0, 1000}, {"--copy-mib", &opt.copy_mib, 1, 1 << 20},
+    };
+    for (int i = 1; i < argc; i++) {
+        const char *f = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
+        int done = 0;
+        if (i == 1 && strcmp(f, "a2a") == 0) {
+            a2a = 1;
+            continue;
+        }
+        if (strcmp(f, "--help") == 0 || strcmp(f, "-h") == 0) {
+            usage(stdout);
+            exit(0);
+        }
+        if (strcmp(f, "--list") == 0) {
+            list_ops();
+            exit(0);
+        }
+        for (size_t j = 0; j < sizeof ints / sizeof *ints && !done; j++)
+            if (strcmp(f, ints[j].flag) == 0) {
+                *ints[j].v = parse_int(f, val, ints[j].lo, ints[j].hi);
+                done = 1;
+            }
+        if (!done && strcmp(f, "--op") == 0 && val) {
+            opt.op = val;
+            done = 1;
+        } else if (!done && strcmp(f, "--precision") == 0 && val) {
+            if (strcmp(val, "fp32") == 0)
+                opt.prec = MOE_PREC_FP32;
+            else if (strcmp(val, "bf16") == 0)
+                opt.prec = MOE_PREC_BF16;
+            else if (strcmp(val, "fp16") == 0)
+                opt.prec = MOE_PREC_FP16;
+            else {
+                fprintf(stderr, "moe-bench: --precision is fp32, bf16 or fp16, not '%s'\n", val);
+                exit(EXIT_USAGE);
+            }
+            done = 1;
+        }
+        if (!done) {
+            fprintf(stderr, "moe-bench: unknown or incomplete option '%s'\n", f);
+            usage(stderr);
+            exit(EXIT_USAGE);
+        }
+        i++; /* the value */
+    }
+    /* the shape: what the ops need and what their int arguments can hold */
+    const char *bad = NULL;
+    if (opt.D % opt.H || (opt.D / opt.H) % 2)
+        bad = "D must be H times an even head dim";
+    else if (opt.K > opt.E)
+        bad = "K must not exceed E";
+    else if ((long long)opt.B * opt.T * opt.K > INT_MAX / 2)
+        bad = "B*T*K is too large for the ops' int sizes";
+    if (bad) {
+        fprintf(stderr, "moe-bench: %s\n", bad);
+        exit(EXIT_USAGE);
+    }
+    if (opt.op) {
+        int found = 0;
+        if (a2a)
+            for (int i = 0; a2a_ops[i]; i++)
+                found |= strcmp(a2a_ops[i], opt.op) == 0;
+        else
+            for (size_t i = 0; i < sizeof single_ops / sizeof *single_ops; i++)
+                found |= strcmp(single_ops[i].name, opt.op) == 0;
+        if (!found) {
+            fprintf(stderr, "moe-bench: no op '%s' in %s mode; the ops:\n", opt.op,
+                    a2a ? "a2a" : "single-GPU");
+            list_ops();
+            exit(EXIT_USAGE);
+        }
+    }
+    N_ = opt.B * opt.T;
+    M_ = N_ * opt.K;
+    Hd_ = opt.D / opt.H;
+    return a2a;
+}
+
+/* Events, host patterns and the header, once the backend runs. */
+static void start(void)
+{
+    stream = (cudaStream_t)gpu->native_stream();
+    ev_start = calloc((size_t)opt.reps, sizeof(cudaEvent_t));
+    ev_end = calloc((size_t)opt.reps, sizeof(cudaEvent_t));
+    pat_normal = malloc(sizeof(real) * PATTERN);
+    pat_pos = malloc(sizeof(real) * PATTERN);
+    if (!ev_start || !ev_end || !pat_normal || !pat_pos)
+        die("out of host memory");
+    for (int i = 0; i < opt.reps; i++) {
+        CUDA_CK(cudaEventCreate(&ev_start[i]));
+        CUDA_CK(cudaEventCreate(&ev_end[i]));
+    }
+    for (size_t i = 0; i < PATTERN; i++) {
+        pat_normal[i] = (real)moe_rng_normal(SEED, 1, i);
+        pat_pos[i] = (real)(0.1 + moe_rng_uniform(SEED, 2, i));
+    }
+    int dev = 0;
+    struct cudaDeviceProp prop;
+    CUDA_CK(cudaGetDevice(&dev));
+    CUDA_CK(cudaGetDeviceProperties(&prop, dev));
+    if (rank == 0) {
+        printf("moe-bench: %s (sm_%d), %d rank(s), GEMM precision %s, median of %d runs after "
+               "%d warm-up\n",
+               prop.name, gpu->compute_capability(), world, prec_name(opt.prec), opt.reps,
+               opt.warmup);
+        printf("shape: B=%d T=%d D=%d H=%d Hd=%d E=%d K=%d F=%d V=%d L=%d (N=%d tokens, M=%d "
+               "routed rows)\n",
+               opt.B, opt.T, opt.D, opt.H, Hd_, opt.E, opt.K, opt.F, opt.V, opt.L, N_, M_);
+    }
+    header();
+}
+
+static void finish(void)
+{
+    for (int i = 0; i < opt.reps; i++) {
+        CUDA_CK(cudaEventDestroy(ev_start[i]));
+        CUDA_CK(cudaEventDestroy(ev_end[i]));
+    }
+    free(ev_start);
+    free(ev_end);
+    free(pat_normal);
+    free(pat_pos);
+}
+
+static int main_single(void)
+{
+    const char *why = NULL;
+    if (!moe_backend_cuda(&why)) {
+        printf("SKIP: no CUDA device (%s)\n", why ? why : "unknown");
+        return EXIT_SKIP;
+    }
+    MOE_CK(moe_backend_select("cuda", &gpu));
+    if (opt.prec == MOE_PREC_BF16 && gpu->compute_capability() < 80) {
+        fprintf(stderr,
+                "moe-bench: bf16 needs sm_80 or later (this GPU: sm_%d); try "
+                "--precision fp16\n",
+                gpu->compute_capability());
+        return EXIT_USAGE;
+    }
+    start();
+    for (size_t i = 0; i < sizeof single_ops / sizeof *single_ops; i++)
+        if (want(single_ops[i].name))
+            single_ops[i].run();
+    finish();
+    return 0;
+}
+
+static int main_a2a(int argc, char **argv)
+{
+    int provided = 0, local = 0;
+    if (MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
+        fprintf(stderr, "moe-bench: MPI_Init_thread failed\n");
+        return 1;
+    }
+    MPI_Comm node;
+    MPI_CK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+    MPI_CK(MPI_Comm_size(MPI_COMM_WORLD, &world));
+    moe_log_set_rank(rank);
+    MPI_CK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
+    MPI_CK(MPI_Comm_rank(node, &local));
+    MPI_CK(MPI_Comm_free(&node));
+    char bus[32];
+    const char *why = "no GPU for this rank";
+    int ok = moe_cuda_pick_device(local, bus, sizeof bus) == MOE_OK && moe_backend_cuda(&why);
+    int all_ok = 0;
+    MPI_CK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+    if (!all_ok) {
+        if (rank == 0)
+            printf("SKIP: no CUDA device (%s)\n", ok ? "on some rank" : why);
+        MPI_Finalize();
+        return EXIT_SKIP;
+    }
+    if (world < 2 || opt.E % world) {
+        if (rank == 0)
+            fprintf(stderr,
+                    "moe-bench a2a: needs at least 2 ranks (mpirun -np 2) and E (%d) "
+                    "divisible by them (%d)\n",
+                    opt.E, world);
+        MPI_Finalize();
+        return EXIT_USAGE;
+    }
+    MOE_CK(moe_backend_select("cuda", &gpu));
+    start();
+    MOE_CK(moe_comm_create(&a2.comm, world));
+    MOE_CK(moe_comm_enable_device(a2.comm, gpu->native_stream()));
+    ncclUniqueId id;
+    if (rank == 0)
+        NCCL_CK(ncclGetUniqueId(&id));
+    MPI_CK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD));
+    NCCL_CK(ncclCommInitRank(&a2.nccl, world, id, rank));
+    a2a_run();
+    NCCL_CK(ncclCommDestroy(a2.nccl));
+    moe_comm_destroy(a2.comm);
+    finish();
+    free(a2.send_rows);
+    free(a2.recv_rows);
+    free(a2.send_assign);
+    free(a2.cnt_send);
+    free(a2.cnt_recv);
+    free(a2.xc);
+    free(a2.offsets);
+    MPI_CK(MPI_Finalize());
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    int a2a = parse_args(argc, argv);
+    return a2a ? main_a2a(argc, argv) : main_single();
+}
