@@ -47,6 +47,7 @@ extern "C" {
     X(moe_permute_backward)                                                                        \
     X(moe_combine_forward)                                                                         \
     X(moe_combine_backward)                                                                        \
+    X(routing_stats_count)                                                                         \
     X(moe_pack_dispatch)                                                                           \
     X(moe_unpack_dispatch)                                                                         \
     X(moe_pack_grad_rows)                                                                          \

@@ -152,6 +152,17 @@ void moe_combine_backward(real *dexpert_out, real *dw, const real *dy, const rea
                           const real *w, const int32_t *row_token, const int32_t *row_slot, int M,
                           int D, int K);
 
+/* ---- routing statistics (the expert scheduler's counters) ----------------------------
+ * Adds N tokens of one MoE layer to its counters (sched/stats.h): for each token whose
+ * ids idx (N,K) hold at least one id >= 0, with X its distinct ids >= 0: tokens += 1,
+ * load[x] += 1 and coact[x*E + y] += 1 for x != y in X; when prev_idx (N,K) is given
+ * (the same tokens in the previous MoE layer, distinct ids Y): trans[y*E + x] += 1.
+ * Ids < 0 are ignored, ids must be < E, K <= MOE_ROUTE_STATS_MAX_K. Integer counts: the
+ * same on every backend whatever the order of the additions. */
+#define MOE_ROUTE_STATS_MAX_K 64
+void routing_stats_count(int64_t *tokens, int64_t *load, int64_t *coact, int64_t *trans,
+                         const int32_t *idx, const int32_t *prev_idx, int N, int E, int K);
+
 /* ---- packing rows for the exchange between ranks --------------------------------- */
 /* Row layout of a dispatch row (row_bytes bytes, row_bytes >= D*sizeof(real) +
  * K*sizeof(real) + K*4): D reals (the token), K reals (the weight of each slot whose

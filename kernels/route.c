@@ -152,3 +152,41 @@ void moe_combine_backward(real *dexpert_out, real *dw, const real *dy, const rea
         }
     }
 }
+
+/* The distinct ids >= 0 of a row, in first-seen order; returns how many. */
+static int distinct_ids(const int32_t *row, int K, int32_t *set)
+{
+    int n = 0;
+    for (int k = 0; k < K; k++) {
+        int seen = row[k] < 0;
+        for (int j = 0; j < n && !seen; j++)
+            seen = set[j] == row[k];
+        if (!seen)
+            set[n++] = row[k];
+    }
+    return n;
+}
+
+void routing_stats_count(int64_t *tokens, int64_t *load, int64_t *coact, int64_t *trans,
+                         const int32_t *idx, const int32_t *prev_idx, int N, int E, int K)
+{
+    int32_t set[MOE_ROUTE_STATS_MAX_K], prev[MOE_ROUTE_STATS_MAX_K];
+    for (int n = 0; n < N; n++) {
+        const int nx = distinct_ids(idx + (size_t)n * K, K, set);
+        if (nx == 0)
+            continue;
+        (*tokens)++;
+        for (int a = 0; a < nx; a++) {
+            load[set[a]]++;
+            for (int b = 0; b < nx; b++)
+                if (b != a)
+                    coact[(size_t)set[a] * E + set[b]]++;
+        }
+        if (!prev_idx)
+            continue;
+        const int ny = distinct_ids(prev_idx + (size_t)n * K, K, prev);
+        for (int a = 0; a < ny; a++)
+            for (int b = 0; b < nx; b++)
+                trans[(size_t)prev[a] * E + set[b]]++;
+    }
+}

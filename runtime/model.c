@@ -535,6 +535,8 @@ void moe_model_destroy(moe_model *m)
     free(m->acts);
     be->release(m->params);
     be->release(m->grads);
+    if (be->on_device)
+        be->release(m->routing_dev);
     free(m->tensors);
     free(m->expert_rank);
     free(m->expert_local);
@@ -694,10 +696,15 @@ static moe_status moe_block_forward(moe_model *m, int l, real *out, moe_fwd_stat
     const int N = m->N, D = m->D;
     moe_comm_set_context(m->comm, "forward", l); /* named by a timeout (comm.h) */
     router_forward_layer(m, l, stats);
-    if (m->routing && !m->be->on_device) { /* routing statistics for the scheduler */
-        int lm = l - m->cfg.dense_layers;
-        MOE_CHECK(moe_routing_stats_add(m->routing, lm, a->idx, lm > 0 ? m->acts[l - 1].idx : NULL,
-                                        N, m->K));
+    if (m->routing) { /* routing statistics for the scheduler, counted where idx is */
+        const moe_routing_stats *rs = m->routing;
+        const int lm = l - m->cfg.dense_layers, E = m->E;
+        int64_t *base = m->routing_dev;
+        m->be->routing_stats_count(
+            base + (rs->tokens - rs->data) + lm, base + (rs->load - rs->data) + (size_t)lm * E,
+            base + (rs->coact - rs->data) + (size_t)lm * E * E,
+            lm > 0 ? base + (rs->trans - rs->data) + (size_t)(lm - 1) * E * E : NULL, a->idx,
+            lm > 0 ? m->acts[l - 1].idx : NULL, N, E, m->K);
     }
     MOE_CHECK(moe_dispatch(m, l, stats));
     moe_experts_forward(m, l, (real *)m->send_buf);
@@ -972,6 +979,54 @@ static void copy_slice(void *ctx, real *slice, size_t count)
     else
         c->be->copy(c->cursor, slice, sizeof(real) * count, MOE_COPY_D2H);
     c->cursor += count;
+}
+
+moe_status moe_model_attach_routing(moe_model *m, moe_routing_stats *s)
+{
+    if (m->be->on_device)
+        m->be->release(m->routing_dev);
+    m->routing_dev = NULL;
+    m->routing = s;
+    if (!s)
+        return MOE_OK;
+    if (s->layers != m->L - m->cfg.dense_layers || s->experts != m->E)
+        MOE_FAIL(MOE_ERR_INVALID,
+                 "routing statistics of %d layers x %d experts for a model of %d MoE layers x "
+                 "%d experts",
+                 s->layers, s->experts, m->L - m->cfg.dense_layers, m->E);
+    if (m->K > MOE_SCHED_MAX_K)
+        MOE_FAIL(MOE_ERR_INVALID, "routing statistics: top_k = %d, at most %d", m->K,
+                 MOE_SCHED_MAX_K);
+    if (!m->be->on_device) { /* the cpu backend counts into s itself */
+        m->routing_dev = s->data;
+        return MOE_OK;
+    }
+    m->routing_dev = m->be->alloc(sizeof(int64_t) * s->count);
+    if (!m->routing_dev)
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate %zu routing counters on the device", s->count);
+    m->be->zero(m->routing_dev, sizeof(int64_t) * s->count);
+    return m->be->sync();
+}
+
+moe_status moe_model_routing_collect(moe_model *m)
+{
+    moe_routing_stats *s = m->routing;
+    if (!s)
+        return MOE_OK;
+    s->top_k = m->K;
+    if (!m->be->on_device)
+        return MOE_OK;
+    int64_t *host = malloc(sizeof(int64_t) * s->count);
+    if (!host)
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate %zu routing counters", s->count);
+    m->be->copy(host, m->routing_dev, sizeof(int64_t) * s->count, MOE_COPY_D2H);
+    m->be->zero(m->routing_dev, sizeof(int64_t) * s->count);
+    moe_status st = m->be->sync();
+    if (st == MOE_OK)
+        for (size_t i = 0; i < s->count; i++)
+            s->data[i] += host[i];
+    free(host);
+    return st;
 }
 
 moe_status moe_model_move_experts(moe_model *m, const int *expert_rank, real **extra, int n_extra)

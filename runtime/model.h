@@ -124,8 +124,9 @@ typedef struct moe_model {
     int *expert_local;       /* (L, E): its index among that rank's El experts */
     int *local_experts;      /* (L, El): global ids of this rank's experts, by layer */
     struct moe_routing_stats *routing; /* NULL, or statistics to collect (sched/stats.h) */
-    struct moe_comm *comm;             /* NULL: one process */
-    const struct moe_backend *be;      /* where buffers live and ops run */
+    int64_t *routing_dev;         /* its counts' block in backend memory, added to during forward */
+    struct moe_comm *comm;        /* NULL: one process */
+    const struct moe_backend *be; /* where buffers live and ops run */
     int32_t *expert_rank_dev, *expert_local_dev; /* (L, E) copies in backend memory */
     moe_grad_ready_fn grad_ready;                /* NULL: nobody listens */
     void *grad_ready_ctx;
@@ -196,6 +197,12 @@ moe_status moe_model_set_placement(moe_model *m, const int *expert_rank);
  * n_extra arenas laid out like them (Adam m and v) to its rank under expert_rank (L, E),
  * then sets the placement. Gradients are not moved (they are zero between steps). */
 moe_status moe_model_move_experts(moe_model *m, const int *expert_rank, real **extra, int n_extra);
+
+/* Collects routing statistics into s from now on (NULL: stop). Forward counts on the
+ * backend (device-side counters on a GPU: no copy, no synchronisation per step);
+ * moe_model_routing_collect adds them into s and zeroes them. */
+moe_status moe_model_attach_routing(moe_model *m, struct moe_routing_stats *s);
+moe_status moe_model_routing_collect(moe_model *m);
 
 /* The placement of layer l: expert -> EP rank (E), and this rank's experts (El). */
 static inline const int *moe_model_expert_rank(const moe_model *m, int l)

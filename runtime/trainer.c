@@ -155,7 +155,7 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
         (strcmp(cfg->placement, "auto") == 0 || cfg->routing_stats_path[0])) {
         MOE_CHECK_GOTO(st, moe_routing_stats_create(&tr->routing, cfg->n_layers - cfg->dense_layers,
                                                     cfg->experts));
-        tr->model->routing = tr->routing;
+        MOE_CHECK_GOTO(st, moe_model_attach_routing(tr->model, tr->routing));
     }
     tr->model->grad_ready = on_grad_ready;
     tr->model->grad_ready_ctx = tr;
@@ -483,6 +483,7 @@ static moe_status checkpoint_boundary(moe_trainer *tr, int *stop)
  * and rank 0 writes them to [log] routing_stats. Collective. */
 static moe_status reduce_routing_stats(moe_trainer *tr)
 {
+    MOE_CHECK(moe_model_routing_collect(tr->model));
     if (tr->comm && tr->world > 1)
         MOE_CHECK(moe_comm_sum_int64(tr->comm, MOE_GROUP_WORLD, tr->routing->data,
                                      (int)tr->routing->count));

@@ -9,7 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/ops.h"
 #include "sched/text.h"
+
+_Static_assert(MOE_SCHED_MAX_K <= MOE_ROUTE_STATS_MAX_K, "a trace's K must fit the counting op");
 
 /* Points the named arrays into s->data. */
 static void carve(moe_routing_stats *s)
@@ -63,23 +66,6 @@ void moe_routing_stats_reset(moe_routing_stats *s)
     s->top_k = 0;
 }
 
-/* Distinct valid ids of one token's row of K ids, in their order; returns how many. */
-static int distinct_ids(const int32_t *row, int K, int32_t *set)
-{
-    int n = 0;
-    for (int k = 0; k < K; k++) {
-        int32_t e = row[k];
-        if (e < 0)
-            continue;
-        int seen = 0;
-        for (int j = 0; j < n && !seen; j++)
-            seen = set[j] == e;
-        if (!seen)
-            set[n++] = e;
-    }
-    return n;
-}
-
 static moe_status check_ids(const int32_t *idx, int N, int K, int E, const char *what)
 {
     for (size_t i = 0; i < (size_t)N * K; i++)
@@ -112,28 +98,10 @@ moe_status moe_routing_stats_add(moe_routing_stats *s, int layer, const int32_t 
         return MOE_OK;
     s->top_k = K;
 
-    int64_t *load = s->load + (size_t)layer * E;
-    int64_t *coact = s->coact + (size_t)layer * E * E;
-    int64_t *trans = prev_idx ? s->trans + (size_t)(layer - 1) * E * E : NULL;
-    int32_t set[MOE_SCHED_MAX_K], prev[MOE_SCHED_MAX_K];
-    for (int n = 0; n < N; n++) {
-        int nx = distinct_ids(idx + (size_t)n * K, K, set);
-        if (nx == 0)
-            continue;
-        s->tokens[layer]++;
-        for (int a = 0; a < nx; a++) {
-            load[set[a]]++;
-            for (int b = 0; b < nx; b++)
-                if (b != a)
-                    coact[(size_t)set[a] * E + set[b]]++;
-        }
-        if (!trans)
-            continue;
-        int ny = distinct_ids(prev_idx + (size_t)n * K, K, prev);
-        for (int a = 0; a < ny; a++)
-            for (int b = 0; b < nx; b++)
-                trans[(size_t)prev[a] * E + set[b]]++;
-    }
+    routing_stats_count(s->tokens + layer, s->load + (size_t)layer * E,
+                        s->coact + (size_t)layer * E * E,
+                        prev_idx ? s->trans + (size_t)(layer - 1) * E * E : NULL, idx, prev_idx, N,
+                        E, K); /* kernels/ops.h: the counting the backends share */
     return MOE_OK;
 }
 

@@ -7,8 +7,9 @@
  * transposes, leading dimensions, pointer alignments, beta) comes from
  * cublasLtMatmulAlgoGetHeuristic once and is cached with its descriptors in a small
  * open-addressing table (flushed when 3/4 full). All GEMMs share the backend's
- * persistent workspace on its one stream. Grouped: one GEMM per non-empty group, the
- * offsets being host memory.
+ * persistent workspace on its one stream. Grouped: every non-empty group of a call in
+ * one cublasGemmGroupedBatchedEx (each group its own problem; the offsets are host
+ * memory), or one cuBLASLt GEMM per group where cuBLAS refuses that precision.
  *
  * bf16 / fp16 (set_precision): the operands are 16-bit, outputs fp32, compute fp32. A
  * weight operand inside the parameter arena is read from a 16-bit shadow of the arena
@@ -16,6 +17,7 @@
  * into one of two workspaces sized at set_precision, so nothing is allocated in a step. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cublas_v2.h>
 #include <string.h>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -59,9 +61,13 @@ static void round_into(uint16_t *dst, const real *src, size_t n)
     MOE_CUDA_OK(cudaGetLastError());
 }
 
+static int grouped_ready(void);
+
 extern "C" moe_status cuda_gemm_set_precision(moe_precision p, const real *params, size_t n,
                                               size_t max_operand)
 {
+    if (!grouped_ready()) /* made here, so no step allocates it */
+        MOE_FAIL(MOE_ERR_DEVICE, "cannot create the cuBLAS handle of the grouped GEMMs");
     cudaFree(shadow);
     cudaFree(ws16[0]);
     cudaFree(ws16[1]);
@@ -84,6 +90,9 @@ extern "C" moe_status cuda_gemm_set_precision(moe_precision p, const real *param
     prec = p;
     return MOE_OK;
 }
+
+/* The precision set by cuda_gemm_set_precision (attention.cu picks its kernels by it). */
+extern "C" moe_precision cuda_gemm_precision(void) { return prec; }
 
 extern "C" moe_status cuda_gemm_refresh_shadow(void)
 {
@@ -319,17 +328,145 @@ extern "C" void cuda_matmul_backward(real *dx, real *dw, const real *dout, const
     linear_backward(dx, dw, douto, xo, dx ? weight_operand(w) : NULL, N, I, O);
 }
 
+/* ---- grouped: every non-empty group in one cublasGemmGroupedBatchedEx call ---------- */
+
+/* Problems of one grouped call, each its own cuBLAS "group" of size 1. The device
+ * pointer table is written by a kernel whose parameter carries the pointers (so nothing
+ * is copied from host memory that the next call could overwrite); it is reused by the
+ * next call in stream order. More problems than GROUPED_MAX: several calls. */
+#define GROUPED_MAX 256
+
+typedef struct {
+    const void *p[3 * GROUPED_MAX]; /* A of each problem, then B, then C */
+} grouped_ptrs;
+
+typedef struct {
+    int n; /* problems */
+    cublasOperation_t ta[GROUPED_MAX], tb[GROUPED_MAX];
+    int m[GROUPED_MAX], nn[GROUPED_MAX], k[GROUPED_MAX];
+    int lda[GROUPED_MAX], ldb[GROUPED_MAX], ldc[GROUPED_MAX], size[GROUPED_MAX];
+    float alpha[GROUPED_MAX], beta[GROUPED_MAX];
+    grouped_ptrs ptr;
+} grouped_batch;
+
+static cublasHandle_t blas;      /* the grouped GEMMs' handle, on the backend's stream */
+static void **ptr_table;         /* device, 3 * GROUPED_MAX pointers */
+static int grouped_refused[3];   /* per operand precision: cuBLAS refused the grouped form */
+static long n_grouped, n_single; /* grouped calls made; GEMMs made one by one */
+
+static __global__ void fill_pointers_kernel(void **dst, grouped_ptrs src, int n3)
+{
+    for (int i = threadIdx.x; i < n3; i += blockDim.x)
+        dst[i] = (void *)src.p[i];
+}
+
+/* The handle and pointer table, made once (at set_precision, or at the first grouped
+ * GEMM of a program that never sets it): 0 on failure (recorded). */
+static int grouped_ready(void)
+{
+    if (blas)
+        return 1;
+    size_t ws_bytes = 0;
+    void *ws = moe_cuda_workspace(&ws_bytes);
+    if (!MOE_LT_OK(cublasCreate(&blas)))
+        return 0;
+    if (!MOE_LT_OK(cublasSetStream(blas, moe_cuda_stream())) ||
+        !MOE_LT_OK(cublasSetWorkspace(blas, ws, ws_bytes)) ||
+        !MOE_LT_OK(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH)) || /* fp32: no TF32 */
+        !MOE_CUDA_OK(cudaMalloc((void **)&ptr_table, sizeof(void *) * 3 * GROUPED_MAX))) {
+        cublasDestroy(blas);
+        blas = NULL;
+        return 0;
+    }
+    return 1;
+}
+
+static int prec_slot(void) { return prec == MOE_PREC_BF16 ? 1 : prec == MOE_PREC_FP16 ? 2 : 0; }
+
+/* Runs the batch's problems (one by one when cuBLAS refuses the grouped form for this
+ * precision: remembered, and counted), then empties it. */
+static void grouped_flush(grouped_batch *g)
+{
+    const int n = g->n;
+    g->n = 0;
+    if (n == 0)
+        return;
+    if (!grouped_refused[prec_slot()] && grouped_ready()) {
+        grouped_ptrs packed;
+        for (int i = 0; i < n; i++) {
+            packed.p[i] = g->ptr.p[i];
+            packed.p[n + i] = g->ptr.p[GROUPED_MAX + i];
+            packed.p[2 * n + i] = g->ptr.p[2 * GROUPED_MAX + i];
+        }
+        MOE_CUDA_LAUNCH(fill_pointers_kernel, 1, 256, 0, ptr_table, packed, 3 * n);
+        const cudaDataType_t t = operand_type();
+        const cublasStatus_t st = cublasGemmGroupedBatchedEx(
+            blas, g->ta, g->tb, g->m, g->nn, g->k, g->alpha, (const void *const *)ptr_table, t,
+            g->lda, (const void *const *)(ptr_table + n), t, g->ldb, g->beta, ptr_table + 2 * n,
+            CUDA_R_32F, g->ldc, n, g->size, CUBLAS_COMPUTE_32F);
+        if (st == CUBLAS_STATUS_SUCCESS) {
+            n_grouped++;
+            return;
+        }
+        if (st != CUBLAS_STATUS_NOT_SUPPORTED) {
+            MOE_LT_OK(st);
+            return;
+        }
+        grouped_refused[prec_slot()] = 1; /* this precision: one GEMM per group from now */
+    }
+    for (int i = 0; i < n; i++) {
+        gemm(g->ta[i] == CUBLAS_OP_T, g->tb[i] == CUBLAS_OP_T, g->m[i], g->nn[i], g->k[i],
+             g->ptr.p[i], g->lda[i], g->ptr.p[GROUPED_MAX + i], g->ldb[i],
+             (real *)g->ptr.p[2 * GROUPED_MAX + i], g->ldc[i], g->beta[i] != 0.0f);
+        n_single++;
+    }
+}
+
+/* Adds the problem C (m,n) = op(A) op(B) (+ C): column-major, as gemm(). */
+static void grouped_add(grouped_batch *g, int ta, int tb, int m, int n, int k, const void *A,
+                        int lda, const void *B, int ldb, real *C, int ldc, int accumulate)
+{
+    if (m <= 0 || n <= 0 || k <= 0 || !A || !B)
+        return; /* every caller skips empty groups; k = 0 does not occur */
+    const int i = g->n++;
+    g->ta[i] = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    g->tb[i] = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+    g->m[i] = m;
+    g->nn[i] = n;
+    g->k[i] = k;
+    g->lda[i] = lda;
+    g->ldb[i] = ldb;
+    g->ldc[i] = ldc;
+    g->size[i] = 1;
+    g->alpha[i] = 1.0f;
+    g->beta[i] = accumulate ? 1.0f : 0.0f;
+    g->ptr.p[i] = A;
+    g->ptr.p[GROUPED_MAX + i] = B;
+    g->ptr.p[2 * GROUPED_MAX + i] = C;
+    if (g->n == GROUPED_MAX)
+        grouped_flush(g);
+}
+
+/* Counts of grouped calls and of GEMMs run one by one (for tests and benchmarks). */
+extern "C" void moe_cuda_grouped_counts(long *grouped_calls, long *single_gemms)
+{
+    *grouped_calls = n_grouped;
+    *single_gemms = n_single;
+}
+
+static grouped_batch batch; /* one at a time: the backend runs on one host thread */
+
 extern "C" void cuda_grouped_matmul_forward(real *out, const real *x, const real *w,
                                             const int *offsets, int G, int I, int O)
 {
     const void *xo = rounded_operand(x, (size_t)offsets[G] * I, 0), *wo = weight_operand(w);
     for (int g = 0; g < G; g++) {
         const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
-        if (rows <= 0)
-            continue;
-        linear_forward(out + (size_t)m0 * O, at(xo, (size_t)m0 * I), at(wo, (size_t)g * O * I),
-                       rows, I, O);
+        if (rows > 0) /* out^T (O,rows) = W_g^T x^T, as linear_forward */
+            grouped_add(&batch, 1, 0, O, rows, I, at(wo, (size_t)g * O * I), I,
+                        at(xo, (size_t)m0 * I), I, out + (size_t)m0 * O, O, 0);
     }
+    grouped_flush(&batch);
 }
 
 extern "C" void cuda_grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x,
@@ -339,12 +476,16 @@ extern "C" void cuda_grouped_matmul_backward(real *dx, real *dw, const real *dou
     const void *douto = rounded_operand(dout, M * O, 1);
     const void *xo = dw ? rounded_operand(x, M * I, 0) : NULL;
     const void *wo = dx ? weight_operand(w) : NULL;
-    for (int g = 0; g < G; g++) {
+    for (int g = 0; g < G; g++) { /* as linear_backward, per group */
         const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
         if (rows <= 0)
             continue;
-        linear_backward(dx ? dx + (size_t)m0 * I : NULL, dw ? dw + (size_t)g * O * I : NULL,
-                        at(douto, (size_t)m0 * O), at(xo, (size_t)m0 * I),
-                        at(wo, (size_t)g * O * I), rows, I, O);
+        if (dx)
+            grouped_add(&batch, 0, 0, I, rows, O, at(wo, (size_t)g * O * I), I,
+                        at(douto, (size_t)m0 * O), O, dx + (size_t)m0 * I, I, 1);
+        if (dw)
+            grouped_add(&batch, 0, 1, I, O, rows, at(xo, (size_t)m0 * I), I,
+                        at(douto, (size_t)m0 * O), O, dw + (size_t)g * O * I, I, 1);
     }
+    grouped_flush(&batch);
 }

@@ -231,3 +231,63 @@ extern "C" void cuda_moe_combine_backward(real *dexpert_out, real *dw, const rea
                         (M + MOE_CUDA_THREADS / 32 - 1) / (MOE_CUDA_THREADS / 32), MOE_CUDA_THREADS,
                         0, dw, dy, expert_out, row_token, row_slot, M, D, K);
 }
+
+/* ---- routing statistics -------------------------------------------------------------- */
+
+/* The distinct ids >= 0 of a row, in first-seen order (as the reference). */
+static __device__ int distinct_row(const int32_t *row, int K, int32_t *set)
+{
+    int n = 0;
+    for (int k = 0; k < K; k++) {
+        int seen = row[k] < 0;
+        for (int j = 0; j < n && !seen; j++)
+            seen = set[j] == row[k];
+        if (!seen)
+            set[n++] = row[k];
+    }
+    return n;
+}
+
+/* One thread per token; integer atomics, so the counts do not depend on the order. */
+static __global__ void routing_stats_kernel(unsigned long long *tokens, unsigned long long *load,
+                                            unsigned long long *coact, unsigned long long *trans,
+                                            const int32_t *idx, const int32_t *prev_idx, int N,
+                                            int E, int K)
+{
+    int32_t set[MOE_ROUTE_STATS_MAX_K], prev[MOE_ROUTE_STATS_MAX_K];
+    MOE_CUDA_GRID_STRIDE(n, N)
+    {
+        const int nx = distinct_row(idx + (size_t)n * K, K, set);
+        if (nx == 0)
+            continue;
+        atomicAdd(tokens, 1ull);
+        for (int a = 0; a < nx; a++) {
+            atomicAdd(&load[set[a]], 1ull);
+            for (int b = 0; b < nx; b++)
+                if (b != a)
+                    atomicAdd(&coact[(size_t)set[a] * E + set[b]], 1ull);
+        }
+        if (!prev_idx)
+            continue;
+        const int ny = distinct_row(prev_idx + (size_t)n * K, K, prev);
+        for (int a = 0; a < ny; a++)
+            for (int b = 0; b < nx; b++)
+                atomicAdd(&trans[(size_t)prev[a] * E + set[b]], 1ull);
+    }
+}
+
+extern "C" void cuda_routing_stats_count(int64_t *tokens, int64_t *load, int64_t *coact,
+                                         int64_t *trans, const int32_t *idx,
+                                         const int32_t *prev_idx, int N, int E, int K)
+{
+    if (N <= 0 || K <= 0)
+        return;
+    if (K > MOE_ROUTE_STATS_MAX_K) {
+        MOE_CUDA_FAIL("routing statistics: K = %d, at most %d", K, MOE_ROUTE_STATS_MAX_K);
+        return;
+    }
+    MOE_CUDA_LAUNCH(routing_stats_kernel, moe_cuda_blocks(N, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
+                    (unsigned long long *)tokens, (unsigned long long *)load,
+                    (unsigned long long *)coact, (unsigned long long *)trans, idx, prev_idx, N, E,
+                    K);
+}

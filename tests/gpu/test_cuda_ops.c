@@ -158,6 +158,9 @@ static void check_i64(const char *what, const int64_t *got, const int64_t *ref, 
 static void *host_blocks[MAX_BLOCKS], *dev_blocks[MAX_BLOCKS];
 static int n_host, n_dev;
 
+/* Grouped calls and one-by-one GEMMs of the grouped matmuls so far (matmul.cu). */
+void moe_cuda_grouped_counts(long *grouped_calls, long *single_gemms);
+
 static void *hmem(size_t nbytes)
 {
     void *p = malloc(nbytes ? nbytes : 1);
@@ -731,6 +734,28 @@ static void test_permute_backward_any(int N, int M, int D, const char *name)
 /* ---- exchange packing
  * ------------------------------------------------------------------------------ */
 
+/* ---- routing statistics -------------------------------------------------------------- */
+
+/* idx with repeats and -1 holes (ids in [-1, E)), counts starting from random values. */
+static void test_routing_stats(int N, int E, int K, int with_prev, const char *name)
+{
+    begin("routing_stats_count", name);
+    const size_t NK = (size_t)N * K, EE = (size_t)E * E, n = 1 + E + 2 * EE;
+    int32_t *idx = irand(NK, -1, E), *prev = irand(NK, -1, E);
+    int64_t *ref = hmem(sizeof(int64_t) * n);
+    int32_t *start = irand(n, 0, 1000);
+    for (size_t i = 0; i < n; i++)
+        ref[i] = start[i];
+    int64_t *d = dev(ref, sizeof(int64_t) * n);
+    cpu->routing_stats_count(ref, ref + 1, ref + 1 + E, with_prev ? ref + 1 + E + EE : NULL, idx,
+                             with_prev ? prev : NULL, N, E, K);
+    gpu->routing_stats_count(d, d + 1, d + 1 + E, with_prev ? d + 1 + E + EE : NULL, DEVI(idx, NK),
+                             with_prev ? DEVI(prev, NK) : NULL, N, E, K);
+    gpu_done();
+    check_i64("tokens, load, coact, trans", host_of(d, sizeof(int64_t) * n), ref, n);
+    free_all();
+}
+
 static void test_exchange(int N, int E, int K, int P, int D, int capacity, const char *name)
 {
     const size_t NK = (size_t)N * K;
@@ -971,6 +996,19 @@ int main(void)
     test_grouped(8, g2, 128, 64, "tiny w2");
     const int g3[] = {0, 0};
     test_grouped(2, g3, 16, 16, "all groups empty");
+    int g4[300]; /* more groups than one grouped call takes (256) */
+    for (int g = 0; g < 300; g++)
+        g4[g] = (g * 37) % 11 == 3 ? 0 : 1 + (g * 13) % 9;
+    test_grouped(300, g4, 24, 40, "300 groups");
+    long grouped_calls = 0, single_gemms = 0;
+    moe_cuda_grouped_counts(&grouped_calls, &single_gemms);
+    printf("grouped GEMMs (fp32): %ld grouped calls, %ld GEMMs one by one\n", grouped_calls,
+           single_gemms);
+    begin("grouped_matmul_forward", "one grouped call per op (not one GEMM per group)");
+    {
+        int got = grouped_calls > 0 && single_gemms == 0, want = 1;
+        check_i("grouped form used", &got, &want, 1);
+    }
 
     test_swiglu(1, "n=1");
     test_swiglu(1001, "n=1001");
@@ -1017,6 +1055,11 @@ int main(void)
     test_route(4096, 64, 4, 1, 1, IDX_RANDOM, 4, "capacity 1 per token (many groups)");
     test_permute_backward_any(37, 200, 11, "any order, repeats");
     test_permute_backward_any(5000, 300, 3, "sparse targets");
+
+    test_routing_stats(1, 4, 2, 0, "one token");
+    test_routing_stats(777, 8, 2, 1, "N=777 E=8 K=2 with transitions");
+    test_routing_stats(5000, 32, 4, 1, "N=5000 E=32 K=4 with transitions");
+    test_routing_stats(300, 6, 6, 0, "K=E");
 
     test_exchange(7, 6, 2, 1, 13, -1, "P=1");
     test_exchange(13, 6, 2, 3, 9, -1, "P=3 dropless");
