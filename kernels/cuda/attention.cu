@@ -7,8 +7,25 @@
  * accumulates Hd/32 output dims. lse (B, H, T) is saved.
  * Backward (deterministic, no atomics): Di = dout_i . out_i; dq by query rows (the same
  * walk over key tiles, recomputing p from lse); dk and dv by key rows, each warp one key
- * walking the query tiles from that key on. Every gradient row is one sum, added once. */
+ * walking the query tiles from that key on. Every gradient row is one sum, added once.
+ *
+ * These fp32 kernels run in fp32 precision (and wherever the tensor-core path below does
+ * not apply); in bf16 / fp16 precision the FlashAttention-2 kernels at the end of the file
+ * take the op (16-bit wmma products, fp32 accumulation, same layouts and lse). */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+#include <type_traits>
+
 #include "kernels/cuda/cuda_common.cuh"
+
+/* The tensor-core path (bf16 / fp16 precision; at the end of this file). Each returns 1
+ * when it took the op, 0 when the fp32 kernels must run it. */
+static int flash_forward(real *out, real *lse, const real *q, const real *k, const real *v, int B,
+                         int T, int H, int Hd);
+static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const real *lse,
+                          const float *dsum, const real *q, const real *k, const real *v, int B,
+                          int T, int H, int Hd);
 
 #define ATT_WARPS 8 /* queries (forward, dq) or keys (dk, dv) per block */
 #define ATT_TILE 32 /* keys (or queries) per shared tile: one per lane */
@@ -106,6 +123,8 @@ extern "C" void cuda_attention_forward(real *out, real *lse, const real *q, cons
                                        const real *v, int B, int T, int H, int Hd)
 {
     if (B <= 0 || T <= 0 || H <= 0 || Hd <= 0 || !head_dim_ok(Hd))
+        return;
+    if (flash_forward(out, lse, q, k, v, B, T, H, Hd))
         return;
     const size_t smem = sizeof(float) * ((size_t)ATT_TILE * (Hd + 1) + (size_t)ATT_TILE * Hd +
                                          (size_t)ATT_WARPS * Hd);
@@ -273,6 +292,8 @@ extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real
     const float scale = (float)(1.0 / sqrt((double)Hd));
     MOE_CUDA_LAUNCH(attention_dsum_kernel, (unsigned)((rows + ATT_WARPS - 1) / ATT_WARPS),
                     ATT_THREADS, 0, dsum, dout, out, B, T, H, Hd);
+    if (flash_backward(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd))
+        return;
     const dim3 grid((T + ATT_WARPS - 1) / ATT_WARPS, H, B);
     const size_t tile = (size_t)ATT_TILE * (Hd + 1), rowsmem = (size_t)ATT_WARPS * Hd;
     if (dq)
@@ -283,4 +304,591 @@ extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real
         MOE_CUDA_LAUNCH(attention_dkv_kernel, grid, ATT_THREADS,
                         sizeof(float) * (2 * tile + 2 * ATT_TILE + 2 * rowsmem), dk, dv, dout, lse,
                         dsum, q, k, v, T, H, Hd, scale);
+}
+
+/* ---- tensor-core path: bf16 / fp16 (FlashAttention-2 style) --------------------------- */
+/* Taken when the backend's precision (cuda_gemm_precision, matmul.cu) is bf16 or fp16, Hd
+ * is a multiple of 16 up to 128, the q/k/v/out/gradient pointers are 16-byte aligned and
+ * the device gives the block its shared memory; otherwise the fp32 kernels above run.
+ * Global tensors stay fp32; tiles are rounded to the 16-bit type when staged in shared
+ * memory (zero past T and past Hd, Hd padded to FA_HD = 64 or 128), products run on
+ * nvcuda::wmma 16x16x16 fragments with fp32 accumulation, softmax and statistics in fp32.
+ *
+ * A block has 4 warps; a warp owns 16 rows (queries, or keys in dk/dv) of a 64-row block.
+ * A warp's 16 x 64 fp32 scratch (row stride FA_LDW) takes the scores; lane l then owns row
+ * l / 2 and the columns 8c + 4 (l % 2) + e (c < 8, e < 4) of it, so the row statistics
+ * are shared by a lane pair (one shuffle). Probabilities are rounded to 16 bits in place
+ * (row stride FA_LDP) as the A operand of the next product.
+ *
+ * Forward: block = 64 queries of one (sequence, head); key tiles of 64 from 0 to the
+ * block's last query (a warp skips the tiles above its rows); online softmax in base 2;
+ * each tile's P V is stored to the scratch by 64 columns and folded into the lane's
+ * output registers (o = o * corr + pv), so the rescaling is per row in registers.
+ * Backward, after Di = dout_i . out_i (the fp32 kernel): dk, dv: block = 64 keys walking
+ * the query tiles from its first key on, P^T and dS^T recomputed from lse, dV += P^T dO
+ * and dK += dS^T Q in fragments; dq: block = 64 queries walking the key tiles up to its
+ * last query, dQ += dS K. Each gradient row is one sum added once: no atomics,
+ * deterministic. Shared memory (bytes): forward 46080 (Hd <= 64) / 70656; dq and dk/dv
+ * 55296 / 88064 (+512): above 48 KiB by cudaFuncSetAttribute; on sm_75 (64 KiB at most)
+ * Hd > 64 runs the fp32 kernels. bf16 needs sm_80 (the runtime refuses it below). */
+
+namespace wmma = nvcuda::wmma;
+
+#define FA_ROWS 64 /* rows of a block (queries or keys) and of a tile */
+#define FA_WARPS 4
+#define FA_THREADS (FA_WARPS * 32)
+#define FA_PAD 8  /* 16-bit elements after each staged row (wmma ldm: a multiple of 8) */
+#define FA_LDW 72 /* fp32 row stride of a warp's 16 x 64 scratch (a multiple of 4) */
+#define FA_LDP 72 /* 16-bit row stride of P / dS in the scratch */
+#define FA_LOG2E 1.4426950408889634f
+#define FA_LN2 0.6931471805599453f
+
+/* The 16-bit type: rounding of two floats into a pair. */
+template <class T16> struct fa_type;
+template <> struct fa_type<__half> {
+    typedef __half2 pair;
+    static __device__ __forceinline__ pair pack(float a, float b)
+    {
+        return __floats2half2_rn(a, b);
+    }
+};
+template <> struct fa_type<__nv_bfloat16> {
+    typedef __nv_bfloat162 pair;
+    static __device__ __forceinline__ pair pack(float a, float b)
+    {
+        return __floats2bfloat162_rn(a, b);
+    }
+};
+
+template <class T16> using fa_a = wmma::fragment<wmma::matrix_a, 16, 16, 16, T16, wmma::row_major>;
+/* B = X^T for a row-major X: column-major B */
+template <class T16> using fa_bt = wmma::fragment<wmma::matrix_b, 16, 16, 16, T16, wmma::col_major>;
+template <class T16> using fa_b = wmma::fragment<wmma::matrix_b, 16, 16, 16, T16, wmma::row_major>;
+typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> fa_acc;
+
+/* Rows [r0, r0 + 64) of a (sequence, head) slice (row stride ld, Hd columns) into shared
+ * memory as T16, row stride HD + FA_PAD, columns [0, HD); zero past T and past Hd. */
+template <class T16, int HD>
+static __device__ __forceinline__ void fa_stage(T16 *dst, const real *src, size_t ld, int r0, int T,
+                                                int Hd)
+{
+    typedef typename fa_type<T16>::pair pair;
+    constexpr int C4 = HD / 4, LD = HD + FA_PAD;
+    for (int e = threadIdx.x; e < FA_ROWS * C4; e += FA_THREADS) {
+        const int r = e / C4, c = (e % C4) * 4, row = r0 + r;
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (row < T && c < Hd)
+            x = *(const float4 *)(src + (size_t)row * ld + c);
+        pair *d = (pair *)(dst + r * LD + c);
+        d[0] = fa_type<T16>::pack(x.x, x.y);
+        d[1] = fa_type<T16>::pack(x.z, x.w);
+    }
+}
+
+/* W (16 x 64 fp32, row stride FA_LDW) = A X^T: A the warp's 16 rows, X 64 rows, both
+ * HD wide, 16-bit, row stride HD + FA_PAD. */
+template <class T16, int HD>
+static __device__ __forceinline__ void fa_scores(float *W, const T16 *A, const T16 *X)
+{
+    constexpr int LD = HD + FA_PAD;
+    fa_acc acc[4];
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+        wmma::fill_fragment(acc[n], 0.f);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+        fa_a<T16> a;
+        wmma::load_matrix_sync(a, A + kk * 16, LD);
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            fa_bt<T16> bt;
+            wmma::load_matrix_sync(bt, X + n * 16 * LD + kk * 16, LD);
+            wmma::mma_sync(acc[n], a, bt, acc[n]);
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+        wmma::store_matrix_sync(W + n * 16, acc[n], FA_LDW, wmma::mem_row_major);
+}
+
+/* acc[d] += P Y[:, 16d, 16d + 16) for d < HD / 16: P 16 x 64 (16-bit, row stride FA_LDP),
+ * Y 64 x HD (16-bit, row stride HD + FA_PAD). Every read of P is done on return. */
+template <class T16, int HD>
+static __device__ __forceinline__ void fa_pv(fa_acc *acc, const T16 *P, const T16 *Y)
+{
+    constexpr int LD = HD + FA_PAD;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        fa_a<T16> a;
+        wmma::load_matrix_sync(a, P + kk * 16, FA_LDP);
+#pragma unroll
+        for (int d = 0; d < HD / 16; d++) {
+            fa_b<T16> b;
+            wmma::load_matrix_sync(b, Y + kk * 16 * LD + d * 16, LD);
+            wmma::mma_sync(acc[d], a, b, acc[d]);
+        }
+    }
+}
+
+/* The lane's 32 values of the scratch (row lane / 2, columns 8c + 4 (lane % 2) + e). */
+static __device__ __forceinline__ void fa_read(float (&x)[8][4], const float *W, int lane)
+{
+    const float *row = W + (lane >> 1) * FA_LDW + 4 * (lane & 1);
+#pragma unroll
+    for (int c = 0; c < 8; c++) {
+        const float4 v = *(const float4 *)(row + 8 * c);
+        x[c][0] = v.x;
+        x[c][1] = v.y;
+        x[c][2] = v.z;
+        x[c][3] = v.w;
+    }
+}
+
+/* The lane's 32 values into P (16-bit, row stride FA_LDP), same places. */
+template <class T16>
+static __device__ __forceinline__ void fa_write(T16 *P, const float (&x)[8][4], int lane)
+{
+    typedef typename fa_type<T16>::pair pair;
+    T16 *row = P + (lane >> 1) * FA_LDP + 4 * (lane & 1);
+#pragma unroll
+    for (int c = 0; c < 8; c++) {
+        pair *d = (pair *)(row + 8 * c);
+        d[0] = fa_type<T16>::pack(x[c][0], x[c][1]);
+        d[1] = fa_type<T16>::pack(x[c][2], x[c][3]);
+    }
+}
+
+/* g[row] += mul * acc over the HD columns (those < Hd), through the warp's scratch by
+ * 64 columns; rows whose index row0 + r is >= T are skipped. g NULL: nothing. */
+template <int HD>
+static __device__ __forceinline__ void fa_add_rows(real *g, size_t ld, int row0, int T, int Hd,
+                                                   float mul, const fa_acc *acc, float *W, int lane)
+{
+    const int row = row0 + (lane >> 1);
+#pragma unroll
+    for (int grp = 0; grp < HD / 64; grp++) {
+        __syncwarp(); /* earlier reads of the scratch are done */
+#pragma unroll
+        for (int n = 0; n < 4; n++)
+            wmma::store_matrix_sync(W + n * 16, acc[4 * grp + n], FA_LDW, wmma::mem_row_major);
+        __syncwarp();
+        if (!g || row >= T)
+            continue;
+        float x[8][4];
+        fa_read(x, W, lane);
+        real *dst = g + (size_t)row * ld + 64 * grp + 4 * (lane & 1);
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            if (64 * grp + 8 * c + 4 * (lane & 1) >= Hd)
+                continue;
+            float4 *d = (float4 *)(dst + 8 * c);
+            float4 v = *d;
+            v.x += mul * x[c][0];
+            v.y += mul * x[c][1];
+            v.z += mul * x[c][2];
+            v.w += mul * x[c][3];
+            *d = v;
+        }
+    }
+}
+
+/* Shared memory of the kernels, in bytes. */
+static size_t fa_forward_smem(int HD)
+{
+    return sizeof(uint16_t) * 3 * FA_ROWS * (HD + FA_PAD) + sizeof(float) * FA_WARPS * 16 * FA_LDW;
+}
+static size_t fa_backward_smem(int HD)
+{
+    return sizeof(uint16_t) * 4 * FA_ROWS * (HD + FA_PAD) +
+           sizeof(float) * (FA_WARPS * 16 * FA_LDW + 2 * FA_ROWS);
+}
+
+/* bf16 fragments exist from sm_80 on: below, the bf16 kernels are empty (never launched:
+ * the dispatch refuses them). */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define FA_SKIP(T16) std::is_same<T16, __nv_bfloat16>::value
+#else
+#define FA_SKIP(T16) false
+#endif
+
+/* out, lse as the fp32 forward; sl2 = log2(e) / sqrt(Hd). grid (B*H, query tiles): the
+ * longest tiles (last queries) are launched first. */
+template <class T16, int HD>
+static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 4 : 3)
+    flash_forward_kernel(real *out, real *lse, const real *q, const real *k, const real *v, int T,
+                         int H, int Hd, float sl2)
+{
+    if constexpr (FA_SKIP(T16)) {
+        __trap();
+    } else {
+        constexpr int LD = HD + FA_PAD, G = HD / 64;
+        extern __shared__ __align__(128) unsigned char fa_sm[];
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = lane & 1;
+        T16 *Qs = (T16 *)fa_sm, *Ks = Qs + FA_ROWS * LD, *Vs = Ks + FA_ROWS * LD;
+        float *W = (float *)(Vs + FA_ROWS * LD) + warp * 16 * FA_LDW;
+        T16 *P = (T16 *)W; /* the probabilities, in place of the scores */
+        const int bh = blockIdx.x, b = bh / H, h = bh % H;
+        const int q0 = (gridDim.y - 1 - blockIdx.y) * FA_ROWS;
+        const int first = q0 + 16 * warp, i = first + (lane >> 1); /* the lane's query */
+        const size_t ld = (size_t)H * Hd, base = (size_t)b * T * ld + (size_t)h * Hd;
+        fa_stage<T16, HD>(Qs, q + base, ld, q0, T, Hd);
+        float m = -INFINITY, l = 0.f, o[G][8][4];
+#pragma unroll
+        for (int g = 0; g < G; g++)
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    o[g][c][e] = 0.f;
+        const int kend = min(T, q0 + FA_ROWS);
+        for (int j0 = 0; j0 < kend; j0 += FA_ROWS) {
+            __syncthreads(); /* the previous tile is used up (and Qs staged) */
+            fa_stage<T16, HD>(Ks, k + base, ld, j0, T, Hd);
+            fa_stage<T16, HD>(Vs, v + base, ld, j0, T, Hd);
+            __syncthreads();
+            if (j0 > first + 15)
+                continue; /* warp-uniform: every key of the tile is after the warp's rows */
+            fa_scores<T16, HD>(W, Qs + 16 * warp * LD, Ks);
+            __syncwarp();
+            float s[8][4];
+            fa_read(s, W, lane);
+            /* key j0 <= q0 <= i is always in, so mx and mnew are finite */
+            float mx = -INFINITY;
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int j = j0 + 8 * c + 4 * half + e;
+                    s[c][e] = j <= i && j < T ? s[c][e] * sl2 : -INFINITY;
+                    mx = fmaxf(mx, s[c][e]);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx, 1));
+            const float mnew = fmaxf(m, mx), corr = exp2f(m - mnew); /* 0 on the first tile */
+            float sum = 0.f;
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    s[c][e] = exp2f(s[c][e] - mnew); /* masked: exp2(-inf) = 0 */
+                    sum += s[c][e];
+                }
+            sum += __shfl_xor_sync(MOE_CUDA_FULL_MASK, sum, 1);
+            l = l * corr + sum;
+            m = mnew;
+            __syncwarp(); /* every lane has read its scores before P overwrites them */
+            fa_write<T16>(P, s, lane);
+            __syncwarp();
+            fa_a<T16> pa[4]; /* P, kept in registers: the products overwrite it */
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++)
+                wmma::load_matrix_sync(pa[kk], P + kk * 16, FA_LDP);
+#pragma unroll
+            for (int g = 0; g < G; g++) { /* P V by 64 columns */
+                fa_acc pv[4];
+#pragma unroll
+                for (int n = 0; n < 4; n++) {
+                    wmma::fill_fragment(pv[n], 0.f);
+#pragma unroll
+                    for (int kk = 0; kk < 4; kk++) {
+                        fa_b<T16> vb;
+                        wmma::load_matrix_sync(vb, Vs + kk * 16 * LD + 64 * g + 16 * n, LD);
+                        wmma::mma_sync(pv[n], pa[kk], vb, pv[n]);
+                    }
+                }
+                __syncwarp(); /* P, or the previous 64 columns, are read */
+#pragma unroll
+                for (int n = 0; n < 4; n++)
+                    wmma::store_matrix_sync(W + n * 16, pv[n], FA_LDW, wmma::mem_row_major);
+                __syncwarp();
+                float x[8][4];
+                fa_read(x, W, lane);
+#pragma unroll
+                for (int c = 0; c < 8; c++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        o[g][c][e] = o[g][c][e] * corr + x[c][e];
+            }
+        }
+        if (i >= T)
+            return;
+        const float inv = 1.f / l;
+        real *orow = out + base + (size_t)i * ld + 4 * half;
+#pragma unroll
+        for (int g = 0; g < G; g++)
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+                if (64 * g + 8 * c + 4 * half < Hd)
+                    *(float4 *)(orow + 64 * g + 8 * c) = make_float4(
+                        o[g][c][0] * inv, o[g][c][1] * inv, o[g][c][2] * inv, o[g][c][3] * inv);
+        if (!half)
+            lse[(size_t)bh * T + i] = (m + log2f(l)) * FA_LN2;
+    }
+}
+
+/* dq += scale * sum_{j <= i} ds_ij k_j; block = 64 queries walking the key tiles up to its
+ * last query. grid (B*H, query tiles), the longest first. */
+template <class T16, int HD>
+static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
+    flash_dq_kernel(real *dq, const real *dout, const real *lse, const float *dsum, const real *q,
+                    const real *k, const real *v, int T, int H, int Hd, float scale, float sl2)
+{
+    if constexpr (FA_SKIP(T16)) {
+        __trap();
+    } else {
+        constexpr int LD = HD + FA_PAD;
+        extern __shared__ __align__(128) unsigned char fa_sm[];
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = lane & 1;
+        T16 *Qs = (T16 *)fa_sm, *Gs = Qs + FA_ROWS * LD, *Ks = Gs + FA_ROWS * LD,
+            *Vs = Ks + FA_ROWS * LD;
+        float *W = (float *)(Vs + FA_ROWS * LD) + warp * 16 * FA_LDW;
+        T16 *P = (T16 *)W; /* dS, in place of dP */
+        const int bh = blockIdx.x, b = bh / H, h = bh % H;
+        const int q0 = (gridDim.y - 1 - blockIdx.y) * FA_ROWS;
+        const int first = q0 + 16 * warp, i = first + (lane >> 1);
+        const size_t ld = (size_t)H * Hd, base = (size_t)b * T * ld + (size_t)h * Hd;
+        fa_stage<T16, HD>(Qs, q + base, ld, q0, T, Hd);
+        fa_stage<T16, HD>(Gs, dout + base, ld, q0, T, Hd);
+        const float lse2 = i < T ? lse[(size_t)bh * T + i] * FA_LOG2E : 0.f;
+        const float Di = i < T ? dsum[(size_t)bh * T + i] : 0.f;
+        fa_acc acc[HD / 16];
+#pragma unroll
+        for (int d = 0; d < HD / 16; d++)
+            wmma::fill_fragment(acc[d], 0.f);
+        const int kend = min(T, q0 + FA_ROWS);
+        for (int j0 = 0; j0 < kend; j0 += FA_ROWS) {
+            __syncthreads();
+            fa_stage<T16, HD>(Ks, k + base, ld, j0, T, Hd);
+            fa_stage<T16, HD>(Vs, v + base, ld, j0, T, Hd);
+            __syncthreads();
+            if (j0 > first + 15)
+                continue; /* warp-uniform */
+            fa_scores<T16, HD>(W, Qs + 16 * warp * LD, Ks);
+            __syncwarp();
+            float p[8][4], dp[8][4];
+            fa_read(p, W, lane);
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int j = j0 + 8 * c + 4 * half + e;
+                    p[c][e] = j <= i && i < T ? exp2f(p[c][e] * sl2 - lse2) : 0.f;
+                }
+            __syncwarp(); /* the scores are read before dP overwrites them */
+            fa_scores<T16, HD>(W, Gs + 16 * warp * LD, Vs);
+            __syncwarp();
+            fa_read(dp, W, lane);
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    p[c][e] = p[c][e] * (dp[c][e] - Di); /* ds */
+            __syncwarp();
+            fa_write<T16>(P, p, lane);
+            __syncwarp();
+            fa_pv<T16, HD>(acc, P, Ks);
+        }
+        fa_add_rows<HD>(dq + base, ld, first, T, Hd, scale, acc, W, lane);
+    }
+}
+
+/* dk += scale * sum_{i >= j} ds_ij q_i, dv += sum_{i >= j} p_ij dout_i; block = 64 keys
+ * walking the query tiles from its first key on. grid (B*H, key tiles), the longest (first
+ * keys) first. dk or dv may be NULL. */
+template <class T16, int HD>
+static __global__ void __launch_bounds__(FA_THREADS)
+    flash_dkv_kernel(real *dk, real *dv, const real *dout, const real *lse, const float *dsum,
+                     const real *q, const real *k, const real *v, int T, int H, int Hd, float scale,
+                     float sl2)
+{
+    if constexpr (FA_SKIP(T16)) {
+        __trap();
+    } else {
+        constexpr int LD = HD + FA_PAD;
+        extern __shared__ __align__(128) unsigned char fa_sm[];
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = lane & 1;
+        T16 *Ks = (T16 *)fa_sm, *Vs = Ks + FA_ROWS * LD, *Qs = Vs + FA_ROWS * LD,
+            *Gs = Qs + FA_ROWS * LD;
+        float *W0 = (float *)(Gs + FA_ROWS * LD), *W = W0 + warp * 16 * FA_LDW;
+        float *ls = W0 + FA_WARPS * 16 * FA_LDW, *Ds = ls + FA_ROWS; /* (64) lse * log2e, Di */
+        T16 *Pt = (T16 *)W, *dSt = Pt + 16 * FA_LDP; /* P^T, dS^T in place of dP^T */
+        const int bh = blockIdx.x, b = bh / H, h = bh % H;
+        const int j0 = blockIdx.y * FA_ROWS;
+        const int first = j0 + 16 * warp, j = first + (lane >> 1); /* the lane's key */
+        const size_t ld = (size_t)H * Hd, base = (size_t)b * T * ld + (size_t)h * Hd;
+        fa_stage<T16, HD>(Ks, k + base, ld, j0, T, Hd);
+        fa_stage<T16, HD>(Vs, v + base, ld, j0, T, Hd);
+        fa_acc acck[HD / 16], accv[HD / 16];
+#pragma unroll
+        for (int d = 0; d < HD / 16; d++) {
+            wmma::fill_fragment(acck[d], 0.f);
+            wmma::fill_fragment(accv[d], 0.f);
+        }
+        for (int i0 = j0; i0 < T; i0 += FA_ROWS) {
+            __syncthreads();
+            fa_stage<T16, HD>(Qs, q + base, ld, i0, T, Hd);
+            fa_stage<T16, HD>(Gs, dout + base, ld, i0, T, Hd);
+            if (threadIdx.x < FA_ROWS) {
+                const int i = i0 + threadIdx.x;
+                ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * FA_LOG2E : 0.f;
+                Ds[threadIdx.x] = i < T ? dsum[(size_t)bh * T + i] : 0.f;
+            }
+            __syncthreads();
+            /* i0 >= j0 and first <= j0 + 48: the tile always has queries i >= a warp key */
+            fa_scores<T16, HD>(W, Ks + 16 * warp * LD, Qs); /* S^T: keys x queries */
+            __syncwarp();
+            float p[8][4], dp[8][4];
+            fa_read(p, W, lane);
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int col = 8 * c + 4 * half + e, i = i0 + col;
+                    p[c][e] = i >= j && i < T && j < T ? exp2f(p[c][e] * sl2 - ls[col]) : 0.f;
+                }
+            __syncwarp();
+            fa_scores<T16, HD>(W, Vs + 16 * warp * LD, Gs); /* dP^T */
+            __syncwarp();
+            fa_read(dp, W, lane);
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    dp[c][e] = p[c][e] * (dp[c][e] - Ds[8 * c + 4 * half + e]); /* ds */
+            __syncwarp();
+            fa_write<T16>(Pt, p, lane);
+            fa_write<T16>(dSt, dp, lane);
+            __syncwarp();
+            fa_pv<T16, HD>(accv, Pt, Gs);  /* dV += P^T dO */
+            fa_pv<T16, HD>(acck, dSt, Qs); /* dK += dS^T Q */
+        }
+        fa_add_rows<HD>(dv ? dv + base : NULL, ld, first, T, Hd, 1.f, accv, W, lane);
+        fa_add_rows<HD>(dk ? dk + base : NULL, ld, first, T, Hd, scale, acck, W, lane);
+    }
+}
+
+/* ---- dispatch ---- */
+
+extern "C" moe_precision cuda_gemm_precision(void); /* matmul.cu */
+
+/* The device's compute capability and opt-in shared memory per block, asked once (the
+ * backend uses one device). */
+static void fa_device(int *cc, int *smem_max)
+{
+    static int got, cap, smax;
+    if (!got) {
+        int dev = 0, major = 0, minor = 0;
+        if (!MOE_CUDA_OK(cudaGetDevice(&dev)) ||
+            !MOE_CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)) ||
+            !MOE_CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev)) ||
+            !MOE_CUDA_OK(
+                cudaDeviceGetAttribute(&smax, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev))) {
+            cap = smax = 0;
+        } else {
+            cap = major * 10 + minor;
+        }
+        got = 1;
+    }
+    *cc = cap;
+    *smem_max = smax;
+}
+
+/* The precision of the tensor-core path for this call: MOE_PREC_BF16 / FP16, or
+ * MOE_PREC_FP32 when the fp32 kernels must run (see the section's comment). */
+static moe_precision fa_precision(int Hd, size_t smem, const void *const *ptrs, int n)
+{
+    const moe_precision p = cuda_gemm_precision();
+    if (p == MOE_PREC_FP32 || Hd % 16 != 0 || Hd > 128)
+        return MOE_PREC_FP32;
+    for (int a = 0; a < n; a++)
+        if ((uintptr_t)ptrs[a] % 16 != 0)
+            return MOE_PREC_FP32;
+    int cc, smem_max;
+    fa_device(&cc, &smem_max);
+    if ((p == MOE_PREC_BF16 && cc < 80) || smem > (size_t)smem_max)
+        return MOE_PREC_FP32;
+    return p;
+}
+
+/* Lets kernel take smem bytes of dynamic shared memory; 0 (recorded) on failure. */
+static int fa_smem(const void *kernel, size_t smem)
+{
+    if (smem <= 48 * 1024)
+        return 1;
+    return MOE_CUDA_OK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+}
+
+template <class T16, int HD>
+static void flash_forward_run(real *out, real *lse, const real *q, const real *k, const real *v,
+                              int B, int T, int H, int Hd)
+{
+    void (*kernel)(real *, real *, const real *, const real *, const real *, int, int, int, float) =
+        flash_forward_kernel<T16, HD>;
+    const size_t smem = fa_forward_smem(HD);
+    if (!fa_smem((const void *)kernel, smem))
+        return;
+    const dim3 grid((unsigned)(B * H), (unsigned)((T + FA_ROWS - 1) / FA_ROWS));
+    MOE_CUDA_LAUNCH(kernel, grid, FA_THREADS, smem, out, lse, q, k, v, T, H, Hd,
+                    (float)(1.4426950408889634 / sqrt((double)Hd)));
+}
+
+template <class T16, int HD>
+static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, const real *lse,
+                               const float *dsum, const real *q, const real *k, const real *v,
+                               int B, int T, int H, int Hd)
+{
+    void (*kdq)(real *, const real *, const real *, const float *, const real *, const real *,
+                const real *, int, int, int, float, float) = flash_dq_kernel<T16, HD>;
+    void (*kdkv)(real *, real *, const real *, const real *, const float *, const real *,
+                 const real *, const real *, int, int, int, float, float) =
+        flash_dkv_kernel<T16, HD>;
+    const size_t smem = fa_backward_smem(HD);
+    const float scale = (float)(1.0 / sqrt((double)Hd));
+    const float sl2 = (float)(1.4426950408889634 / sqrt((double)Hd));
+    const dim3 grid((unsigned)(B * H), (unsigned)((T + FA_ROWS - 1) / FA_ROWS));
+    if (dq && fa_smem((const void *)kdq, smem))
+        MOE_CUDA_LAUNCH(kdq, grid, FA_THREADS, smem, dq, dout, lse, dsum, q, k, v, T, H, Hd, scale,
+                        sl2);
+    if ((dk || dv) && fa_smem((const void *)kdkv, smem))
+        MOE_CUDA_LAUNCH(kdkv, grid, FA_THREADS, smem, dk, dv, dout, lse, dsum, q, k, v, T, H, Hd,
+                        scale, sl2);
+}
+
+static int flash_forward(real *out, real *lse, const real *q, const real *k, const real *v, int B,
+                         int T, int H, int Hd)
+{
+    const int HD = Hd <= 64 ? 64 : 128;
+    const void *ptrs[4] = {out, q, k, v};
+    const moe_precision p = fa_precision(Hd, fa_forward_smem(HD), ptrs, 4);
+    if (p == MOE_PREC_FP32)
+        return 0;
+    if (p == MOE_PREC_BF16 && HD == 64)
+        flash_forward_run<__nv_bfloat16, 64>(out, lse, q, k, v, B, T, H, Hd);
+    else if (p == MOE_PREC_BF16)
+        flash_forward_run<__nv_bfloat16, 128>(out, lse, q, k, v, B, T, H, Hd);
+    else if (HD == 64)
+        flash_forward_run<__half, 64>(out, lse, q, k, v, B, T, H, Hd);
+    else
+        flash_forward_run<__half, 128>(out, lse, q, k, v, B, T, H, Hd);
+    return 1;
+}
+
+static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const real *lse,
+                          const float *dsum, const real *q, const real *k, const real *v, int B,
+                          int T, int H, int Hd)
+{
+    const int HD = Hd <= 64 ? 64 : 128;
+    const void *ptrs[7] = {dq, dk, dv, dout, q, k, v};
+    const moe_precision p = fa_precision(Hd, fa_backward_smem(HD), ptrs, 7);
+    if (p == MOE_PREC_FP32)
+        return 0;
+    if (p == MOE_PREC_BF16 && HD == 64)
+        flash_backward_run<__nv_bfloat16, 64>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
+    else if (p == MOE_PREC_BF16)
+        flash_backward_run<__nv_bfloat16, 128>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
+    else if (HD == 64)
+        flash_backward_run<__half, 64>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
+    else
+        flash_backward_run<__half, 128>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
+    return 1;
 }

@@ -1,6 +1,8 @@
 /* tests/gpu/test_cuda_precision.c: the GEMMs of the "cuda" backend in bf16 and fp16
  * (16-bit operands from the parameter shadow and the rounding workspaces, fp32
- * accumulation and outputs) against the fp32 CPU reference, on random data (never zeros).
+ * accumulation and outputs) and its tensor-core attention (forward and backward; tail
+ * tile, T = 1, Hd = 32, 64, 128, a NULL gradient) against the fp32 CPU reference, on
+ * random data (never zeros).
  * Bound: relative error of each output, as ||gpu - ref|| / ||ref|| over the tensor,
  * <= 1e-2 in bf16 and <= 5e-3 in fp16 (8 and 11 significand bits; the products sum in
  * fp32). The fp32 mode is checked too (<= 1e-5). Also: bf16 is refused below sm_80, and a
@@ -132,6 +134,105 @@ static void check_mode(moe_precision p, const char *mode, double bound)
     free(gotx);
 }
 
+/* out = in - sub, elementwise (n) */
+static void minus(float *out, const float *in, const float *sub, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        out[i] = in[i] - sub[i];
+}
+
+/* Causal attention (B, T, H, Hd) in precision p, forward (out, lse) and backward (dq, dk,
+ * dv), against the fp32 CPU reference; 16-bit modes take the tensor-core kernels where Hd
+ * is a multiple of 16. The backward runs from the reference's out and lse. The gradients
+ * are added (+=) to random values on the GPU, subtracted before the comparison. no_dk: dk
+ * is NULL (must stay untouched). */
+static void check_attention(moe_precision p, const char *mode, double bound, int B, int T, int H,
+                            int Hd, int no_dk)
+{
+    const size_t n = (size_t)B * T * H * Hd, nl = (size_t)B * H * T;
+    if (gpu->set_precision(p, NULL, 0, 0) != MOE_OK) {
+        printf("FAIL %s: set_precision\n", mode);
+        failures++;
+        return;
+    }
+    float *h[6], *ref[5], *got = malloc(sizeof(float) * n), *pre = malloc(sizeof(float) * n);
+    for (int a = 0; a < 6; a++) /* q, k, v, dout, out, lse */
+        h[a] = malloc(sizeof(float) * n);
+    for (int a = 0; a < 5; a++) /* out, lse, dq, dk, dv */
+        ref[a] = calloc(n, sizeof(float));
+    for (int a = 0; a < 4; a++)
+        fill(h[a], n, 10 + a, 1.0);
+    fill(pre, n, 20, 1e-3); /* small: (pre + g) - pre is g to well below the bounds */
+    float *d[5], *g[3];
+    for (int a = 0; a < 4; a++)
+        d[a] = dev_copy(h[a], n);
+    d[4] = gpu->alloc(sizeof(float) * n);
+    float *dlse = gpu->alloc(sizeof(float) * nl);
+    for (int a = 0; a < 3; a++)
+        g[a] = dev_copy(pre, n);
+    moe_backend_cpu.attention_forward(ref[0], ref[1], h[0], h[1], h[2], B, T, H, Hd);
+    gpu->attention_forward(d[4], dlse, d[0], d[1], d[2], B, T, H, Hd);
+    char what[64];
+    to_host(h[4], d[4], n);
+    to_host(h[5], dlse, nl);
+    snprintf(what, sizeof what, "attention out T=%d Hd=%d", T, Hd);
+    report(what, mode, rel_err(h[4], ref[0], n), bound);
+    snprintf(what, sizeof what, "attention lse T=%d Hd=%d", T, Hd);
+    report(what, mode, rel_err(h[5], ref[1], nl), bound);
+    /* backward from the reference's forward, so only the backward is measured */
+    float *dref_out = dev_copy(ref[0], n), *dref_lse = dev_copy(ref[1], nl);
+    moe_backend_cpu.attention_backward(ref[2], no_dk ? NULL : ref[3], ref[4], h[3], ref[0], ref[1],
+                                       h[0], h[1], h[2], B, T, H, Hd);
+    gpu->attention_backward(g[0], no_dk ? NULL : g[1], g[2], d[3], dref_out, dref_lse, d[0], d[1],
+                            d[2], B, T, H, Hd);
+    /* With T = 1 the softmax has one key: dq and dk are 0 (the reference's exactly), and a
+     * 16-bit dP - D leaves rounding noise; there the error is the RMS of the values,
+     * relative to the size of the terms (scale |dout . v| |k|, about 1 for these inputs). */
+    const char *names[3] = {"dq", "dk", "dv"};
+    for (int a = 0; a < 3; a++) {
+        to_host(got, g[a], n);
+        minus(got, got, pre, n);
+        double err = rel_err(got, ref[2 + a], n);
+        if (T == 1 && a < 2)
+            err /= sqrt((double)n);
+        snprintf(what, sizeof what, "attention %s%s T=%d Hd=%d", names[a],
+                 no_dk && a == 1   ? " (NULL)"
+                 : T == 1 && a < 2 ? " (rms)"
+                                   : "",
+                 T, Hd);
+        report(what, mode, err, no_dk && a == 1 ? 0.0 : bound);
+    }
+    if (gpu->sync() != MOE_OK) {
+        printf("FAIL %s: the backend reported an error\n", mode);
+        failures++;
+    }
+    for (int a = 0; a < 5; a++)
+        gpu->release(d[a]);
+    for (int a = 0; a < 3; a++)
+        gpu->release(g[a]);
+    gpu->release(dlse);
+    gpu->release(dref_out);
+    gpu->release(dref_lse);
+    for (int a = 0; a < 6; a++)
+        free(h[a]);
+    for (int a = 0; a < 5; a++)
+        free(ref[a]);
+    free(got);
+    free(pre);
+}
+
+/* The attention shapes of one precision: a tail tile (T = 200), one token, Hd = 128, a
+ * padded head dim (Hd = 32) with dk NULL, and Hd = 40 (not a multiple of 16: fp32
+ * kernels in every mode). */
+static void check_attention_mode(moe_precision p, const char *mode, double bound)
+{
+    check_attention(p, mode, bound, 2, 200, 3, 64, 0);
+    check_attention(p, mode, bound, 2, 1, 3, 64, 0);
+    check_attention(p, mode, bound, 2, 200, 3, 128, 0);
+    check_attention(p, mode, bound, 1, 77, 2, 32, 1);
+    check_attention(p, mode, bound, 1, 70, 2, 40, 0);
+}
+
 int main(void)
 {
     const char *why = NULL;
@@ -144,8 +245,11 @@ int main(void)
     printf("GPU sm_%d\n", cc);
     check_mode(MOE_PREC_FP32, "fp32", 1e-5);
     check_mode(MOE_PREC_FP16, "fp16", 5e-3);
+    check_attention_mode(MOE_PREC_FP32, "fp32", 1e-5);
+    check_attention_mode(MOE_PREC_FP16, "fp16", 5e-3);
     if (cc >= 80) {
         check_mode(MOE_PREC_BF16, "bf16", 1e-2);
+        check_attention_mode(MOE_PREC_BF16, "bf16", 1e-2);
     } else {
         moe_status st = gpu->set_precision(MOE_PREC_BF16, NULL, 0, 0);
         report("bf16 refused below sm_80", "bf16", st == MOE_ERR_INVALID ? 0.0 : 1.0, 0.0);
