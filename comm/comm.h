@@ -101,6 +101,8 @@ moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h);
 /* Blocking sum of n doubles / int64s over group g, in place. */
 moe_status moe_comm_sum_doubles(moe_comm *c, moe_group g, double *vals, int n);
 moe_status moe_comm_sum_int64(moe_comm *c, moe_group g, int64_t *vals, int n);
+/* Blocking element-wise maximum of n doubles over group g, in place. */
+moe_status moe_comm_max_doubles(moe_comm *c, moe_group g, double *vals, int n);
 
 /* Gathers nbytes from every rank of the world at world rank 0. On rank 0, *out receives
  * a malloc'ed buffer with every rank's bytes in rank order (the caller frees it) and

@@ -437,6 +437,14 @@ moe_status moe_comm_sum_doubles(moe_comm *c, moe_group g, double *vals, int n)
     return MOE_OK;
 }
 
+moe_status moe_comm_max_doubles(moe_comm *c, moe_group g, double *vals, int n)
+{
+    MPI_Request r;
+    MPI_TRY(MPI_Iallreduce(MPI_IN_PLACE, vals, n, MPI_DOUBLE, MPI_MAX, c->groups[g], &r), "max");
+    MOE_CHECK(wait_one(c, &r, "maximum of statistics", g));
+    return MOE_OK;
+}
+
 moe_status moe_comm_sum_int64(moe_comm *c, moe_group g, int64_t *vals, int n)
 {
     MPI_Request r;

@@ -92,6 +92,13 @@ typedef struct moe_backend {
                                 size_t max_operand);
     /* Re-rounds the shadow from the parameters: after every change of the parameters. */
     moe_status (*refresh_shadow)(void);
+    /* The rate of the backend's own GEMM on an n x n x n product in the precision set
+     * (16-bit operands for bf16/fp16, fp32 out), in FLOP/s, timed now (the bench's MFU
+     * denominator); 0 when it cannot be measured (recorded for sync on a device). */
+    double (*gemm_rate)(int n);
+    /* Memory the process holds where the backend computes, in bytes: device memory in
+     * use (cudaMemGetInfo) for cuda, the peak resident set for cpu. */
+    size_t (*mem_in_use)(void);
 #ifdef __cplusplus
 #define MOE_OP_FIELD(fn) decltype(&::fn) fn;
 #else

@@ -4,6 +4,9 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+
+#include "util/clock.h"
 
 static void *cpu_alloc(size_t nbytes) { return calloc(1, nbytes ? nbytes : 1); }
 static void cpu_release(void *p) { free(p); }
@@ -27,6 +30,37 @@ static moe_status cpu_set_precision(moe_precision p, const real *params, size_t 
 }
 static moe_status cpu_refresh_shadow(void) { return MOE_OK; }
 
+static double cpu_gemm_rate(int n)
+{
+    const size_t nn = (size_t)n * n;
+    real *x = malloc(sizeof(real) * nn), *w = malloc(sizeof(real) * nn),
+         *out = malloc(sizeof(real) * nn);
+    double rate = 0.0;
+    if (x && w && out && n > 0) {
+        for (size_t i = 0; i < nn; i++) {
+            x[i] = (real)((double)(i % 17) / 17 - 0.5);
+            w[i] = (real)((double)(i % 13) / 13 - 0.5);
+        }
+        matmul_forward(out, x, w, n, n, n); /* warm */
+        const double t0 = moe_clock_seconds();
+        int reps = 0;
+        do
+            matmul_forward(out, x, w, n, n, n);
+        while (++reps < 3 || moe_clock_seconds() - t0 < 0.2);
+        rate = 2.0 * n * nn * reps / (moe_clock_seconds() - t0);
+    }
+    free(x);
+    free(w);
+    free(out);
+    return rate;
+}
+
+static size_t cpu_mem_in_use(void)
+{
+    struct rusage ru;
+    return getrusage(RUSAGE_SELF, &ru) == 0 ? (size_t)ru.ru_maxrss * 1024 : 0;
+}
+
 #define MOE_OP_INIT(fn) .fn = fn,
 const moe_backend moe_backend_cpu = {.name = "cpu",
                                      .on_device = 0,
@@ -39,6 +73,8 @@ const moe_backend moe_backend_cpu = {.name = "cpu",
                                      .compute_capability = cpu_capability,
                                      .set_precision = cpu_set_precision,
                                      .refresh_shadow = cpu_refresh_shadow,
+                                     .gemm_rate = cpu_gemm_rate,
+                                     .mem_in_use = cpu_mem_in_use,
                                      MOE_OPS_LIST(MOE_OP_INIT)};
 #undef MOE_OP_INIT
 

@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 
 #include "comm/comm.h"
+#include "launcher/bench.h"
 #include "launcher/bind.h"
 #include "launcher/plan.h"
 #include "launcher/ranks.h"
@@ -179,7 +180,7 @@ static int fail_job(int code)
     return code;
 }
 
-static int cmd_train(const cli_args *a)
+static int cmd_train(const cli_args *a, int bench)
 {
     moe_config cfg;
     int rc = load_config(a, &cfg);
@@ -205,7 +206,7 @@ static int cmd_train(const cli_args *a)
     moe_status st = MOE_OK;
     if (a->resume && (st = moe_trainer_resume(tr, a->resume)) != MOE_OK)
         return fail_job(st == MOE_ERR_INVALID ? EXIT_USAGE : 1);
-    st = moe_trainer_run(tr, stdout);
+    st = bench ? moe_bench_run(tr, 2, 3, stdout) : moe_trainer_run(tr, stdout);
     if (st != MOE_OK)
         return fail_job(1);
     int stopped = tr->stopped;
@@ -423,7 +424,8 @@ int main(int argc, char **argv)
         moe_log_set_rank(0); /* one process, no MPI */
         return strcmp(a.verb, "inspect") == 0 ? cmd_inspect(&a) : cmd_export(&a);
     }
-    if (strcmp(a.verb, "train") != 0 && strcmp(a.verb, "dump") != 0) {
+    const int bench = strcmp(a.verb, "bench") == 0;
+    if (strcmp(a.verb, "train") != 0 && strcmp(a.verb, "dump") != 0 && !bench) {
         fprintf(stderr, "moe-dist: unknown command '%s'\n%s", a.verb, usage_text);
         return EXIT_USAGE;
     }
@@ -437,7 +439,7 @@ int main(int argc, char **argv)
         return 1;
     if (moe_ranks_init(&argc, &argv, &ranks) != 0)
         return 1;
-    rc = strcmp(a.verb, "train") == 0 ? cmd_train(&a) : cmd_dump(&a);
+    rc = strcmp(a.verb, "dump") == 0 ? cmd_dump(&a) : cmd_train(&a, bench);
     moe_ranks_finalize();
     return rc;
 }

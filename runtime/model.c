@@ -11,6 +11,7 @@
 #include "sched/placement.h"
 #include "sched/stats.h"
 #include "kernels/backend.h"
+#include "util/clock.h"
 #include "util/rng.h"
 
 /* ---- layout --------------------------------------------------------------------- */
@@ -616,8 +617,10 @@ static moe_status exchange_rows(moe_model *m, const void *send, const int *send_
         ro += rc[p];
     }
     moe_comm_handle done;
+    const double t0 = moe_model_phase_begin(m);
     MOE_CHECK(moe_comm_exchange_start(m->comm, send, sc, sd, recv, rc, rd, MOE_COMM_NONE, &done));
     MOE_CHECK(moe_comm_wait(m->comm, done));
+    moe_model_phase_end(m, t0, MOE_PHASE_EXCHANGE);
     return MOE_OK;
 }
 
@@ -650,9 +653,11 @@ static moe_status moe_dispatch(moe_model *m, int l, moe_fwd_stats *stats)
     int64_t *scount = m->xc_count, *rcount = m->xc_count + ep;
     for (int p = 0; p < ep; p++)
         scount[p] = a->send_rows[p];
-    if (ep > 1)
+    if (ep > 1) {
+        const double t0 = moe_model_phase_begin(m);
         MOE_CHECK(moe_comm_exchange_counts(m->comm, scount, rcount));
-    else
+        moe_model_phase_end(m, t0, MOE_PHASE_EXCHANGE);
+    } else
         rcount[0] = scount[0];
     a->n_recv = 0;
     for (int p = 0; p < ep; p++) {
@@ -979,6 +984,22 @@ static void copy_slice(void *ctx, real *slice, size_t count)
     else
         c->be->copy(c->cursor, slice, sizeof(real) * count, MOE_COPY_D2H);
     c->cursor += count;
+}
+
+double moe_model_phase_begin(moe_model *m)
+{
+    if (!m->timing)
+        return 0.0;
+    m->be->sync(); /* a failure surfaces at the step's own sync */
+    return moe_clock_seconds();
+}
+
+void moe_model_phase_end(moe_model *m, double t0, moe_phase phase)
+{
+    if (!m->timing)
+        return;
+    m->be->sync();
+    m->phase_s[phase] += moe_clock_seconds() - t0;
 }
 
 moe_status moe_model_attach_routing(moe_model *m, moe_routing_stats *s)

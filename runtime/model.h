@@ -113,16 +113,33 @@ struct moe_backend;
  * LM head), L-1 ... 0 (layers), -1 (embedding). */
 typedef void (*moe_grad_ready_fn)(void *ctx, int stage);
 
+/* Phases of a training step, timed when moe_model.timing is set: each boundary then
+ * waits for the backend, so the phases add up to the step (at the cost of the overlap of
+ * host and device; the bench reports untimed steps for the step time). The exchange is
+ * the token dispatch and combine with their counts; the reduction the gradient
+ * all-reduce; forward and backward exclude both. */
+typedef enum {
+    MOE_PHASE_DATA,
+    MOE_PHASE_FORWARD,
+    MOE_PHASE_BACKWARD,
+    MOE_PHASE_EXCHANGE,
+    MOE_PHASE_REDUCTION,
+    MOE_PHASE_OPTIMIZER,
+    MOE_PHASES
+} moe_phase;
+
 typedef struct moe_model {
     moe_config cfg;
     int B, T, N, D, H, Hd, V, L, E, El, K, F, Fd, Fs;
-    int capacity;            /* per expert per micro-batch, -1 dropless */
-    double loss_scale;       /* backward seeds are multiplied by it (fp16 loss scaling); 1 */
-    size_t max_gemm_operand; /* elements of the largest activation operand of any GEMM */
-    int ep, ep_rank;         /* expert-parallel degree and this rank's place in its EP group */
-    int *expert_rank;        /* (L, E): EP rank holding each expert of each layer */
-    int *expert_local;       /* (L, E): its index among that rank's El experts */
-    int *local_experts;      /* (L, El): global ids of this rank's experts, by layer */
+    int capacity;               /* per expert per micro-batch, -1 dropless */
+    double loss_scale;          /* backward seeds are multiplied by it (fp16 loss scaling); 1 */
+    size_t max_gemm_operand;    /* elements of the largest activation operand of any GEMM */
+    int ep, ep_rank;            /* expert-parallel degree and this rank's place in its EP group */
+    int *expert_rank;           /* (L, E): EP rank holding each expert of each layer */
+    int *expert_local;          /* (L, E): its index among that rank's El experts */
+    int *local_experts;         /* (L, El): global ids of this rank's experts, by layer */
+    int timing;                 /* time the phases (moe_phase) into phase_s */
+    double phase_s[MOE_PHASES]; /* seconds per phase since the caller last zeroed them */
     struct moe_routing_stats *routing; /* NULL, or statistics to collect (sched/stats.h) */
     int64_t *routing_dev;         /* its counts' block in backend memory, added to during forward */
     struct moe_comm *comm;        /* NULL: one process */
@@ -201,6 +218,11 @@ moe_status moe_model_move_experts(moe_model *m, const int *expert_rank, real **e
 /* Collects routing statistics into s from now on (NULL: stop). Forward counts on the
  * backend (device-side counters on a GPU: no copy, no synchronisation per step);
  * moe_model_routing_collect adds them into s and zeroes them. */
+/* Phase timing (m->timing): begin waits for the backend and returns the clock; end waits
+ * again and adds the time since t0 to the phase. Without timing both do nothing. */
+double moe_model_phase_begin(moe_model *m);
+void moe_model_phase_end(moe_model *m, double t0, moe_phase phase);
+
 moe_status moe_model_attach_routing(moe_model *m, struct moe_routing_stats *s);
 moe_status moe_model_routing_collect(moe_model *m);
 

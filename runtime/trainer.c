@@ -6,6 +6,7 @@
 #include "sched/placement.h"
 #include "sched/stats.h"
 #include "runtime/checkpoint.h"
+#include "util/clock.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -13,12 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static double now_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+static double now_seconds(void) { return moe_clock_seconds(); }
 
 /* Buckets: one per backward stage (the head, each layer, the embedding). Within the
  * dense region a stage's tensors are contiguous, and so are a layer's expert tensors. */
@@ -70,6 +66,8 @@ static void on_grad_ready(void *ctx, int stage)
         return;
     moe_grad_bucket *b = &tr->buckets[stage + 1];
     real *g = tr->model->grads;
+    moe_model *m = tr->model;
+    const double t0 = moe_model_phase_begin(m);
     moe_status st = MOE_OK;
     if (b->dense_hi > b->dense_lo && tr->world > 1)
         st = moe_comm_allreduce_start(tr->comm, MOE_GROUP_WORLD, g + b->dense_lo,
@@ -80,6 +78,7 @@ static void on_grad_ready(void *ctx, int stage)
                                       b->expert_hi - b->expert_lo, sizeof(real), MOE_COMM_NONE,
                                       &b->handles[1]);
     tr->reduce_status = st;
+    moe_model_phase_end(m, t0, MOE_PHASE_REDUCTION);
 }
 
 static moe_status wait_buckets(moe_trainer *tr)
@@ -210,12 +209,22 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     for (int j = 0; j < accum; j++) {
         int64_t first = tr->consumed + ((int64_t)j * tr->world + tr->rank) * micro;
         moe_fwd_stats fs;
+        double t = moe_model_phase_begin(m);
         MOE_CHECK(moe_data_batch(tr->data, tr->tokens, first, micro));
+        moe_model_phase_end(m, t, MOE_PHASE_DATA);
+        /* forward and backward: their wall time less the exchange and reduction in them */
+        double *ph = m->phase_s, comm0 = ph[MOE_PHASE_EXCHANGE] + ph[MOE_PHASE_REDUCTION];
+        t = moe_model_phase_begin(m);
         MOE_CHECK(moe_model_forward(m, tr->tokens, &fs));
+        double comm1 = ph[MOE_PHASE_EXCHANGE] + ph[MOE_PHASE_REDUCTION];
+        moe_model_phase_end(m, t + (comm1 - comm0), MOE_PHASE_FORWARD);
         tr->reduce_now = tr->comm && j == accum - 1;
         tr->last_micro = j == accum - 1;
         tr->reduce_status = MOE_OK;
+        t = moe_model_phase_begin(m);
         MOE_CHECK(moe_model_backward(m, S));
+        moe_model_phase_end(m, t + (ph[MOE_PHASE_EXCHANGE] + ph[MOE_PHASE_REDUCTION] - comm1),
+                            MOE_PHASE_BACKWARD);
         sums[0] += fs.ce_sum;
         sums[1] += fs.aux_sum;
         sums[2] += fs.z_sum;
@@ -225,8 +234,10 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     }
     if (tr->comm) {
         moe_comm_set_context(tr->comm, "gradient reduction", -1);
+        const double t = moe_model_phase_begin(m);
         MOE_CHECK(wait_buckets(tr));
         MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, sums, 6));
+        moe_model_phase_end(m, t, MOE_PHASE_REDUCTION);
     }
     const double tokens = (double)S * tr->cfg.seq_len;
     res->ce = sums[0] / tokens;
@@ -257,6 +268,7 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
 {
     moe_model *m = tr->model;
     double t0 = now_seconds();
+    const double tp = moe_model_phase_begin(m);
     double norm = 0;
     moe_comm_set_context(tr->comm, "gradient norm", -1);
     MOE_CHECK(global_grad_norm(tr, &norm));
@@ -297,6 +309,7 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
     moe_optimizer_step(tr->opt, m, &tr->cfg, res->lr,
                        moe_clip_scale(norm, tr->cfg.grad_clip) / tr->loss_scale);
     MOE_CHECK(m->be->refresh_shadow());
+    moe_model_phase_end(m, tp, MOE_PHASE_OPTIMIZER);
     if (tr->scaling && ++tr->scale_good >= tr->cfg.loss_scale_growth_interval) {
         tr->loss_scale *= tr->cfg.loss_scale_growth;
         tr->scale_good = 0;

@@ -219,6 +219,16 @@ static moe_status cuda_set_precision(moe_precision p, const real *params, size_t
     return cuda_sync();
 }
 
+extern "C" double cuda_gemm_rate(int n);
+
+static size_t cuda_mem_in_use(void)
+{
+    size_t free_b = 0, total_b = 0;
+    if (!MOE_CUDA_OK(cudaMemGetInfo(&free_b, &total_b)))
+        return 0;
+    return total_b - free_b;
+}
+
 static moe_status cuda_refresh_shadow(void)
 {
     MOE_CHECK(cuda_gemm_refresh_shadow());
@@ -241,6 +251,8 @@ static void fill_table(moe_backend *b)
     b->compute_capability = cuda_compute_capability;
     b->set_precision = cuda_set_precision;
     b->refresh_shadow = cuda_refresh_shadow;
+    b->gemm_rate = cuda_gemm_rate;
+    b->mem_in_use = cuda_mem_in_use;
 #define MOE_OP_SET(fn) b->fn = cuda_##fn;
     MOE_OPS_LIST(MOE_OP_SET)
 #undef MOE_OP_SET

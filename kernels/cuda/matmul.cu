@@ -489,3 +489,69 @@ extern "C" void cuda_grouped_matmul_backward(real *dx, real *dw, const real *dou
     }
     grouped_flush(&batch);
 }
+
+/* ---- the bench's GEMM ceiling -------------------------------------------------------- */
+
+/* C (n,n) fp32 = A B with n x n operands of the current precision (random bits scaled to
+ * [-0.5, 0.5) for 16-bit; fp32 likewise), through the same cached cuBLASLt plans; median
+ * of 10 runs after 2 warm-ups, timed by CUDA events. */
+static __global__ void fill_operand_kernel(void *p, size_t n, int bytes16, int bf16)
+{
+    MOE_CUDA_GRID_STRIDE(i, n)
+    {
+        const float v = (float)((i * 2654435761u) % 1000u) / 1000.f - 0.5f;
+        if (!bytes16)
+            ((float *)p)[i] = v;
+        else if (bf16)
+            ((__nv_bfloat16 *)p)[i] = __float2bfloat16(v);
+        else
+            ((__half *)p)[i] = __float2half(v);
+    }
+}
+
+static int cmp_float(const void *a, const void *b)
+{
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+extern "C" double cuda_gemm_rate(int n)
+{
+    const size_t nn = (size_t)n * n, eb = prec == MOE_PREC_FP32 ? 4 : 2;
+    void *a = NULL, *b = NULL;
+    real *c = NULL;
+    cudaEvent_t ev[11] = {};
+    double rate = 0.0;
+    float ms[10];
+    if (n <= 0 || !MOE_CUDA_OK(cudaMalloc(&a, eb * nn)) || !MOE_CUDA_OK(cudaMalloc(&b, eb * nn)) ||
+        !MOE_CUDA_OK(cudaMalloc((void **)&c, sizeof(real) * nn)))
+        goto done;
+    for (int i = 0; i < 11; i++)
+        if (!MOE_CUDA_OK(cudaEventCreate(&ev[i])))
+            goto done;
+    MOE_CUDA_LAUNCH(fill_operand_kernel, 1024, 256, 0, a, nn, eb == 2, prec == MOE_PREC_BF16);
+    MOE_CUDA_LAUNCH(fill_operand_kernel, 1024, 256, 0, b, nn, eb == 2, prec == MOE_PREC_BF16);
+    for (int w = 0; w < 2; w++)
+        gemm(1, 0, n, n, n, a, n, b, n, c, n, 0);
+    MOE_CUDA_OK(cudaEventRecord(ev[0], moe_cuda_stream()));
+    for (int r = 0; r < 10; r++) {
+        gemm(1, 0, n, n, n, a, n, b, n, c, n, 0);
+        MOE_CUDA_OK(cudaEventRecord(ev[r + 1], moe_cuda_stream()));
+    }
+    if (!MOE_CUDA_OK(cudaEventSynchronize(ev[10])))
+        goto done;
+    for (int r = 0; r < 10; r++)
+        if (!MOE_CUDA_OK(cudaEventElapsedTime(&ms[r], ev[r], ev[r + 1])))
+            goto done;
+    qsort(ms, 10, sizeof ms[0], cmp_float);
+    if (ms[5] > 0)
+        rate = 2.0 * (double)n * (double)nn / (1e-3 * ms[5]);
+done:
+    for (int i = 0; i < 11; i++)
+        if (ev[i])
+            cudaEventDestroy(ev[i]);
+    cudaFree(a);
+    cudaFree(b);
+    cudaFree(c);
+    return rate;
+}

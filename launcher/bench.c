@@ -1,0 +1,115 @@
+/* launcher/bench.c: `moe-dist bench CONFIG` (launcher/bench.h, docs/bench.md).
+ *
+ * Three runs of the same training loop: `warmup` steps (first-use costs: plan caches,
+ * scratch), [train] steps timed as a whole with one backend sync at the end (the step
+ * time and tokens/s), then `phase_steps` with m->timing on (every phase boundary waits
+ * for the backend, so the phases add up; they cost the host/device overlap, which is why
+ * the step time comes from the untimed run). */
+#include "launcher/bench.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "comm/comm.h"
+#include "kernels/backend.h"
+#include "util/clock.h"
+
+double moe_bench_flops_per_token(const moe_config *cfg)
+{
+    const double D = cfg->d_model, T = cfg->seq_len, L = cfg->n_layers;
+    const double Ld = cfg->dense_layers, Lm = L - Ld;
+    const double F = cfg->expert_hidden, Fs = (double)cfg->shared_experts * F;
+    double params = L * 4 * D * D;                              /* q, k, v, o */
+    params += Ld * 3 * D * cfg->dense_hidden;                   /* dense SwiGLU */
+    params += Lm * (D * cfg->experts + cfg->top_k * 3 * D * F); /* router, K experts */
+    params += Lm * 3 * D * Fs;                                  /* shared experts */
+    params += (double)cfg->vocab_size * D;                      /* LM head */
+    return 3.0 * (2.0 * params + L * 2.0 * T * D);
+}
+
+static moe_status steps(moe_trainer *tr, int n, moe_step_result *last)
+{
+    for (int i = 0; i < n; i++) {
+        MOE_CHECK(moe_trainer_accumulate(tr, last));
+        MOE_CHECK(moe_trainer_apply(tr, last));
+    }
+    return tr->model->be->sync();
+}
+
+moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, FILE *out)
+{
+    moe_model *m = tr->model;
+    const moe_config *cfg = &tr->cfg;
+    moe_step_result r;
+    memset(&r, 0, sizeof r);
+    double sync = 0; /* a maximum over the world: every rank leaves it together */
+    MOE_CHECK(steps(tr, warmup, &r));
+    if (tr->comm)
+        MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
+    const double t0 = moe_clock_seconds();
+    MOE_CHECK(steps(tr, cfg->steps, &r));
+    if (tr->comm)
+        MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
+    const double step_s = (moe_clock_seconds() - t0) / cfg->steps;
+
+    memset(m->phase_s, 0, sizeof m->phase_s);
+    m->timing = 1;
+    MOE_CHECK(steps(tr, phase_steps, &r));
+    m->timing = 0;
+    double ph[MOE_PHASES];
+    for (int p = 0; p < MOE_PHASES; p++)
+        ph[p] = m->phase_s[p] / phase_steps;
+    if (tr->comm) /* the slowest rank's phases */
+        MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, ph, MOE_PHASES));
+
+    const double rate = m->be->gemm_rate(m->be->on_device ? 8192 : 512);
+    MOE_CHECK(m->be->sync());
+    const double mem = (double)m->be->mem_in_use();
+    double mem_max = mem;
+    if (tr->comm)
+        MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &mem_max, 1));
+    if (tr->rank != 0)
+        return MOE_OK;
+
+    const double tokens = (double)r.sequences * cfg->seq_len; /* per step, all ranks */
+    const double tps = tokens / step_s, tps_gpu = tps / tr->world;
+    const double flops = moe_bench_flops_per_token(cfg) * tps_gpu;
+    fprintf(out, "bench: %d warm-up, %d timed, %d phase-timed steps; world %d, ep %d, %s, %s\n",
+            warmup, cfg->steps, phase_steps, tr->world, cfg->ep, m->be->name,
+            moe_trainer_precision(tr));
+    fprintf(out, "  tokens/s              %.0f (%.0f per %s)\n", tps, tps_gpu,
+            m->be->on_device ? "GPU" : "rank");
+    fprintf(out, "  step time             %.2f ms (%.0f tokens per step, final loss %.4f)\n",
+            1e3 * step_s, tokens, r.loss);
+    fprintf(out, "  model TFLOP/s         %.3g per %s (%.6g GFLOP per token)\n", flops / 1e12,
+            m->be->on_device ? "GPU" : "rank", moe_bench_flops_per_token(cfg) / 1e9);
+    if (rate > 0)
+        fprintf(out,
+                "  MFU                   %.1f%% of the backend's %s GEMM at n=%d: %.3g TFLOP/s\n",
+                100.0 * flops / rate, moe_trainer_precision(tr), m->be->on_device ? 8192 : 512,
+                rate / 1e12);
+    else
+        fprintf(out, "  MFU                   n/a (the GEMM rate could not be measured)\n");
+    static const char *names[MOE_PHASES] = {
+        "data", "forward", "backward", "exchange", "gradient reduction", "optimizer"};
+    double sum = 0;
+    for (int p = 0; p < MOE_PHASES; p++)
+        sum += ph[p];
+    fprintf(out, "  phases (ms per step, each boundary synchronised; the slowest rank):\n");
+    for (int p = 0; p < MOE_PHASES; p++)
+        fprintf(out, "    %-20s %9.2f  %5.1f%%\n", names[p], 1e3 * ph[p],
+                sum > 0 ? 100.0 * ph[p] / sum : 0.0);
+    fprintf(out, "    %-20s %9.2f\n", "sum", 1e3 * sum);
+    fprintf(out,
+            "  exposed communication %.2f ms per step (exchange + reduction, not overlapped)\n",
+            1e3 * (ph[MOE_PHASE_EXCHANGE] + ph[MOE_PHASE_REDUCTION]));
+    fprintf(out, "  memory                %.2f GiB %s (largest rank)\n", mem_max / 1073741824.0,
+            m->be->on_device ? "of device memory in use" : "peak resident");
+    fprintf(out,
+            "bench-result tokens_per_s=%.0f tokens_per_s_per_gpu=%.0f step_ms=%.3f "
+            "flops_per_token=%.6g tflops=%.4g mfu=%.4f phase_sum_ms=%.3f exposed_comm_ms=%.3f\n",
+            tps, tps_gpu, 1e3 * step_s, moe_bench_flops_per_token(cfg), flops / 1e12,
+            rate > 0 ? flops / rate : 0.0, 1e3 * sum,
+            1e3 * (ph[MOE_PHASE_EXCHANGE] + ph[MOE_PHASE_REDUCTION]));
+    return MOE_OK;
+}

@@ -1,0 +1,20 @@
+/* launcher/bench.h: `moe-dist bench CONFIG`: warm-up steps, timed steps, then a few steps
+ * with every phase timed; prints tokens/s, step time, model TFLOP/s, MFU against the
+ * backend's own GEMM timed in the same process, the phase breakdown and memory. */
+#ifndef MOE_LAUNCHER_BENCH_H
+#define MOE_LAUNCHER_BENCH_H
+
+#include <stdio.h>
+
+#include "runtime/trainer.h"
+
+/* Model FLOPs per token of one training step (forward and backward): 3 x (2 x the
+ * non-embedding parameters a token uses, LM head included, + causal attention 2*T*D per
+ * layer). */
+double moe_bench_flops_per_token(const moe_config *cfg);
+
+/* Runs the benchmark on a created trainer (collective: every rank calls it); rank 0
+ * prints. Training state advances as in `train`. */
+moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, FILE *out);
+
+#endif
