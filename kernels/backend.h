@@ -11,6 +11,7 @@
 #define MOE_KERNELS_BACKEND_H
 
 #include <stddef.h>
+#include <stdio.h>
 
 #include "kernels/ops.h"
 #include "util/status.h"
@@ -99,6 +100,10 @@ typedef struct moe_backend {
     /* Memory the process holds where the backend computes, in bytes: device memory in
      * use (cudaMemGetInfo) for cuda, the peak resident set for cpu. */
     size_t (*mem_in_use)(void);
+    /* Kernel profile: on != 0 starts timing every piece of stream work (kernels, library
+     * calls, copies) with events; on == 0 stops and prints the times by name to report
+     * (NULL: discard). NULL on the cpu. */
+    void (*profile)(int on, FILE *report);
 #ifdef __cplusplus
 #define MOE_OP_FIELD(fn) decltype(&::fn) fn;
 #else

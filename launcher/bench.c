@@ -36,7 +36,7 @@ static moe_status steps(moe_trainer *tr, int n, moe_step_result *last)
     return tr->model->be->sync();
 }
 
-moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, FILE *out)
+moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profile_steps, FILE *out)
 {
     moe_model *m = tr->model;
     const moe_config *cfg = &tr->cfg;
@@ -62,14 +62,25 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, FILE *out
     if (tr->comm) /* the slowest rank's phases */
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, ph, MOE_PHASES));
 
+    /* two more steps with every kernel timed (rank 0 prints the table) */
+    FILE *prof = NULL;
+    if (m->be->profile && profile_steps > 0) {
+        prof = tmpfile();
+        m->be->profile(1, NULL);
+        MOE_CHECK(steps(tr, profile_steps, &r));
+        m->be->profile(0, prof);
+    }
     const double rate = m->be->gemm_rate(m->be->on_device ? 8192 : 512);
     MOE_CHECK(m->be->sync());
     const double mem = (double)m->be->mem_in_use();
     double mem_max = mem;
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &mem_max, 1));
-    if (tr->rank != 0)
+    if (tr->rank != 0) {
+        if (prof)
+            fclose(prof);
         return MOE_OK;
+    }
 
     const double tokens = (double)r.sequences * cfg->seq_len; /* per step, all ranks */
     const double tps = tokens / step_s, tps_gpu = tps / tr->world;

@@ -1,6 +1,7 @@
 /* launcher/bench.h: `moe-dist bench CONFIG`: warm-up steps, timed steps, then a few steps
- * with every phase timed; prints tokens/s, step time, model TFLOP/s, MFU against the
- * backend's own GEMM timed in the same process, the phase breakdown and memory. */
+ * with every phase timed, then 2 with every kernel timed (GPU); prints tokens/s, step
+ * time, model TFLOP/s, MFU against the backend's own GEMM timed in the same process, the
+ * phase breakdown, memory and the kernel profile. */
 #ifndef MOE_LAUNCHER_BENCH_H
 #define MOE_LAUNCHER_BENCH_H
 
@@ -14,7 +15,9 @@
 double moe_bench_flops_per_token(const moe_config *cfg);
 
 /* Runs the benchmark on a created trainer (collective: every rank calls it); rank 0
- * prints. Training state advances as in `train`. */
-moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, FILE *out);
+ * prints. Training state advances as in `train`. profile_steps: more steps with the
+ * backend's kernel profile on (where it has one), printed by name. */
+moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profile_steps,
+                         FILE *out);
 
 #endif

@@ -206,7 +206,7 @@ static int cmd_train(const cli_args *a, int bench)
     moe_status st = MOE_OK;
     if (a->resume && (st = moe_trainer_resume(tr, a->resume)) != MOE_OK)
         return fail_job(st == MOE_ERR_INVALID ? EXIT_USAGE : 1);
-    st = bench ? moe_bench_run(tr, 2, 3, stdout) : moe_trainer_run(tr, stdout);
+    st = bench ? moe_bench_run(tr, 2, 3, 2, stdout) : moe_trainer_run(tr, stdout);
     if (st != MOE_OK)
         return fail_job(1);
     int stopped = tr->stopped;

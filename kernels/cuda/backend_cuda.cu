@@ -8,6 +8,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "kernels/cuda/cuda_common.cuh"
 
@@ -156,7 +157,10 @@ static void *cuda_alloc(size_t nbytes)
                    cudaGetErrorString(err));
         return NULL;
     }
-    if (!MOE_CUDA_OK(cudaMemsetAsync(p, 0, nbytes, g.stream))) {
+    MOE_CUDA_PROF_BEGIN("memset");
+    const cudaError_t zst = cudaMemsetAsync(p, 0, nbytes, g.stream);
+    MOE_CUDA_PROF_END();
+    if (!MOE_CUDA_OK(zst)) {
         MOE_CUDA_OK(cudaFree(p));
         return NULL;
     }
@@ -184,9 +188,135 @@ static void cuda_copy(void *dst, const void *src, size_t nbytes, moe_copy_kind k
     cudaMemcpyKind k = kind == MOE_COPY_H2D   ? cudaMemcpyHostToDevice
                        : kind == MOE_COPY_D2H ? cudaMemcpyDeviceToHost
                                               : cudaMemcpyDeviceToDevice;
+    MOE_CUDA_PROF_BEGIN(kind == MOE_COPY_H2D   ? "copy host to device"
+                        : kind == MOE_COPY_D2H ? "copy device to host"
+                                               : "copy device to device");
     MOE_CUDA_OK(cudaMemcpyAsync(dst, src, nbytes, k, g.stream));
+    MOE_CUDA_PROF_END();
     if (kind == MOE_COPY_D2H)
         MOE_CUDA_OK(cudaStreamSynchronize(g.stream));
+}
+
+/* ---- the kernel profile ---------------------------------------------------------------
+ * Each bracketed piece of work gets a pair of events from a pool; when the pool is full
+ * (and at the report) the stream is drained and the elapsed times are added to a table
+ * keyed by the name's address. The host time between launches shows as the gap between
+ * the sum of the pieces and the wall time. */
+#define PROF_PAIRS 4096
+#define PROF_NAMES 256
+
+int moe_cuda_profiling;
+static struct {
+    cudaEvent_t ev[2 * PROF_PAIRS];
+    const char *pending[PROF_PAIRS];
+    int n_pending, open;
+    const char *name[PROF_NAMES];
+    double ms[PROF_NAMES];
+    long calls[PROF_NAMES];
+    int n_names;
+    double t0;
+} prof;
+
+static void prof_drain(void)
+{
+    if (prof.n_pending == 0)
+        return;
+    if (!MOE_CUDA_OK(cudaEventSynchronize(prof.ev[2 * prof.n_pending - 1]))) {
+        prof.n_pending = 0;
+        return;
+    }
+    for (int i = 0; i < prof.n_pending; i++) {
+        float ms = 0;
+        if (!MOE_CUDA_OK(cudaEventElapsedTime(&ms, prof.ev[2 * i], prof.ev[2 * i + 1])))
+            continue;
+        int k = 0;
+        while (k < prof.n_names && prof.name[k] != prof.pending[i])
+            k++;
+        if (k == prof.n_names) {
+            if (prof.n_names == PROF_NAMES)
+                continue; /* the table is full: later names go uncounted */
+            prof.name[prof.n_names++] = prof.pending[i];
+            prof.ms[k] = 0;
+            prof.calls[k] = 0;
+        }
+        prof.ms[k] += ms;
+        prof.calls[k]++;
+    }
+    prof.n_pending = 0;
+}
+
+void moe_cuda_prof_begin(const char *name)
+{
+    if (prof.open)
+        return; /* nested (a library call inside a bracket): the outer one counts */
+    if (prof.n_pending == PROF_PAIRS)
+        prof_drain();
+    prof.pending[prof.n_pending] = name;
+    MOE_CUDA_OK(cudaEventRecord(prof.ev[2 * prof.n_pending], g.stream));
+    prof.open = 1;
+}
+
+void moe_cuda_prof_end(void)
+{
+    if (!prof.open)
+        return;
+    MOE_CUDA_OK(cudaEventRecord(prof.ev[2 * prof.n_pending + 1], g.stream));
+    prof.n_pending++;
+    prof.open = 0;
+}
+
+static double wall_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* on: start (the events are made on first use); off: drain, print the table sorted by
+ * time (every name) with the sum against the wall time since the start, and stop. */
+static void cuda_profile(int on, FILE *report)
+{
+    if (on) {
+        if (!prof.ev[0])
+            for (int i = 0; i < 2 * PROF_PAIRS; i++)
+                if (!MOE_CUDA_OK(cudaEventCreate(&prof.ev[i])))
+                    return;
+        MOE_CUDA_OK(cudaStreamSynchronize(g.stream));
+        prof.n_pending = prof.n_names = prof.open = 0;
+        prof.t0 = wall_seconds();
+        moe_cuda_profiling = 1;
+        return;
+    }
+    if (!moe_cuda_profiling)
+        return;
+    moe_cuda_profiling = 0;
+    prof_drain();
+    MOE_CUDA_OK(cudaStreamSynchronize(g.stream));
+    const double wall_ms = 1e3 * (wall_seconds() - prof.t0);
+    int order[PROF_NAMES];
+    double total = 0;
+    for (int i = 0; i < prof.n_names; i++) {
+        order[i] = i;
+        total += prof.ms[i];
+    }
+    for (int i = 1; i < prof.n_names; i++) /* insertion sort, largest first */
+        for (int j = i; j > 0 && prof.ms[order[j]] > prof.ms[order[j - 1]]; j--) {
+            int t = order[j];
+            order[j] = order[j - 1];
+            order[j - 1] = t;
+        }
+    if (!report)
+        return;
+    fprintf(report, "  kernel profile: %.2f ms of stream work in %.2f ms wall (%.1f%% busy)\n",
+            total, wall_ms, wall_ms > 0 ? 100.0 * total / wall_ms : 0.0);
+    fprintf(report, "    %-40s %8s %10s %9s %6s\n", "work", "calls", "total ms", "mean us",
+            "share");
+    for (int r = 0; r < prof.n_names; r++) {
+        const int i = order[r];
+        fprintf(report, "    %-40.40s %8ld %10.3f %9.1f %5.1f%%\n", prof.name[i], prof.calls[i],
+                prof.ms[i], 1e3 * prof.ms[i] / (prof.calls[i] ? prof.calls[i] : 1),
+                total > 0 ? 100.0 * prof.ms[i] / total : 0.0);
+    }
 }
 
 static moe_status cuda_sync(void)
@@ -253,6 +383,7 @@ static void fill_table(moe_backend *b)
     b->refresh_shadow = cuda_refresh_shadow;
     b->gemm_rate = cuda_gemm_rate;
     b->mem_in_use = cuda_mem_in_use;
+    b->profile = cuda_profile;
 #define MOE_OP_SET(fn) b->fn = cuda_##fn;
     MOE_OPS_LIST(MOE_OP_SET)
 #undef MOE_OP_SET

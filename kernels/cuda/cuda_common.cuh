@@ -74,11 +74,30 @@ static inline unsigned moe_cuda_blocks(size_t n, unsigned threads)
     return (unsigned)(b < 1 ? 1 : (b > cap ? cap : b));
 }
 
+/* ---- the kernel profile (backend's profile(): off unless asked) -------------------------
+ * Brackets one piece of stream work (a kernel, a library call, a copy) with CUDA events
+ * when the profile is on; `name` must be a string literal (its address is the key). */
+extern int moe_cuda_profiling;
+void moe_cuda_prof_begin(const char *name);
+void moe_cuda_prof_end(void);
+#define MOE_CUDA_PROF_BEGIN(name)                                                                  \
+    do {                                                                                           \
+        if (moe_cuda_profiling)                                                                    \
+            moe_cuda_prof_begin(name);                                                             \
+    } while (0)
+#define MOE_CUDA_PROF_END()                                                                        \
+    do {                                                                                           \
+        if (moe_cuda_profiling)                                                                    \
+            moe_cuda_prof_end();                                                                   \
+    } while (0)
+
 /* Launches kernel on the backend stream and checks the launch. */
 #define MOE_CUDA_LAUNCH(kernel, grid, block, smem, ...)                                            \
     do {                                                                                           \
+        MOE_CUDA_PROF_BEGIN(#kernel);                                                              \
         kernel<<<(grid), (block), (smem), moe_cuda_stream()>>>(__VA_ARGS__);                       \
         moe_cuda_check_at(cudaGetLastError(), __FILE__, __LINE__, "launch " #kernel);              \
+        MOE_CUDA_PROF_END();                                                                       \
     } while (0)
 
 #define MOE_CUDA_GRID_STRIDE(i, n)                                                                 \

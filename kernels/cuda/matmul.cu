@@ -286,8 +286,10 @@ static void gemm(int ta, int tb, int m, int n, int k, const void *A, int lda, co
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     size_t ws_bytes = 0;
     void *ws = moe_cuda_workspace(&ws_bytes);
+    MOE_CUDA_PROF_BEGIN("cublasLt GEMM");
     MOE_LT_OK(cublasLtMatmul(moe_cuda_lt(), p->op, &alpha, A, p->la, B, p->lb, &beta, C, p->lc, C,
                              p->lc, &p->algo, ws, ws_bytes, moe_cuda_stream()));
+    MOE_CUDA_PROF_END();
 }
 
 /* out (N,O) = x (N,I) W^T: out^T = op_T(W stored I x O) x^T. The operands are already in
@@ -400,10 +402,12 @@ static void grouped_flush(grouped_batch *g)
         }
         MOE_CUDA_LAUNCH(fill_pointers_kernel, 1, 256, 0, ptr_table, packed, 3 * n);
         const cudaDataType_t t = operand_type();
+        MOE_CUDA_PROF_BEGIN("cuBLAS grouped GEMM");
         const cublasStatus_t st = cublasGemmGroupedBatchedEx(
             blas, g->ta, g->tb, g->m, g->nn, g->k, g->alpha, (const void *const *)ptr_table, t,
             g->lda, (const void *const *)(ptr_table + n), t, g->ldb, g->beta, ptr_table + 2 * n,
             CUDA_R_32F, g->ldc, n, g->size, CUBLAS_COMPUTE_32F);
+        MOE_CUDA_PROF_END();
         if (st == CUBLAS_STATUS_SUCCESS) {
             n_grouped++;
             return;
