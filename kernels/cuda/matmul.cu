@@ -129,10 +129,17 @@ static const void *rounded_operand(const real *x, size_t n, int i)
 
 #define PLAN_SLOTS 1024
 
+/* n and k (the dimensions that follow the token count: rows of an expert vary every
+ * step) are keyed by bucket where they are a layout's column count (never bounded by a
+ * leading dimension), the next power of two above 64: the algorithm is chosen
+ * for the bucket's largest shape (so its workspace suffices) and the layouts are set to
+ * the real sizes at each call. Where cuBLASLt refuses that algorithm for a real shape,
+ * an exact plan (exact = 1) is built for it. */
 typedef struct {
     int ta, tb, m, n, k, lda, ldb, ldc;
     int align_a, align_b, align_c, accumulate;
     int operand_type; /* cudaDataType_t of A and B */
+    int exact;        /* n and k are the real sizes, not buckets */
 } gemm_key;
 
 typedef struct {
@@ -140,8 +147,19 @@ typedef struct {
     gemm_key key;
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t la, lb, lc;
+    int cur_n, cur_k; /* the sizes the layouts describe now */
     cublasLtMatmulAlgo_t algo;
 } gemm_plan;
+
+static int bucket(int x)
+{
+    if (x <= 64)
+        return x;
+    int b = 128;
+    while (b < x && b < (1 << 30))
+        b <<= 1;
+    return b;
+}
 
 static gemm_plan plans[PLAN_SLOTS];
 static int n_plans;
@@ -223,6 +241,8 @@ static int plan_build(gemm_plan *p, const gemm_key *k)
         goto done;
     }
     p->algo = result.algo;
+    p->cur_n = k->n;
+    p->cur_k = k->k;
     p->used = 1;
     ok = 1;
 done:
@@ -234,7 +254,7 @@ done:
 }
 
 /* The cached plan of k, built on first use; NULL on failure (recorded). */
-static const gemm_plan *plan_get(const gemm_key *k)
+static gemm_plan *plan_get(const gemm_key *k)
 {
     if (n_plans >= PLAN_SLOTS * 3 / 4) {
         for (int i = 0; i < PLAN_SLOTS; i++)
@@ -254,6 +274,29 @@ static const gemm_plan *plan_get(const gemm_key *k)
     return &plans[i];
 }
 
+/* Sets the plan's layouts to the real n and k (rows, columns as at plan_build). */
+static int plan_resize(gemm_plan *p, int n, int k)
+{
+    const gemm_key *q = &p->key;
+    const uint64_t ar = (uint64_t)(q->ta ? k : q->m), ac = (uint64_t)(q->ta ? q->m : k);
+    const uint64_t br = (uint64_t)(q->tb ? n : k), bc = (uint64_t)(q->tb ? k : n);
+    const uint64_t cc = (uint64_t)n;
+    if (!MOE_LT_OK(
+            cublasLtMatrixLayoutSetAttribute(p->la, CUBLASLT_MATRIX_LAYOUT_ROWS, &ar, sizeof ar)) ||
+        !MOE_LT_OK(
+            cublasLtMatrixLayoutSetAttribute(p->la, CUBLASLT_MATRIX_LAYOUT_COLS, &ac, sizeof ac)) ||
+        !MOE_LT_OK(
+            cublasLtMatrixLayoutSetAttribute(p->lb, CUBLASLT_MATRIX_LAYOUT_ROWS, &br, sizeof br)) ||
+        !MOE_LT_OK(
+            cublasLtMatrixLayoutSetAttribute(p->lb, CUBLASLT_MATRIX_LAYOUT_COLS, &bc, sizeof bc)) ||
+        !MOE_LT_OK(
+            cublasLtMatrixLayoutSetAttribute(p->lc, CUBLASLT_MATRIX_LAYOUT_COLS, &cc, sizeof cc)))
+        return 0;
+    p->cur_n = n;
+    p->cur_k = k;
+    return 1;
+}
+
 /* Column-major C (m,n) = op(A) op(B) (+ C when accumulate); C is contiguous (ldc = m). */
 static void gemm(int ta, int tb, int m, int n, int k, const void *A, int lda, const void *B,
                  int ldb, real *C, int ldc, int accumulate)
@@ -270,8 +313,8 @@ static void gemm(int ta, int tb, int m, int n, int k, const void *A, int lda, co
     key.ta = ta;
     key.tb = tb;
     key.m = m;
-    key.n = n;
-    key.k = k;
+    key.n = tb ? n : bucket(n);        /* bucketed only where it is a layout's */
+    key.k = !ta && tb ? bucket(k) : k; /* column count, free of the leading dimension */
     key.lda = lda;
     key.ldb = ldb;
     key.ldc = ldc;
@@ -280,16 +323,32 @@ static void gemm(int ta, int tb, int m, int n, int k, const void *A, int lda, co
     key.align_c = alignment(C);
     key.accumulate = accumulate;
     key.operand_type = (int)operand_type();
-    const gemm_plan *p = plan_get(&key);
-    if (!p)
-        return;
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     size_t ws_bytes = 0;
     void *ws = moe_cuda_workspace(&ws_bytes);
-    MOE_CUDA_PROF_BEGIN("cublasLt GEMM");
-    MOE_LT_OK(cublasLtMatmul(moe_cuda_lt(), p->op, &alpha, A, p->la, B, p->lb, &beta, C, p->lc, C,
-                             p->lc, &p->algo, ws, ws_bytes, moe_cuda_stream()));
-    MOE_CUDA_PROF_END();
+    for (int exact = 0; exact < 2; exact++) {
+        if (exact) { /* the bucket's algorithm was refused for this shape */
+            key.exact = 1;
+            key.n = n;
+            key.k = k;
+        }
+        gemm_plan *p = plan_get(&key);
+        if (!p)
+            return;
+        if ((p->cur_n != n || p->cur_k != k) && !plan_resize(p, n, k))
+            return;
+        MOE_CUDA_PROF_BEGIN("cublasLt GEMM");
+        const cublasStatus_t st =
+            cublasLtMatmul(moe_cuda_lt(), p->op, &alpha, A, p->la, B, p->lb, &beta, C, p->lc, C,
+                           p->lc, &p->algo, ws, ws_bytes, moe_cuda_stream());
+        MOE_CUDA_PROF_END();
+        if (st == CUBLAS_STATUS_SUCCESS)
+            return;
+        if (exact || (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)) {
+            MOE_LT_OK(st);
+            return;
+        }
+    }
 }
 
 /* out (N,O) = x (N,I) W^T: out^T = op_T(W stored I x O) x^T. The operands are already in
