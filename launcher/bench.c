@@ -36,6 +36,10 @@ static moe_status steps(moe_trainer *tr, int n, moe_step_result *last)
     return tr->model->be->sync();
 }
 
+static void print_report(const moe_trainer *tr, double step_s, const double *ph, double rate,
+                         double mem_max, const moe_step_result *last, int warmup, int phase_steps,
+                         FILE *out);
+
 moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profile_steps, FILE *out)
 {
     moe_model *m = tr->model;
@@ -62,26 +66,33 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     if (tr->comm) /* the slowest rank's phases */
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, ph, MOE_PHASES));
 
-    /* two more steps with every kernel timed (rank 0 prints the table) */
-    FILE *prof = NULL;
-    if (m->be->profile && profile_steps > 0) {
-        prof = tmpfile();
-        m->be->profile(1, NULL);
-        MOE_CHECK(steps(tr, profile_steps, &r));
-        m->be->profile(0, prof);
-    }
     const double rate = m->be->gemm_rate(m->be->on_device ? 8192 : 512);
     MOE_CHECK(m->be->sync());
     const double mem = (double)m->be->mem_in_use();
     double mem_max = mem;
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &mem_max, 1));
-    if (tr->rank != 0) {
-        if (prof)
-            fclose(prof);
-        return MOE_OK;
+    if (tr->rank == 0)
+        print_report(tr, step_s, ph, rate, mem_max, &r, warmup, phase_steps, out);
+    /* more steps with every kernel timed; rank 0 prints the table */
+    if (m->be->profile && profile_steps > 0) {
+        m->be->profile(1, NULL);
+        MOE_CHECK(steps(tr, profile_steps, &r));
+        if (tr->rank == 0)
+            fprintf(out, "kernels of %d more steps (each piece of stream work between events):\n",
+                    profile_steps);
+        m->be->profile(0, tr->rank == 0 ? out : NULL);
     }
+    return MOE_OK;
+}
 
+static void print_report(const moe_trainer *tr, double step_s, const double *ph, double rate,
+                         double mem_max, const moe_step_result *last, int warmup, int phase_steps,
+                         FILE *out)
+{
+    const moe_model *m = tr->model;
+    const moe_config *cfg = &tr->cfg;
+    const moe_step_result r = *last;
     const double tokens = (double)r.sequences * cfg->seq_len; /* per step, all ranks */
     const double tps = tokens / step_s, tps_gpu = tps / tr->world;
     const double flops = moe_bench_flops_per_token(cfg) * tps_gpu;
@@ -122,5 +133,4 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
             tps, tps_gpu, 1e3 * step_s, moe_bench_flops_per_token(cfg), flops / 1e12,
             rate > 0 ? flops / rate : 0.0, 1e3 * sum,
             1e3 * (ph[MOE_PHASE_EXCHANGE] + ph[MOE_PHASE_REDUCTION]));
-    return MOE_OK;
 }

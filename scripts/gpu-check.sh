@@ -55,8 +55,5 @@ for tool in memcheck racecheck; do
   echo "compute-sanitizer $tool test_cuda_model: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_${tool}.log") clean summaries)"
 done
 if [ "${BENCH:-1}" = 1 ]; then
-  timeout 240 ./$B/moe-dist train configs/bench-h200.ini --set log.jsonl="$OUT/bench.jsonl" \
-    >"$OUT/bench.log" 2>&1; echo "bench: exit $?"; tail -3 "$OUT/bench.log"
-  timeout 150 python3 .device-kit/peers/hf_mixtral_bench.py 4 32 8 2048 >"$OUT/peer_eager.log" 2>&1
-  echo "peer eager: exit $?"; tail -1 "$OUT/peer_eager.log"
+  OUT=$OUT B=$B bash scripts/gpu-bench.sh
 fi
