@@ -85,8 +85,10 @@ moe_status moe_comm_exchange_host_start(moe_comm *c, const void *send, const siz
                                         moe_comm_handle after, moe_comm_handle *done);
 
 /* Collective: from now on the gradient allreduce and the token exchange take device
- * buffers and go through NCCL on `stream` (a cudaStream_t), the compute stream, so they
- * follow the kernels that produced their inputs; communicators are bootstrapped over MPI.
+ * buffers and go through NCCL, each on a stream of its own ordered after `stream` (a
+ * cudaStream_t, the compute stream) by events, so they follow the kernels that produced
+ * their inputs; a wait makes the compute stream wait for the operation (the reduction
+ * runs beside the rest of backward). Communicators are bootstrapped over MPI.
  * Host collectives (counts, sums, gathers) stay on MPI. Builds without CUDA: an error. */
 moe_status moe_comm_enable_device(moe_comm *c, void *stream);
 
@@ -101,6 +103,17 @@ moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h);
 /* Blocking sum of n doubles / int64s over group g, in place. */
 moe_status moe_comm_sum_doubles(moe_comm *c, moe_group g, double *vals, int n);
 moe_status moe_comm_sum_int64(moe_comm *c, moe_group g, int64_t *vals, int n);
+/* Time spent communicating, per kind, since the last call (which zeroes it): the token
+ * exchange (its counts included) and the gradient reduction. total: the operations'
+ * own time on their streams (GPU); exposed: how long the compute stream, out of work,
+ * waited for them (GPU). With MPI both are the host's time inside the wait (MPI may move
+ * the data only there, so no overlap is claimed). Local. */
+typedef struct {
+    double exchange_s, exchange_exposed_s;
+    double reduction_s, reduction_exposed_s;
+} moe_comm_times;
+void moe_comm_take_times(moe_comm *c, moe_comm_times *out);
+
 /* Blocking element-wise maximum of n doubles over group g, in place. */
 moe_status moe_comm_max_doubles(moe_comm *c, moe_group g, double *vals, int n);
 

@@ -43,6 +43,7 @@ struct moe_comm {
     int *scratch_peer;
     struct moe_nccl *nccl; /* GPU runs: device-memory collectives go through NCCL */
     char *is_device;       /* per handle: 1 when it is an NCCL event */
+    moe_comm_times times;  /* since the last moe_comm_take_times */
 };
 
 /* req_peer encoding: recv from EP peer p = p; send to p = -2 - p; collective = -1. */
@@ -296,15 +297,29 @@ moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h)
         MOE_FAIL(MOE_ERR_INVALID, "wait on an invalid communication handle %d", h);
     int n = c->n_req[h];
     c->n_req[h] = -1;
+    /* a reduction (world or EDP) or a token exchange (EP) */
+    const int reduction = c->group[h] != MOE_GROUP_EP;
+    double total = 0, exposed = 0;
 #ifdef MOE_HAVE_CUDA
     if (c->is_device[h]) {
         c->is_device[h] = 0;
-        return moe_nccl_wait(c->nccl, h, c->timeout_s, c->what[h]);
+        MOE_CHECK(moe_nccl_wait(c->nccl, h, c->timeout_s, c->what[h], &total, &exposed));
     }
 #endif
-    size_t at = (size_t)h * c->reqs_per_handle;
-    if (n > 0)
+    if (n > 0) { /* MPI requests: what the host spends in the wait (MPI may move the data
+                    only there), counted as both total and exposed: no claim of overlap */
+        size_t at = (size_t)h * c->reqs_per_handle;
+        const double t0 = now_seconds();
         MOE_CHECK(poll_requests(c, c->req + at, c->req_peer + at, n, c->what[h], c->group[h]));
+        exposed = total = now_seconds() - t0;
+    }
+    if (reduction) {
+        c->times.reduction_s += total;
+        c->times.reduction_exposed_s += exposed;
+    } else {
+        c->times.exchange_s += total;
+        c->times.exchange_exposed_s += exposed;
+    }
     return MOE_OK;
 }
 
@@ -417,8 +432,11 @@ moe_status moe_comm_exchange_counts(moe_comm *c, const int64_t *send, int64_t *r
         c->scratch_peer[n++] = send_peer(p);
     }
     MPI_TRY(rc, "token-count exchange");
+    const double t0 = now_seconds();
     MOE_CHECK(
         poll_requests(c, c->scratch, c->scratch_peer, n, "token-count exchange", MOE_GROUP_EP));
+    c->times.exchange_s += now_seconds() - t0; /* blocking: all of it is exposed */
+    c->times.exchange_exposed_s += now_seconds() - t0;
     return MOE_OK;
 }
 
@@ -521,6 +539,16 @@ fail:
     free(counts);
     free(displs);
     return st;
+}
+
+void moe_comm_take_times(moe_comm *c, moe_comm_times *out)
+{
+    if (!c) {
+        memset(out, 0, sizeof *out);
+        return;
+    }
+    *out = c->times;
+    memset(&c->times, 0, sizeof c->times);
 }
 
 moe_status moe_comm_enable_device(moe_comm *c, void *stream)

@@ -27,18 +27,25 @@ double moe_bench_flops_per_token(const moe_config *cfg)
     return 3.0 * (2.0 * params + L * 2.0 * T * D);
 }
 
-static moe_status steps(moe_trainer *tr, int n, moe_step_result *last)
+/* n steps; comm (may be NULL) += their communication times, 4 values as moe_step_result */
+static moe_status steps(moe_trainer *tr, int n, moe_step_result *last, double *comm)
 {
     for (int i = 0; i < n; i++) {
         MOE_CHECK(moe_trainer_accumulate(tr, last));
         MOE_CHECK(moe_trainer_apply(tr, last));
+        if (comm) {
+            comm[0] += last->exchange_s;
+            comm[1] += last->exchange_exposed_s;
+            comm[2] += last->reduction_s;
+            comm[3] += last->reduction_exposed_s;
+        }
     }
     return tr->model->be->sync();
 }
 
-static void print_report(const moe_trainer *tr, double step_s, const double *ph, double rate,
-                         double mem_max, const moe_step_result *last, int warmup, int phase_steps,
-                         FILE *out);
+static void print_report(const moe_trainer *tr, double step_s, const double *ph, const double *comm,
+                         double rate, double mem_max, const moe_step_result *last, int warmup,
+                         int phase_steps, FILE *out);
 
 moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profile_steps, FILE *out)
 {
@@ -47,18 +54,19 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     moe_step_result r;
     memset(&r, 0, sizeof r);
     double sync = 0; /* a maximum over the world: every rank leaves it together */
-    MOE_CHECK(steps(tr, warmup, &r));
+    MOE_CHECK(steps(tr, warmup, &r, NULL));
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
     const double t0 = moe_clock_seconds();
-    MOE_CHECK(steps(tr, cfg->steps, &r));
+    double comm[4] = {0};
+    MOE_CHECK(steps(tr, cfg->steps, &r, comm));
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
     const double step_s = (moe_clock_seconds() - t0) / cfg->steps;
 
     memset(m->phase_s, 0, sizeof m->phase_s);
     m->timing = 1;
-    MOE_CHECK(steps(tr, phase_steps, &r));
+    MOE_CHECK(steps(tr, phase_steps, &r, NULL));
     m->timing = 0;
     double ph[MOE_PHASES];
     for (int p = 0; p < MOE_PHASES; p++)
@@ -72,12 +80,16 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     double mem_max = mem;
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &mem_max, 1));
+    for (int i = 0; i < 4; i++)
+        comm[i] /= cfg->steps;
+    if (tr->comm) /* the slowest rank's */
+        MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, comm, 4));
     if (tr->rank == 0)
-        print_report(tr, step_s, ph, rate, mem_max, &r, warmup, phase_steps, out);
+        print_report(tr, step_s, ph, comm, rate, mem_max, &r, warmup, phase_steps, out);
     /* more steps with every kernel timed; rank 0 prints the table */
     if (m->be->profile && profile_steps > 0) {
         m->be->profile(1, NULL);
-        MOE_CHECK(steps(tr, profile_steps, &r));
+        MOE_CHECK(steps(tr, profile_steps, &r, NULL));
         if (tr->rank == 0)
             fprintf(out, "kernels of %d more steps (each piece of stream work between events):\n",
                     profile_steps);
@@ -86,9 +98,9 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     return MOE_OK;
 }
 
-static void print_report(const moe_trainer *tr, double step_s, const double *ph, double rate,
-                         double mem_max, const moe_step_result *last, int warmup, int phase_steps,
-                         FILE *out)
+static void print_report(const moe_trainer *tr, double step_s, const double *ph, const double *comm,
+                         double rate, double mem_max, const moe_step_result *last, int warmup,
+                         int phase_steps, FILE *out)
 {
     const moe_model *m = tr->model;
     const moe_config *cfg = &tr->cfg;
@@ -125,12 +137,20 @@ static void print_report(const moe_trainer *tr, double step_s, const double *ph,
     fprintf(out,
             "  exposed communication %.2f ms per step (exchange + reduction, not overlapped)\n",
             1e3 * (ph[MOE_PHASE_EXCHANGE] + ph[MOE_PHASE_REDUCTION]));
+    const double ctot = comm[0] + comm[2], cexp = comm[1] + comm[3];
+    fprintf(out,
+            "  communication         %.2f ms per step, %.2f ms exposed (%.1f%% hidden): exchange "
+            "%.2f (exposed %.2f), gradient reduction %.2f (exposed %.2f); untimed steps, "
+            "slowest rank\n",
+            1e3 * ctot, 1e3 * cexp, ctot > 0 ? fmax(0.0, 100.0 * (1.0 - cexp / ctot)) : 100.0,
+            1e3 * comm[0], 1e3 * comm[1], 1e3 * comm[2], 1e3 * comm[3]);
     fprintf(out, "  memory                %.2f GiB %s (largest rank)\n", mem_max / 1073741824.0,
             m->be->on_device ? "of device memory in use" : "peak resident");
     fprintf(out,
             "bench-result tokens_per_s=%.0f tokens_per_s_per_gpu=%.0f step_ms=%.3f "
-            "flops_per_token=%.6g tflops=%.4g mfu=%.4f phase_sum_ms=%.3f exposed_comm_ms=%.3f\n",
+            "flops_per_token=%.6g tflops=%.4g mfu=%.4f phase_sum_ms=%.3f exposed_comm_ms=%.3f "
+            "comm_ms=%.3f comm_exposed_ms=%.3f\n",
             tps, tps_gpu, 1e3 * step_s, moe_bench_flops_per_token(cfg), flops / 1e12,
             rate > 0 ? flops / rate : 0.0, 1e3 * sum,
-            1e3 * (ph[MOE_PHASE_EXCHANGE] + ph[MOE_PHASE_REDUCTION]));
+            1e3 * (ph[MOE_PHASE_EXCHANGE] + ph[MOE_PHASE_REDUCTION]), 1e3 * ctot, 1e3 * cexp);
 }

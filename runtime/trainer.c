@@ -239,6 +239,12 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
         MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, sums, 6));
         moe_model_phase_end(m, t, MOE_PHASE_REDUCTION);
     }
+    moe_comm_times ct;
+    moe_comm_take_times(tr->comm, &ct);
+    res->exchange_s = ct.exchange_s;
+    res->exchange_exposed_s = ct.exchange_exposed_s;
+    res->reduction_s = ct.reduction_s;
+    res->reduction_exposed_s = ct.reduction_exposed_s;
     const double tokens = (double)S * tr->cfg.seq_len;
     res->ce = sums[0] / tokens;
     res->aux = sums[1] / ((double)tr->world * accum); /* mean over the step's micro-batches */
@@ -357,6 +363,9 @@ static void print_progress(const moe_trainer *tr, const moe_step_result *r, doub
         fprintf(out, " dropped %lld", (long long)r->dropped);
     if (tr->world > 1)
         fprintf(out, " a2a %.1fMB", r->a2a_bytes / 1e6);
+    if (tr->world > 1)
+        fprintf(out, " comm %.1fms exposed %.1fms", 1e3 * (r->exchange_s + r->reduction_s),
+                1e3 * (r->exchange_exposed_s + r->reduction_exposed_s));
     if (tr->scaling)
         fprintf(out, " scale %.0f skipped %lld%s", r->loss_scale, (long long)tr->skipped_steps,
                 r->skipped ? " (this step)" : "");
@@ -408,12 +417,14 @@ static void write_jsonl(FILE *f, const moe_step_result *r, double tok_per_s)
             "{\"step\":%d,\"loss\":%s,\"ce\":%s,\"aux\":%s,\"z\":%s,\"grad_norm\":%s,"
             "\"lr\":%.9g,\"sequences\":%lld,\"dropped\":%lld,\"a2a_bytes\":%lld,"
             "\"a2a_bytes_saved\":%lld,\"loss_scale\":%.9g,\"skipped\":%d,\"step_s\":%.6f,"
-            "\"tok_per_s\":%.1f}\n",
+            "\"tok_per_s\":%.1f,\"exchange_ms\":%.4f,\"exchange_exposed_ms\":%.4f,"
+            "\"reduction_ms\":%.4f,\"reduction_exposed_ms\":%.4f}\n",
             r->step + 1, json_num(loss, sizeof loss, r->loss), json_num(ce, sizeof ce, r->ce),
             json_num(aux, sizeof aux, r->aux), json_num(z, sizeof z, r->z),
             json_num(norm, sizeof norm, r->grad_norm), r->lr, (long long)r->sequences,
             (long long)r->dropped, (long long)r->a2a_bytes, (long long)r->a2a_saved, r->loss_scale,
-            r->skipped, r->seconds, tok_per_s);
+            r->skipped, r->seconds, tok_per_s, 1e3 * r->exchange_s, 1e3 * r->exchange_exposed_s,
+            1e3 * r->reduction_s, 1e3 * r->reduction_exposed_s);
     fflush(f);
 }
 

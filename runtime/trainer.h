@@ -41,6 +41,9 @@ typedef struct {
     double seconds;    /* wall time of the step */
     int skipped;       /* fp16: the step found non-finite gradients and was skipped */
     double loss_scale; /* the loss scale this step ran with (1 without scaling) */
+    /* this rank's communication time in the step (comm.h moe_comm_times): the token
+     * exchange and the gradient reduction, each total and exposed */
+    double exchange_s, exchange_exposed_s, reduction_s, reduction_exposed_s;
 } moe_step_result;
 
 /* A gradient bucket: the tensors of one backward stage, dense and expert ranges. */

@@ -46,14 +46,9 @@ python3 tests/torch/check_mixtral_export.py ./$B/moe-dist --device cuda >"$OUT/m
 echo "mixtral export check: exit $?"
 bash tests/gpu/loss_scaling.sh ./$B/moe-dist . >"$OUT/loss_scaling.log" 2>&1
 echo "fp16 loss scaling: exit $?"; grep -E "^ok|FAIL|scales" "$OUT/loss_scaling.log"
-timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 ./$B/tests/test_cuda_ops \
-  >"$OUT/sanitizer_ops.log" 2>&1
-echo "compute-sanitizer memcheck test_cuda_ops: exit $?"
-for tool in memcheck racecheck; do
-  timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 ./$B/tests/test_cuda_model \
-    >"$OUT/sanitizer_${tool}.log" 2>&1
-  echo "compute-sanitizer $tool test_cuda_model: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_${tool}.log") clean summaries)"
-done
+if [ "${SANITIZE:-1}" = 1 ]; then
+  OUT=$OUT B=$B bash scripts/gpu-sanitize.sh
+fi
 if [ "${BENCH:-1}" = 1 ]; then
   OUT=$OUT B=$B bash scripts/gpu-bench.sh
 fi

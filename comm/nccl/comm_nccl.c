@@ -6,11 +6,19 @@
 #include <stdlib.h>
 #include <time.h>
 
+/* Streams: the token exchange runs on `xstream`, the gradient reduction on `gstream`,
+ * each after an event (`ready`) recorded on the compute stream when the operation is
+ * queued; its handle is the event `events[h]` recorded after it. Waiting polls that event
+ * (host side, with the deadline) and then makes the compute stream wait for it, so the
+ * compute stream never waits longer than the data dependency. `arrive[h]` is recorded on
+ * the compute stream when the wait begins; exposed time = done - arrive when positive
+ * (the compute stream had nothing left to do), total = done - start. */
 struct moe_nccl {
     ncclComm_t comm[3];
     int ranks[3];
-    cudaStream_t stream;
-    cudaEvent_t *events;
+    cudaStream_t stream;           /* compute */
+    cudaStream_t xstream, gstream; /* token exchange, gradient reduction */
+    cudaEvent_t *events, *ready, *start, *arrive;
     int n_events;
 };
 
@@ -64,13 +72,28 @@ moe_status moe_nccl_create(moe_nccl **out, MPI_Comm groups[3], void *stream, int
             st = MOE_ERR_COMM;
         }
     }
+    n->ready = calloc((size_t)n_events, sizeof *ev);
+    n->start = calloc((size_t)n_events, sizeof *ev);
+    n->arrive = calloc((size_t)n_events, sizeof *ev);
+    if (st == MOE_OK && (!n->ready || !n->start || !n->arrive)) {
+        moe_log_at(__FILE__, __LINE__, "cannot allocate the NCCL events");
+        st = MOE_ERR_NOMEM;
+    }
+    if (st == MOE_OK &&
+        (cudaStreamCreateWithFlags(&n->xstream, cudaStreamNonBlocking) != cudaSuccess ||
+         cudaStreamCreateWithFlags(&n->gstream, cudaStreamNonBlocking) != cudaSuccess)) {
+        moe_log_at(__FILE__, __LINE__, "cannot create the communication streams");
+        st = MOE_ERR_DEVICE;
+    }
     for (int i = 0; i < n_events && st == MOE_OK; i++) {
-        if (cudaEventCreateWithFlags(&ev[i], cudaEventDisableTiming) != cudaSuccess) {
+        if (cudaEventCreate(&ev[i]) != cudaSuccess ||
+            cudaEventCreate(&n->ready[i]) != cudaSuccess ||
+            cudaEventCreate(&n->start[i]) != cudaSuccess ||
+            cudaEventCreate(&n->arrive[i]) != cudaSuccess) {
             moe_log_at(__FILE__, __LINE__, "cudaEventCreate failed");
             st = MOE_ERR_DEVICE;
-        } else {
-            n->n_events = i + 1;
         }
+        n->n_events = i + 1; /* destroy releases whatever was made */
     }
     if (st != MOE_OK) {
         moe_nccl_destroy(n);
@@ -87,44 +110,62 @@ void moe_nccl_destroy(moe_nccl *n)
     for (int g = 0; g < 3; g++)
         if (n->comm[g])
             ncclCommDestroy(n->comm[g]);
-    for (int i = 0; i < n->n_events; i++)
-        cudaEventDestroy(n->events[i]);
+    for (int i = 0; i < n->n_events; i++) {
+        cudaEvent_t *all[4] = {n->events, n->ready, n->start, n->arrive};
+        for (int k = 0; k < 4; k++)
+            if (all[k] && all[k][i])
+                cudaEventDestroy(all[k][i]);
+    }
+    if (n->xstream)
+        cudaStreamDestroy(n->xstream);
+    if (n->gstream)
+        cudaStreamDestroy(n->gstream);
     free(n->events);
+    free(n->ready);
+    free(n->start);
+    free(n->arrive);
     free(n);
 }
 
-static moe_status record(moe_nccl *n, int event)
+/* The side stream waits for what the compute stream has queued so far. */
+static moe_status begin_on(moe_nccl *n, cudaStream_t side, int event)
 {
-    CUDA_TRY(cudaEventRecord(n->events[event], n->stream), "recording a communication event");
+    CUDA_TRY(cudaEventRecord(n->ready[event], n->stream), "recording a communication event");
+    CUDA_TRY(cudaStreamWaitEvent(side, n->ready[event], 0), "ordering a communication stream");
+    CUDA_TRY(cudaEventRecord(n->start[event], side), "recording a communication event");
     return MOE_OK;
 }
 
 moe_status moe_nccl_allreduce(moe_nccl *n, int group, void *buf, size_t count, size_t elem_bytes,
                               int event)
 {
+    MOE_CHECK(begin_on(n, n->gstream, event));
     NCCL_TRY(ncclAllReduce(buf, buf, count, elem_bytes == 8 ? ncclFloat64 : ncclFloat32, ncclSum,
-                           n->comm[group], n->stream),
+                           n->comm[group], n->gstream),
              "gradient allreduce");
-    return record(n, event);
+    CUDA_TRY(cudaEventRecord(n->events[event], n->gstream), "recording a communication event");
+    return MOE_OK;
 }
 
 moe_status moe_nccl_exchange(moe_nccl *n, int peers, const void *send, const size_t *send_counts,
                              const size_t *send_displs, void *recv, const size_t *recv_counts,
                              const size_t *recv_displs, int event)
 {
+    MOE_CHECK(begin_on(n, n->xstream, event));
     NCCL_TRY(ncclGroupStart(), "token exchange");
     for (int p = 0; p < peers; p++) {
         if (send_counts[p])
             NCCL_TRY(ncclSend((const char *)send + send_displs[p], send_counts[p], ncclUint8, p,
-                              n->comm[1], n->stream),
+                              n->comm[1], n->xstream),
                      "token exchange");
         if (recv_counts[p])
             NCCL_TRY(ncclRecv((char *)recv + recv_displs[p], recv_counts[p], ncclUint8, p,
-                              n->comm[1], n->stream),
+                              n->comm[1], n->xstream),
                      "token exchange");
     }
     NCCL_TRY(ncclGroupEnd(), "token exchange");
-    return record(n, event);
+    CUDA_TRY(cudaEventRecord(n->events[event], n->xstream), "recording a communication event");
+    return MOE_OK;
 }
 
 static double now_s(void)
@@ -134,13 +175,32 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *what)
+/* Milliseconds from event a to event b, both complete; 0 if unreadable. */
+static double elapsed_ms(cudaEvent_t a, cudaEvent_t b)
+{
+    float ms = 0;
+    return cudaEventElapsedTime(&ms, a, b) == cudaSuccess ? ms : 0.0;
+}
+
+moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *what,
+                         double *total_s, double *exposed_s)
 {
     const double deadline = now_s() + timeout_s;
+    CUDA_TRY(cudaEventRecord(n->arrive[event], n->stream), "recording a communication event");
     for (;;) {
         cudaError_t q = cudaEventQuery(n->events[event]);
-        if (q == cudaSuccess)
+        if (q == cudaSuccess) {
+            CUDA_TRY(cudaStreamWaitEvent(n->stream, n->events[event], 0),
+                     "ordering the compute stream after communication");
+            /* arrive follows work the compute stream had queued: wait for it to read the
+             * times (the reduction's waits come at the end of backward; an exchange's
+             * arrive directly follows its ready event) */
+            CUDA_TRY(cudaEventSynchronize(n->arrive[event]), "timing communication");
+            const double exposed = elapsed_ms(n->arrive[event], n->events[event]);
+            *total_s = 1e-3 * elapsed_ms(n->start[event], n->events[event]);
+            *exposed_s = exposed > 0 ? 1e-3 * exposed : 0.0;
             return MOE_OK;
+        }
         if (q != cudaErrorNotReady)
             MOE_FAIL(MOE_ERR_DEVICE, "%s: %s", what, cudaGetErrorString(q));
         for (int g = 0; g < 3; g++) {

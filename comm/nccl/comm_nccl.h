@@ -1,7 +1,8 @@
 /* comm/nccl/comm_nccl.h: the device half of comm/ for GPU runs: NCCL communicators of the
  * world, EP and EDP groups (bootstrapped over their MPI communicators), and the two
- * collectives whose buffers live on the GPU (gradient allreduce, token exchange), queued
- * on the compute stream so they follow the kernels that produced their inputs. A handle is
+ * collectives whose buffers live on the GPU (gradient allreduce, token exchange), each on
+ * its own stream after an event of the compute stream, so they follow the kernels that
+ * produced their inputs and the reduction runs beside the rest of backward. A handle is
  * a CUDA event recorded after the operation; waiting polls it and
  * ncclCommGetAsyncError with the comm timeout, and a failure or timeout aborts the NCCL
  * communicators so the job can end (launcher/ calls MPI_Abort). Internal to comm/. */
@@ -24,7 +25,10 @@ moe_status moe_nccl_allreduce(moe_nccl *n, int group, void *buf, size_t count, s
 moe_status moe_nccl_exchange(moe_nccl *n, int peers, const void *send, const size_t *send_counts,
                              const size_t *send_displs, void *recv, const size_t *recv_counts,
                              const size_t *recv_displs, int event);
-/* Waits for the event of a handle, up to timeout_s; names `what` on failure. */
-moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *what);
+/* Waits for the event of a handle, up to timeout_s; names `what` on failure. Then the
+ * compute stream waits for it too. total_s: the operation's time on its stream;
+ * exposed_s: how long the compute stream, having run out of work, waited for it. */
+moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *what,
+                         double *total_s, double *exposed_s);
 
 #endif
