@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a 2-GPU host (after `. .device-kit/setup.sh`): the NCCL path. Trains the tiny config on
 # 2 GPUs (ep 2 and ep 1) and on 2 CPU ranks, compares the losses, and times the bench shape
-# on 2 GPUs with ep 2 next to the peer's DDP. Logs under $OUT.
+# on 2 GPUs with ep 2 (`moe-dist bench`: tokens/s, phases, communication total and
+# exposed) next to the peer's DDP. Logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-gpu2-out}
 mkdir -p "$OUT"
@@ -38,9 +39,10 @@ for n in ("gpu_w2ep2", "gpu_w2ep1", "gpu_w1", "gpu_w2ep2_bf16"):
 PY
 tail -2 "$OUT/gpu_w2ep2.log"
 if [ "${BENCH:-1}" = 1 ]; then
-  timeout 200 mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE=0 ./$B/moe-dist train \
-    configs/bench-h200.ini --set parallel.ep=2 --set log.jsonl="$OUT/bench2.jsonl" \
-    >"$OUT/bench2.log" 2>&1; echo "bench 2 GPUs ep 2: exit $?"; tail -2 "$OUT/bench2.log"
+  timeout 240 mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE=0 ./$B/moe-dist bench \
+    configs/bench-h200.ini --set parallel.ep=2 >"$OUT/bench2.log" 2>&1
+  echo "moe-dist bench, 2 GPUs ep 2: exit $?"
+  sed -n '/^bench:/,/^bench-result/p' "$OUT/bench2.log" | cut -c1-200
   timeout 150 torchrun --nproc_per_node=2 .device-kit/peers/hf_mixtral_bench.py 4 32 8 2048 \
     >"$OUT/peer_ddp.log" 2>&1; echo "peer DDP: exit $?"; grep hf-mixtral "$OUT/peer_ddp.log"
 fi
