@@ -768,8 +768,6 @@ static __global__ void __launch_bounds__(FA_THREADS)
 
 /* ---- dispatch ---- */
 
-extern "C" moe_precision cuda_gemm_precision(void); /* matmul.cu */
-
 /* The device's compute capability and opt-in shared memory per block, asked once (the
  * backend uses one device). */
 static void fa_device(int *cc, int *smem_max)

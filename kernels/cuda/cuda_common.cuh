@@ -46,6 +46,11 @@ int moe_cuda_lt_check_at(cublasStatus_t st, const char *file, int line, const ch
 #define MOE_LT_OK(call) moe_cuda_lt_check_at((call), __FILE__, __LINE__, #call)
 #define MOE_CUDA_FAIL(...) moe_cuda_fail_at(__FILE__, __LINE__, __VA_ARGS__)
 
+/* The precision set for the GEMMs (matmul.cu). fp32 mode is the reference mode: its
+ * elementwise exponentials run in double as the CPU reference does; the 16-bit modes use
+ * float ones (GPUs for fp16, the T4, run double at 1/32 of float). */
+extern "C" moe_precision cuda_gemm_precision(void);
+
 /* The backend's cuBLASLt handle and its persistent workspace (matmul.cu). */
 cublasLtHandle_t moe_cuda_lt(void);
 void *moe_cuda_workspace(size_t *nbytes);

@@ -1,8 +1,8 @@
 /* kernels/cuda/loss.cu: token cross-entropy (lse of the logits minus the target's logit)
- * and its backward. Forward: one block per row, max in float, exponentials in float
- * (expf) summed in double with a fixed-order block reduction. Backward: one thread per
- * logit, expf. Within 1e-6 of the CPU reference (all in double); float exponentials keep
- * it memory-bound where the double rate is low (the T4). */
+ * and its backward. Forward: one block per row, max in float, exponentials summed in
+ * double with a fixed-order block reduction. Backward: one thread per logit. The
+ * exponentials are in double in fp32 mode (as the CPU reference), in float in the 16-bit
+ * modes (within 1e-6; memory-bound where double is slow, the T4). */
 #include "kernels/cuda/cuda_common.cuh"
 
 static __device__ float block_max(float v)
@@ -20,6 +20,7 @@ static __device__ float block_max(float v)
     return m;
 }
 
+template <typename F>
 static __global__ void cross_entropy_forward_kernel(real *losses, real *lse, const real *logits,
                                                     const int32_t *targets, int V)
 {
@@ -31,7 +32,7 @@ static __global__ void cross_entropy_forward_kernel(real *losses, real *lse, con
     m = block_max(m);
     double sum = 0.0;
     for (int v = threadIdx.x; v < V; v += blockDim.x)
-        sum += expf(l[v] - m);
+        sum += exp((F)l[v] - (F)m);
     sum = moe_block_sum_d(sum);
     if (threadIdx.x == 0) {
         const double s = (double)m + log(sum);
@@ -45,11 +46,16 @@ extern "C" void cuda_cross_entropy_forward(real *losses, real *lse, const real *
 {
     if (N <= 0 || V <= 0)
         return;
-    MOE_CUDA_LAUNCH(cross_entropy_forward_kernel, N, MOE_CUDA_THREADS, 0, losses, lse, logits,
-                    targets, V);
+    if (cuda_gemm_precision() == MOE_PREC_FP32)
+        MOE_CUDA_LAUNCH(cross_entropy_forward_kernel<double>, N, MOE_CUDA_THREADS, 0, losses, lse,
+                        logits, targets, V);
+    else
+        MOE_CUDA_LAUNCH(cross_entropy_forward_kernel<float>, N, MOE_CUDA_THREADS, 0, losses, lse,
+                        logits, targets, V);
 }
 
 /* dlogits += dloss * (exp(logit - lse) - onehot(target)). */
+template <typename F>
 static __global__ void cross_entropy_backward_kernel(real *dlogits, const real *logits,
                                                      const real *lse, const int32_t *targets,
                                                      real dloss, int N, int V)
@@ -58,8 +64,8 @@ static __global__ void cross_entropy_backward_kernel(real *dlogits, const real *
     {
         const size_t n = e / V;
         const int v = (int)(e % V);
-        const float p = expf(logits[e] - lse[n]) - (float)(v == targets[n]);
-        dlogits[e] += dloss * p;
+        const F p = exp((F)logits[e] - (F)lse[n]) - (F)(v == targets[n]);
+        dlogits[e] += (real)(dloss * p);
     }
 }
 
@@ -68,6 +74,11 @@ extern "C" void cuda_cross_entropy_backward(real *dlogits, const real *logits, c
 {
     if (N <= 0 || V <= 0)
         return;
-    MOE_CUDA_LAUNCH(cross_entropy_backward_kernel, moe_cuda_blocks((size_t)N * V, MOE_CUDA_THREADS),
-                    MOE_CUDA_THREADS, 0, dlogits, logits, lse, targets, dloss, N, V);
+    const unsigned blocks = moe_cuda_blocks((size_t)N * V, MOE_CUDA_THREADS);
+    if (cuda_gemm_precision() == MOE_PREC_FP32)
+        MOE_CUDA_LAUNCH(cross_entropy_backward_kernel<double>, blocks, MOE_CUDA_THREADS, 0, dlogits,
+                        logits, lse, targets, dloss, N, V);
+    else
+        MOE_CUDA_LAUNCH(cross_entropy_backward_kernel<float>, blocks, MOE_CUDA_THREADS, 0, dlogits,
+                        logits, lse, targets, dloss, N, V);
 }

@@ -1,17 +1,22 @@
 /* kernels/cuda/swiglu.cu: SwiGLU h = silu(a) * b, silu(a) = a * sigmoid(a), and its
- * backward. Elementwise in float (expf, a few roundings: within 1e-6 relative of the CPU
- * reference, which computes in double); float keeps it memory-bound on GPUs whose double
- * rate is 1/32 or 1/64 of float (the T4). */
+ * backward. Elementwise; in fp32 mode in double like the CPU reference (so results match
+ * it to the rounding of the final cast), in the 16-bit modes in float (expf, a few
+ * roundings: within 1e-6 relative), which keeps it memory-bound where double is slow. */
 #include "kernels/cuda/cuda_common.cuh"
 
-static __device__ __forceinline__ float sigmoid_f(float a) { return 1.f / (1.f + expf(-a)); }
+/* F: float or double, the type of the arithmetic */
+template <typename F> static __device__ __forceinline__ F sigmoid(F a)
+{
+    return F(1) / (F(1) + exp(-a)); /* exp(float) is expf */
+}
 
+template <typename F>
 static __global__ void swiglu_forward_kernel(real *h, const real *a, const real *b, size_t n)
 {
     MOE_CUDA_GRID_STRIDE(i, n)
     {
-        const float x = a[i], s = sigmoid_f(x);
-        h[i] = x * s * b[i];
+        const F x = a[i], s = sigmoid(x);
+        h[i] = (real)(x * s * (F)b[i]);
     }
 }
 
@@ -19,21 +24,25 @@ extern "C" void cuda_swiglu_forward(real *h, const real *a, const real *b, size_
 {
     if (n == 0)
         return;
-    MOE_CUDA_LAUNCH(swiglu_forward_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS,
-                    0, h, a, b, n);
+    const unsigned blocks = moe_cuda_blocks(n, MOE_CUDA_THREADS);
+    if (cuda_gemm_precision() == MOE_PREC_FP32)
+        MOE_CUDA_LAUNCH(swiglu_forward_kernel<double>, blocks, MOE_CUDA_THREADS, 0, h, a, b, n);
+    else
+        MOE_CUDA_LAUNCH(swiglu_forward_kernel<float>, blocks, MOE_CUDA_THREADS, 0, h, a, b, n);
 }
 
 /* da += dh * b * s * (1 + a (1 - s)), db += dh * a * s. */
+template <typename F>
 static __global__ void swiglu_backward_kernel(real *da, real *db, const real *dh, const real *a,
                                               const real *b, size_t n)
 {
     MOE_CUDA_GRID_STRIDE(i, n)
     {
-        const float x = a[i], s = sigmoid_f(x), g = dh[i];
+        const F x = a[i], s = sigmoid(x), g = dh[i];
         if (da)
-            da[i] += g * b[i] * s * (1.f + x * (1.f - s));
+            da[i] += (real)(g * (F)b[i] * s * (F(1) + x * (F(1) - s)));
         if (db)
-            db[i] += g * x * s;
+            db[i] += (real)(g * x * s);
     }
 }
 
@@ -42,6 +51,11 @@ extern "C" void cuda_swiglu_backward(real *da, real *db, const real *dh, const r
 {
     if (n == 0 || (!da && !db))
         return;
-    MOE_CUDA_LAUNCH(swiglu_backward_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS,
-                    0, da, db, dh, a, b, n);
+    const unsigned blocks = moe_cuda_blocks(n, MOE_CUDA_THREADS);
+    if (cuda_gemm_precision() == MOE_PREC_FP32)
+        MOE_CUDA_LAUNCH(swiglu_backward_kernel<double>, blocks, MOE_CUDA_THREADS, 0, da, db, dh, a,
+                        b, n);
+    else
+        MOE_CUDA_LAUNCH(swiglu_backward_kernel<float>, blocks, MOE_CUDA_THREADS, 0, da, db, dh, a,
+                        b, n);
 }

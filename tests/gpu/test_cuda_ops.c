@@ -265,7 +265,7 @@ static int32_t *ipoison(size_t n)
 /* ---- tolerances ---------------------------------------------------------------------- */
 
 #define EXACT 0.0, 0.0
-#define TIGHT 1e-6, 1e-6 /* elementwise: a few float roundings at most */
+#define TIGHT 1e-6, 1e-6 /* elementwise in double (fp32 mode), one rounding */
 #define REDUCE 1e-6, 1e-5
 /* fp32 GEMMs: both sides round a sum of k products, in different orders */
 #define GEMM_K(k) (1e-5 * fmax(1.0, sqrt((k) / 128.0))), 1e-4
