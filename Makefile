@@ -30,7 +30,8 @@ run: deps build
 test: test-deps build
 	@bash scripts/run-tests.sh $(BUILD) "$(TEST_LABEL)"
 
-# On a GPU host: build with CUDA for T4 and the local GPU, run the GPU tests (label gpu).
+# On a GPU host: build with CUDA for T4 and the local GPU, run the GPU tests (labels gpu
+# and mgpu: the two-GPU ones skip with fewer GPUs).
 test-gpu: test-deps
 	@cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_CUDA=ON \
 	  -DCMAKE_CUDA_ARCHITECTURES="75;$$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)" >/dev/null

@@ -303,7 +303,10 @@ moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h)
 #ifdef MOE_HAVE_CUDA
     if (c->is_device[h]) {
         c->is_device[h] = 0;
-        MOE_CHECK(moe_nccl_wait(c->nccl, h, c->timeout_s, c->what[h], &total, &exposed));
+        char what[192], ctx[96];
+        context_text(c, ctx, sizeof ctx);
+        snprintf(what, sizeof what, "%s%s", c->what[h], ctx);
+        MOE_CHECK(moe_nccl_wait(c->nccl, h, c->timeout_s, what, &total, &exposed));
     }
 #endif
     if (n > 0) { /* MPI requests: what the host spends in the wait (MPI may move the data
