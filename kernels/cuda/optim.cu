@@ -115,24 +115,39 @@ extern "C" void cuda_adamw_update(real *p, const real *g, real *m, real *v, size
                     m, v, n, b1, b2, step, sqrt_bc2, decay, (double)eps);
 }
 
-/* Multi-tensor AdamW: one pass over the arena; each element finds its segment (for the
- * weight decay) by binary search in the segment offsets. As adamw_kernel otherwise. */
+/* Multi-tensor AdamW: one pass over the arena. The segment offsets and weight decays are
+ * staged in shared memory; a thread's elements only grow (grid stride), so its segment
+ * is found once by binary search and then only walks forward. As adamw_kernel
+ * otherwise. */
 static __global__ void adamw_multi_kernel(real *p, const real *g, real *m, real *v,
                                           const int64_t *offsets, const real *wd, int n_segs,
                                           size_t n, double b1, double b2, double step,
                                           double sqrt_bc2, double lr, double eps, double scale)
 {
+    extern __shared__ int64_t seg_lo[]; /* n_segs offsets, then n_segs decays (as real) */
+    real *seg_wd = (real *)(seg_lo + n_segs);
+    for (int s = threadIdx.x; s < n_segs; s += blockDim.x) {
+        seg_lo[s] = offsets[s];
+        seg_wd[s] = wd[s];
+    }
+    __syncthreads();
+    int seg = -1;
     MOE_CUDA_GRID_STRIDE(i, n)
     {
-        int lo = 0, hi = n_segs - 1;
-        while (lo < hi) {
-            int mid = (lo + hi + 1) / 2;
-            if ((int64_t)i >= offsets[mid])
-                lo = mid;
-            else
-                hi = mid - 1;
+        if (seg < 0) {
+            int lo = 0, hi = n_segs - 1;
+            while (lo < hi) {
+                int mid = (lo + hi + 1) / 2;
+                if ((int64_t)i >= seg_lo[mid])
+                    lo = mid;
+                else
+                    hi = mid - 1;
+            }
+            seg = lo;
         }
-        const double decay = 1.0 - lr * (double)wd[lo];
+        while (seg + 1 < n_segs && (int64_t)i >= seg_lo[seg + 1])
+            seg++;
+        const double decay = 1.0 - lr * (double)seg_wd[seg];
         const double gi = scale == 1.0 ? (double)g[i] : __dmul_rn((double)g[i], scale);
         const double mi = __dadd_rn(__dmul_rn(b1, m[i]), __dmul_rn(1.0 - b1, gi));
         const double vi = __dadd_rn(__dmul_rn(b2, v[i]), __dmul_rn(__dmul_rn(1.0 - b2, gi), gi));
@@ -153,7 +168,13 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, real *m, real *v
     const double b1 = beta1, b2 = beta2;
     const double step = (double)lr / (1.0 - pow(b1, t));
     const double sqrt_bc2 = sqrt(1.0 - pow(b2, t));
-    MOE_CUDA_LAUNCH(adamw_multi_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
-                    p, g, m, v, offsets, wd, n_segs, n, b1, b2, step, sqrt_bc2, (double)lr,
+    const size_t smem = (sizeof(int64_t) + sizeof(real)) * (size_t)n_segs;
+    if (smem > 48 * 1024) {
+        MOE_CUDA_FAIL("adamw: %d segments are more than the kernel stages (%zu bytes)", n_segs,
+                      smem);
+        return;
+    }
+    MOE_CUDA_LAUNCH(adamw_multi_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS,
+                    smem, p, g, m, v, offsets, wd, n_segs, n, b1, b2, step, sqrt_bc2, (double)lr,
                     (double)eps, (double)grad_scale);
 }
