@@ -10,6 +10,10 @@ log=$(mktemp)
 ctest "${args[@]}" 2>&1 | tee "$log"
 total=$(sed -n 's/.*tests passed, \([0-9]*\) tests\? failed out of \([0-9]*\).*/\2/p' "$log")
 failed=$(sed -n 's/.*tests passed, \([0-9]*\) tests\? failed out of \([0-9]*\).*/\1/p' "$log")
+if [ -z "$total" ]; then # CMake 4's ctest: "100% tests passed out of N" when none failed
+  total=$(sed -n 's/.*100% tests passed out of \([0-9]*\).*/\1/p' "$log")
+  [ -n "$total" ] && failed=0
+fi
 skipped=$(grep -c '\*\*\*Skipped\|Not Run (Disabled)' "$log" || true)
 rm -f "$log"
 if [ -z "$total" ]; then
