@@ -127,8 +127,11 @@ static const key_def keys[] = {
              "built-in synthetic corpus, or llm.c token shards"),
     KEY("data", "path", T_STRING, data_path, NONE, "",
         "shard files, comma-separated; required when source = shards"),
+    KEY_ENUM("data", "synthetic", synthetic, "processes|topics", "processes",
+             "synthetic corpus: a mixture of rule-based processes, or of topics (each "
+             "sequence uniform in its topic's band)"),
     KEY("data", "synthetic_processes", T_INT, synthetic_processes, IN(1, 64), "4",
-        "token-generating processes in the synthetic corpus"),
+        "token-generating processes (or topics) in the synthetic corpus"),
     KEY("data", "seed", T_U64, data_seed, NONE, "42", "seed of the synthetic corpus"),
 
     KEY_ENUM("precision", "mode", precision, "fp32|bf16|fp16|auto", "fp32",

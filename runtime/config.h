@@ -69,7 +69,8 @@ typedef struct {
     /* [data] */
     char data_source[16];         /* synthetic | shards */
     char data_path[MOE_PATH_MAX]; /* llm.c shard file(s), comma-separated */
-    int synthetic_processes;      /* distinct token-generating processes */
+    char synthetic[16];           /* processes | topics: which synthetic corpus */
+    int synthetic_processes;      /* distinct token-generating processes (or topics) */
     uint64_t data_seed;
 
     /* [precision] */

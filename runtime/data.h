@@ -38,23 +38,25 @@ void moe_data_destroy(moe_data *d);
 
 /* ---- the synthetic corpus, for tests, metrics and the docs (docs/data.md) ---- */
 
-/* The rule a synthetic process generates by (process p has kind p % 4). */
+/* The rule a synthetic process generates by (process p has kind p % 4). With
+ * [data] synthetic = topics every process is a topic (MOE_SYNTH_TOPIC). */
 typedef enum {
     MOE_SYNTH_MARKOV = 0,      /* sparse Markov chain: 3 successors per token (0.6/0.3/0.1) */
     MOE_SYNTH_MOTIF = 1,       /* one of the process's 4 motifs (length 3..8), repeated */
     MOE_SYNTH_PROGRESSION = 2, /* x, x+d, x+2d, ... mod band width; d one of 3 per process */
     MOE_SYNTH_RUNS = 3,        /* runs of r equal tokens; run values follow a permutation */
+    MOE_SYNTH_TOPIC = 4,       /* synthetic = topics: every token uniform in the band */
 } moe_synth_kind;
 
 typedef struct {
-    int process; /* 0 .. synthetic_processes-1 */
+    int process; /* 0 .. synthetic_processes-1 (the topic with synthetic = topics) */
     moe_synth_kind kind;
     int32_t band_lo;    /* first token of the process's vocabulary band; also the marker
                            that starts each of its sequences */
     int32_t band_width; /* the band is [band_lo, band_lo + band_width) */
 } moe_synth_info;
 
-/* "markov", "motif", "progression", "runs"; "?" for anything else. */
+/* "markov", "motif", "progression", "runs", "topic"; "?" for anything else. */
 const char *moe_synth_kind_name(moe_synth_kind kind);
 
 /* Which process generates sequence `seq` of a synthetic dataset. Returns MOE_ERR_INVALID
@@ -63,7 +65,8 @@ moe_status moe_data_synthetic_info(const moe_data *d, int64_t seq, moe_synth_inf
 
 /* Approximate entropy floor of the synthetic corpus in nats per token: the loss of a
  * perfect predictor far into a sequence, averaged over the processes (the first tokens
- * of a sequence cost more, up to log(band width)). Returns -1 for shards (unknown). */
+ * of a sequence cost more, up to log(band width)). Topics: the mean of log(band width).
+ * Returns -1 for shards (unknown). */
 double moe_data_entropy_floor(const moe_data *d);
 
 /* llm.c shard header: 256 int32, [0] magic, [1] version, [2] token count; then uint16. */

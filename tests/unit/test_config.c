@@ -122,6 +122,7 @@ static void test_defaults_valid(void **state)
     assert_string_equal(cfg.backend, "auto");
     assert_string_equal(cfg.data_source, "synthetic");
     assert_string_equal(cfg.data_path, "");
+    assert_string_equal(cfg.synthetic, "processes");
     assert_int_equal(cfg.synthetic_processes, 4);
     assert_true(cfg.data_seed == 42);
     assert_string_equal(cfg.precision, "fp32");
@@ -229,6 +230,7 @@ static const load_case load_errors[] = {
     {"[data]\nseed = 18446744073709551616\n", 2, {"[data] seed = 18446744073709551616", "2^64"}},
     {"[parallel]\nbackend = tpu\n", 2, {"[parallel] backend = tpu", "auto, cpu, cuda"}},
     {"[precision]\nmode = fp64\n", 2, {"[precision] mode = fp64", "fp32, bf16, fp16, auto"}},
+    {"[data]\nsynthetic = words\n", 2, {"[data] synthetic = words", "processes, topics"}},
     /* ranges */
     {"[model]\ntop_k = 0\n", 2, {"[model] top_k = 0: must be >= 1"}},
     {"[model]\nvocab_size = 1\n", 2, {"[model] vocab_size = 1: must be >= 2"}},
@@ -587,6 +589,7 @@ static void test_round_trip(void **state)
         "log.routing_stats=stats.txt",
         "data.source=shards",
         "data.path=/data/my shards/a.bin,b#1.bin,c;d.bin",
+        "data.synthetic=topics",
         "data.synthetic_processes=64",
         "data.seed=0",
         "precision.mode=bf16",

@@ -295,6 +295,7 @@ static void test_synthetic_rules(void **state)
             steps_seen[mode] = 1;
             break;
         }
+        case MOE_SYNTH_TOPIC: fail_msg("a topic in the processes corpus (sequence %d)", s); break;
         case MOE_SYNTH_RUNS:
             for (int i = 0; i + 1 < T; i++) {
                 runs_pairs++;
@@ -310,6 +311,7 @@ static void test_synthetic_rules(void **state)
         assert_true(n_kind[k] > N / 8);
     assert_string_equal(moe_synth_kind_name(MOE_SYNTH_MARKOV), "markov");
     assert_string_equal(moe_synth_kind_name(MOE_SYNTH_RUNS), "runs");
+    assert_string_equal(moe_synth_kind_name(MOE_SYNTH_TOPIC), "topic");
     assert_string_equal(moe_synth_kind_name((moe_synth_kind)9), "?");
 
     /* markov: top-3 successors */
@@ -438,6 +440,58 @@ static void test_synthetic_entropy(void **state)
         if (c == 0)                 /* docs/data.md quotes the tiny config's figures */
             assert_true(fabs(floor_h - 0.61) < 0.01 && fabs(h - 1.27) < 0.05);
     }
+}
+
+/* synthetic = topics: a sequence is T+1 uniform tokens of its topic's band (no marker);
+ * the topics share the processes' bands and sequence-to-topic draw; each topic appears
+ * about 1/G of the time and each token of a band about 1/w of its topic's tokens. The
+ * processes corpus of the same seed is not affected by the key's existence. */
+static void test_synthetic_topics(void **state)
+{
+    (void)state;
+    enum { V = 256, T = 64, G = 4, N = 4000, ROW = T + 1 };
+    moe_config cfg;
+    synth_config(&cfg, V, T, G, 42);
+    strcpy(cfg.synthetic, "topics");
+    moe_data *d = NULL, *p = NULL;
+    assert_int_equal(moe_data_create(&d, &cfg), MOE_OK);
+    strcpy(cfg.synthetic, "processes");
+    assert_int_equal(moe_data_create(&p, &cfg), MOE_OK);
+
+    static int32_t tok[ROW], again[ROW];
+    static long count[V];
+    long per_topic[G] = {0}, first_is_lo = 0;
+    for (int s = 0; s < N; s++) {
+        moe_synth_info info, pinfo;
+        assert_int_equal(moe_data_synthetic_info(d, s, &info), MOE_OK);
+        assert_int_equal(moe_data_synthetic_info(p, s, &pinfo), MOE_OK);
+        assert_int_equal(info.kind, MOE_SYNTH_TOPIC);
+        assert_int_equal(info.process, pinfo.process); /* the same draw of the topic */
+        assert_int_equal(info.band_lo, pinfo.band_lo);
+        assert_int_equal(info.band_width, V / G);
+        per_topic[info.process]++;
+        assert_int_equal(moe_data_batch(d, tok, s, 1), MOE_OK);
+        for (int i = 0; i < ROW; i++) {
+            assert_true(tok[i] >= info.band_lo && tok[i] < info.band_lo + info.band_width);
+            count[tok[i]]++;
+        }
+        first_is_lo += tok[0] == info.band_lo;
+        assert_int_equal(moe_data_batch(d, again, s, 1), MOE_OK); /* deterministic */
+        assert_memory_equal(tok, again, sizeof tok);
+    }
+    for (int g = 0; g < G; g++)
+        assert_true(per_topic[g] > N / G * 8 / 10 && per_topic[g] < N / G * 12 / 10);
+    assert_true(first_is_lo < N / 8); /* no marker: the first token is uniform too */
+    /* each token about (N / G) * ROW / w times: 1015 here; allow +-20% */
+    for (int v = 0; v < V; v++) {
+        double expect = (double)per_topic[v / (V / G)] * ROW / (V / G);
+        if (count[v] < 0.8 * expect || count[v] > 1.2 * expect)
+            fail_msg("token %d: %ld occurrences, expected about %.0f", v, count[v], expect);
+    }
+    /* the floor is log(w) */
+    assert_true(fabs(moe_data_entropy_floor(d) - log(V / G)) < 1e-12);
+    moe_data_destroy(d);
+    moe_data_destroy(p);
 }
 
 static void test_synthetic_invalid(void **state)
@@ -735,7 +789,7 @@ int main(void)
     const struct CMUnitTest synthetic[] = {
         cmocka_unit_test(test_synthetic_deterministic), cmocka_unit_test(test_synthetic_bands),
         cmocka_unit_test(test_synthetic_rules),         cmocka_unit_test(test_synthetic_entropy),
-        cmocka_unit_test(test_synthetic_invalid),
+        cmocka_unit_test(test_synthetic_invalid),       cmocka_unit_test(test_synthetic_topics),
     };
     const struct CMUnitTest shards[] = {
         cmocka_unit_test(test_shards_exact),
