@@ -104,6 +104,13 @@ typedef struct moe_backend {
      * calls, copies) with events; on == 0 stops and prints the times by name to report
      * (NULL: discard). NULL on the cpu. */
     void (*profile)(int on, FILE *report);
+    /* Grows the backend's scratch (device, and pinned host for values copied back) to at
+     * least these sizes now, so that the ops of a step allocate nothing (cuda; a no-op on
+     * the cpu). */
+    moe_status (*reserve)(size_t device_bytes, size_t host_bytes);
+    /* Allocations the backend has made so far (alloc, scratch growth): a step that adds
+     * none allocated nothing. 0 on the cpu. */
+    long (*allocations)(void);
 #ifdef __cplusplus
 #define MOE_OP_FIELD(fn) decltype(&::fn) fn;
 #else

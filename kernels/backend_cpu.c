@@ -55,6 +55,14 @@ static double cpu_gemm_rate(int n)
     return rate;
 }
 
+static moe_status cpu_reserve(size_t device_bytes, size_t host_bytes)
+{
+    (void)device_bytes;
+    (void)host_bytes;
+    return MOE_OK;
+}
+static long cpu_allocations(void) { return 0; }
+
 static size_t cpu_mem_in_use(void)
 {
     struct rusage ru;
@@ -75,6 +83,8 @@ const moe_backend moe_backend_cpu = {.name = "cpu",
                                      .refresh_shadow = cpu_refresh_shadow,
                                      .gemm_rate = cpu_gemm_rate,
                                      .mem_in_use = cpu_mem_in_use,
+                                     .reserve = cpu_reserve,
+                                     .allocations = cpu_allocations,
                                      MOE_OPS_LIST(MOE_OP_INIT)};
 #undef MOE_OP_INIT
 

@@ -44,8 +44,8 @@ static moe_status steps(moe_trainer *tr, int n, moe_step_result *last, double *c
 }
 
 static void print_report(const moe_trainer *tr, double step_s, const double *ph, const double *comm,
-                         double rate, double mem_max, const moe_step_result *last, int warmup,
-                         int phase_steps, FILE *out);
+                         double rate, double mem_max, long allocs, const moe_step_result *last,
+                         int warmup, int phase_steps, FILE *out);
 
 moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profile_steps, FILE *out)
 {
@@ -57,12 +57,14 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     MOE_CHECK(steps(tr, warmup, &r, NULL));
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
+    const long allocs0 = m->be->allocations();
     const double t0 = moe_clock_seconds();
     double comm[4] = {0};
     MOE_CHECK(steps(tr, cfg->steps, &r, comm));
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
     const double step_s = (moe_clock_seconds() - t0) / cfg->steps;
+    const long allocs = m->be->allocations() - allocs0; /* in the timed steps */
 
     memset(m->phase_s, 0, sizeof m->phase_s);
     m->timing = 1;
@@ -85,7 +87,7 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     if (tr->comm) /* the slowest rank's */
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, comm, 4));
     if (tr->rank == 0)
-        print_report(tr, step_s, ph, comm, rate, mem_max, &r, warmup, phase_steps, out);
+        print_report(tr, step_s, ph, comm, rate, mem_max, allocs, &r, warmup, phase_steps, out);
     /* more steps with every kernel timed; rank 0 prints the table */
     if (m->be->profile && profile_steps > 0) {
         m->be->profile(1, NULL);
@@ -99,8 +101,8 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
 }
 
 static void print_report(const moe_trainer *tr, double step_s, const double *ph, const double *comm,
-                         double rate, double mem_max, const moe_step_result *last, int warmup,
-                         int phase_steps, FILE *out)
+                         double rate, double mem_max, long allocs, const moe_step_result *last,
+                         int warmup, int phase_steps, FILE *out)
 {
     const moe_model *m = tr->model;
     const moe_config *cfg = &tr->cfg;
@@ -144,6 +146,8 @@ static void print_report(const moe_trainer *tr, double step_s, const double *ph,
             "slowest rank\n",
             1e3 * ctot, 1e3 * cexp, ctot > 0 ? fmax(0.0, 100.0 * (1.0 - cexp / ctot)) : 100.0,
             1e3 * comm[0], 1e3 * comm[1], 1e3 * comm[2], 1e3 * comm[3]);
+    fprintf(out, "  allocations           %ld by the backend during the timed steps (rank 0)\n",
+            allocs);
     fprintf(out, "  memory                %.2f GiB %s (largest rank)\n", mem_max / 1073741824.0,
             m->be->on_device ? "of device memory in use" : "peak resident");
     fprintf(out,

@@ -512,6 +512,15 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
     }
     carve_activations(m, &c, &h);
 
+    /* the ops' scratch, sized now so that no step allocates: the sorts of the routing
+     * plans, scatters and embedding backward take about 16 bytes per item plus per-tile
+     * counts; the host copies back at most the router's partials */
+    {
+        const size_t items = (size_t)m->Rmax * m->K + (size_t)m->N * m->K + (size_t)m->N;
+        const size_t dev = 64 * items + ((size_t)16 << 20);
+        const size_t host = sizeof(double) * router_aux_part_len(m->N, m->E) + ((size_t)1 << 20);
+        MOE_CHECK_GOTO(st, be->reserve(dev, host));
+    }
     be->rope_tables(m->rope_cos, m->rope_sin, m->T, m->Hd, cfg->rope_theta);
     MOE_CHECK_GOTO(st, init_weights(m));
     MOE_CHECK_GOTO(st, upload_placement(m));

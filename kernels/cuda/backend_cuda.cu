@@ -25,6 +25,7 @@ static struct {
     void *host; /* pinned */
     size_t host_bytes;
     int capability;    /* major * 10 + minor */
+    long allocations;  /* cudaMalloc / cudaMallocHost calls of alloc and the scratch */
     moe_status status; /* the first failure, reported by sync */
     char first[256];   /* its message */
     int failures;
@@ -105,6 +106,7 @@ void *moe_cuda_scratch(size_t nbytes)
         MOE_CUDA_OK(cudaFree(g.scratch));
     g.scratch = NULL;
     g.scratch_bytes = 0;
+    g.allocations++;
     if (!MOE_CUDA_OK(cudaMalloc(&g.scratch, want))) {
         g.scratch = NULL;
         return NULL;
@@ -123,6 +125,7 @@ void *moe_cuda_host_scratch(size_t nbytes)
         MOE_CUDA_OK(cudaFreeHost(g.host));
     g.host = NULL;
     g.host_bytes = 0;
+    g.allocations++;
     if (!MOE_CUDA_OK(cudaMallocHost(&g.host, want))) {
         g.host = NULL;
         return NULL;
@@ -150,6 +153,7 @@ void *moe_cuda_fetch(const void *dev, size_t nbytes)
 static void *cuda_alloc(size_t nbytes)
 {
     void *p = NULL;
+    g.allocations++;
     cudaError_t err = cudaMalloc(&p, nbytes ? nbytes : 1);
     if (err != cudaSuccess) {
         (void)cudaGetLastError(); /* not sticky: clear it for the next launch check */
@@ -351,6 +355,17 @@ static moe_status cuda_set_precision(moe_precision p, const real *params, size_t
 
 extern "C" double cuda_gemm_rate(int n);
 
+static moe_status cuda_reserve(size_t device_bytes, size_t host_bytes)
+{
+    if ((device_bytes && !moe_cuda_scratch(device_bytes)) ||
+        (host_bytes && !moe_cuda_host_scratch(host_bytes)))
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot reserve %zu bytes of device and %zu of pinned scratch",
+                 device_bytes, host_bytes);
+    return g.status;
+}
+
+static long cuda_allocations(void) { return g.allocations; }
+
 static size_t cuda_mem_in_use(void)
 {
     size_t free_b = 0, total_b = 0;
@@ -384,6 +399,8 @@ static void fill_table(moe_backend *b)
     b->gemm_rate = cuda_gemm_rate;
     b->mem_in_use = cuda_mem_in_use;
     b->profile = cuda_profile;
+    b->reserve = cuda_reserve;
+    b->allocations = cuda_allocations;
 #define MOE_OP_SET(fn) b->fn = cuda_##fn;
     MOE_OPS_LIST(MOE_OP_SET)
 #undef MOE_OP_SET

@@ -94,11 +94,28 @@ extern "C" moe_status cuda_gemm_set_precision(moe_precision p, const real *param
 /* The precision set by cuda_gemm_set_precision (attention.cu picks its kernels by it). */
 extern "C" moe_precision cuda_gemm_precision(void) { return prec; }
 
+static int shadow_fresh; /* the optimizer wrote the shadow with the parameters */
+
 extern "C" moe_status cuda_gemm_refresh_shadow(void)
 {
+    if (shadow_fresh) { /* already rounded by the AdamW pass that changed them */
+        shadow_fresh = 0;
+        return MOE_OK;
+    }
     if (prec != MOE_PREC_FP32)
         round_into(shadow, master, master_n);
     return MOE_OK;
+}
+
+/* For AdamW over the whole registered arena in a 16-bit precision: the shadow to write
+ * in the same pass (and *bf16 its format), the next refresh then skipped; else NULL. */
+extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, size_t n, int *bf16)
+{
+    if (prec == MOE_PREC_FP32 || p != master || n != master_n || !shadow)
+        return NULL;
+    *bf16 = prec == MOE_PREC_BF16;
+    shadow_fresh = 1;
+    return shadow;
 }
 
 /* The 16-bit operand of a weight: its place in the shadow. */

@@ -1,7 +1,12 @@
 /* kernels/cuda/optim.cu: the optimizer's pieces: sums and sums of squares in double (a
  * fixed grid and a fixed-order reduction, so the same input gives the same bits; the
  * result is copied back, which waits for the stream), scaling, the finiteness check
- * (also waits) and the fused AdamW step (one pass, in double per element). */
+ * (also waits) and the fused AdamW step (one pass, in double per element; over the whole
+ * parameter arena in a 16-bit precision it also writes the GEMMs' 16-bit shadow, so the
+ * refresh that follows has nothing left to do). */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "kernels/cuda/cuda_common.cuh"
 
 #define SUM_MAX_BLOCKS 1024
@@ -122,7 +127,8 @@ extern "C" void cuda_adamw_update(real *p, const real *g, real *m, real *v, size
 static __global__ void adamw_multi_kernel(real *p, const real *g, real *m, real *v,
                                           const int64_t *offsets, const real *wd, int n_segs,
                                           size_t n, double b1, double b2, double step,
-                                          double sqrt_bc2, double lr, double eps, double scale)
+                                          double sqrt_bc2, double lr, double eps, double scale,
+                                          uint16_t *shadow, int bf16)
 {
     extern __shared__ int64_t seg_lo[]; /* n_segs offsets, then n_segs decays (as real) */
     real *seg_wd = (real *)(seg_lo + n_segs);
@@ -154,10 +160,22 @@ static __global__ void adamw_multi_kernel(real *p, const real *g, real *m, real 
         m[i] = (real)mi;
         v[i] = (real)vi;
         const double denom = __dadd_rn(__ddiv_rn(sqrt(vi), sqrt_bc2), eps);
-        p[i] =
+        const real pi =
             (real)__dsub_rn(__dmul_rn((double)p[i], decay), __ddiv_rn(__dmul_rn(step, mi), denom));
+        p[i] = pi;
+        if (shadow) { /* as matmul.cu's round_kernel */
+            if (bf16) {
+                const __nv_bfloat16 h = __float2bfloat16(pi);
+                shadow[i] = *(const uint16_t *)&h;
+            } else {
+                const __half h = __float2half(pi);
+                shadow[i] = *(const uint16_t *)&h;
+            }
+        }
     }
 }
+
+extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, size_t n, int *bf16);
 
 extern "C" void cuda_adamw_update_multi(real *p, const real *g, real *m, real *v, size_t n,
                                         const int64_t *offsets, const real *wd, int n_segs, real lr,
@@ -168,6 +186,8 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, real *m, real *v
     const double b1 = beta1, b2 = beta2;
     const double step = (double)lr / (1.0 - pow(b1, t));
     const double sqrt_bc2 = sqrt(1.0 - pow(b2, t));
+    int bf16 = 0; /* the 16-bit shadow of the parameters, written in the same pass */
+    uint16_t *shadow = cuda_gemm_shadow_for_update(p, n, &bf16);
     const size_t smem = (sizeof(int64_t) + sizeof(real)) * (size_t)n_segs;
     if (smem > 48 * 1024) {
         MOE_CUDA_FAIL("adamw: %d segments are more than the kernel stages (%zu bytes)", n_segs,
@@ -176,5 +196,5 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, real *m, real *v
     }
     MOE_CUDA_LAUNCH(adamw_multi_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS,
                     smem, p, g, m, v, offsets, wd, n_segs, n, b1, b2, step, sqrt_bc2, (double)lr,
-                    (double)eps, (double)grad_scale);
+                    (double)eps, (double)grad_scale, shadow, bf16);
 }
