@@ -19,6 +19,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "util/clock.h"
+
 #define POOL_HANDLES 256
 #define PEER_COLLECTIVE (-1) /* a request of a collective: no single peer */
 #define TAG_COUNTS 16
@@ -63,13 +65,6 @@ static int send_peer(int p) { return -2 - p; }
 static MPI_Datatype real_type(size_t elem_bytes)
 {
     return elem_bytes == 8 ? MPI_DOUBLE : MPI_FLOAT;
-}
-
-static double now_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 static const char *group_name(moe_group g)
@@ -132,7 +127,7 @@ static moe_status report_timeout(const moe_comm *c, const MPI_Request *reqs, con
 static moe_status poll_requests(moe_comm *c, MPI_Request *reqs, const int *peers, int n,
                                 const char *what, moe_group g)
 {
-    const double deadline = now_seconds() + c->timeout_s;
+    const double deadline = moe_clock_seconds() + c->timeout_s;
     for (long round = 0;; round++) {
         int open = 0;
         for (int i = 0; i < n; i++) {
@@ -157,7 +152,7 @@ static moe_status poll_requests(moe_comm *c, MPI_Request *reqs, const int *peers
             return MOE_OK;
         if (round < 64)
             continue; /* short waits: spin */
-        if (now_seconds() > deadline)
+        if (moe_clock_seconds() > deadline)
             return report_timeout(c, reqs, peers, n, what, g);
         struct timespec nap = {0, 20000}; /* 20 us */
         nanosleep(&nap, NULL);
@@ -312,9 +307,9 @@ moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h)
     if (n > 0) { /* MPI requests: what the host spends in the wait (MPI may move the data
                     only there), counted as both total and exposed: no claim of overlap */
         size_t at = (size_t)h * c->reqs_per_handle;
-        const double t0 = now_seconds();
+        const double t0 = moe_clock_seconds();
         MOE_CHECK(poll_requests(c, c->req + at, c->req_peer + at, n, c->what[h], c->group[h]));
-        exposed = total = now_seconds() - t0;
+        exposed = total = moe_clock_seconds() - t0;
     }
     if (reduction) {
         c->times.reduction_s += total;
@@ -435,11 +430,11 @@ moe_status moe_comm_exchange_counts(moe_comm *c, const int64_t *send, int64_t *r
         c->scratch_peer[n++] = send_peer(p);
     }
     MPI_TRY(rc, "token-count exchange");
-    const double t0 = now_seconds();
+    const double t0 = moe_clock_seconds();
     MOE_CHECK(
         poll_requests(c, c->scratch, c->scratch_peer, n, "token-count exchange", MOE_GROUP_EP));
-    c->times.exchange_s += now_seconds() - t0; /* blocking: all of it is exposed */
-    c->times.exchange_exposed_s += now_seconds() - t0;
+    c->times.exchange_s += moe_clock_seconds() - t0; /* blocking: all of it is exposed */
+    c->times.exchange_exposed_s += moe_clock_seconds() - t0;
     return MOE_OK;
 }
 

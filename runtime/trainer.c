@@ -14,8 +14,6 @@
 #include <time.h>
 #include <unistd.h>
 
-static double now_seconds(void) { return moe_clock_seconds(); }
-
 /* Buckets: one per backward stage (the head, each layer, the embedding). Within the
  * dense region a stage's tensors are contiguous, and so are a layer's expert tensors. */
 static moe_status build_buckets(moe_trainer *tr)
@@ -168,7 +166,7 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
         goto fail;
     }
     tr->ckpt_step = -1;
-    tr->ckpt_time = now_seconds();
+    tr->ckpt_time = moe_clock_seconds();
     *out = tr;
     return MOE_OK;
 fail:
@@ -197,7 +195,7 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     const int micro = tr->cfg.micro_batch;
     const int accum = moe_config_accum_at(&tr->cfg, tr->step);
     const int64_t S = (int64_t)micro * tr->world * accum;
-    double t0 = now_seconds();
+    double t0 = moe_clock_seconds();
     memset(res, 0, sizeof *res);
     res->step = tr->step;
     res->micro_batches = accum;
@@ -253,7 +251,7 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     res->a2a_bytes = (int64_t)sums[4];
     res->a2a_saved = (int64_t)sums[5];
     res->loss = res->ce + tr->cfg.aux_loss_coef * res->aux + tr->cfg.z_loss_coef * res->z;
-    res->seconds = now_seconds() - t0;
+    res->seconds = moe_clock_seconds() - t0;
     return MOE_OK;
 }
 
@@ -273,7 +271,7 @@ static moe_status global_grad_norm(moe_trainer *tr, double *norm)
 moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
 {
     moe_model *m = tr->model;
-    double t0 = now_seconds();
+    double t0 = moe_clock_seconds();
     const double tp = moe_model_phase_begin(m);
     double norm = 0;
     moe_comm_set_context(tr->comm, "gradient norm", -1);
@@ -291,7 +289,7 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
         m->loss_scale = tr->loss_scale;
         tr->consumed += res->sequences;
         tr->step++;
-        res->seconds += now_seconds() - t0;
+        res->seconds += moe_clock_seconds() - t0;
         return MOE_OK;
     }
     norm /= tr->loss_scale; /* the gradients carry the loss scale */
@@ -323,7 +321,7 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
     }
     tr->consumed += res->sequences;
     tr->step++;
-    res->seconds += now_seconds() - t0;
+    res->seconds += moe_clock_seconds() - t0;
     return MOE_OK;
 }
 
@@ -435,11 +433,11 @@ moe_status moe_trainer_checkpoint(moe_trainer *tr)
                             .loss_scale = tr->loss_scale,
                             .loss_scale_good = tr->scale_good,
                             .loss_scale_dynamic = tr->scaling};
-    double t0 = now_seconds();
+    double t0 = moe_clock_seconds();
     MOE_CHECK(moe_checkpoint_save(&tr->cfg, tr->comm, tr->model, tr->opt, &state, &tr->fault,
                                   tr->ckpt_path, sizeof tr->ckpt_path));
     tr->ckpt_step = tr->step;
-    tr->ckpt_time = now_seconds();
+    tr->ckpt_time = moe_clock_seconds();
     if (tr->rank == 0) {
         printf("checkpoint: step %d -> %s (%.2fs)\n", tr->step, tr->ckpt_path, tr->ckpt_time - t0);
         fflush(stdout);
@@ -485,7 +483,7 @@ static moe_status checkpoint_boundary(moe_trainer *tr, int *stop)
     const moe_config *cfg = &tr->cfg;
     int64_t flags[2] = {tr->stop_request && *tr->stop_request != 0, 0};
     if (tr->rank == 0 && cfg->ckpt_interval_minutes > 0 &&
-        now_seconds() - tr->ckpt_time >= 60.0 * cfg->ckpt_interval_minutes)
+        moe_clock_seconds() - tr->ckpt_time >= 60.0 * cfg->ckpt_interval_minutes)
         flags[1] = 1;
     if (tr->comm) {
         moe_comm_set_context(tr->comm, "step boundary", -1);
@@ -569,7 +567,7 @@ moe_status moe_trainer_run(moe_trainer *tr, FILE *out)
     const int tty = isatty(fileno(out)) && !getenv("OMPI_COMM_WORLD_SIZE") && !getenv("PMI_RANK") &&
                     !getenv("SLURM_PROCID");
     const int log_every = tr->cfg.log_interval;
-    double start = now_seconds();
+    double start = moe_clock_seconds();
     int64_t tokens = 0;
     moe_step_result r = {0};
     if (tr->cfg.jsonl_path[0] && tr->rank == 0 && !tr->jsonl) {
@@ -583,7 +581,7 @@ moe_status moe_trainer_run(moe_trainer *tr, FILE *out)
         MOE_CHECK(moe_trainer_accumulate(tr, &r));
         MOE_CHECK(moe_trainer_apply(tr, &r));
         tokens += r.sequences * tr->cfg.seq_len;
-        double elapsed = now_seconds() - start;
+        double elapsed = moe_clock_seconds() - start;
         double tps = tokens / elapsed;
         int last = tr->step == tr->cfg.steps;
         if (tr->rank == 0 && (tr->step % log_every == 0 || last || tr->step == first_step + 1))
@@ -609,7 +607,7 @@ moe_status moe_trainer_run(moe_trainer *tr, FILE *out)
     if (tr->routing && tr->cfg.routing_stats_path[0])
         MOE_CHECK(save_routing_stats(tr));
     if (tr->rank == 0) {
-        double elapsed = now_seconds() - start;
+        double elapsed = moe_clock_seconds() - start;
         if (tty)
             fputc('\n', out);
         if (tr->stopped)
