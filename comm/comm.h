@@ -58,6 +58,11 @@ const char *moe_comm_backend(const moe_comm *c);
 /* Seconds any wait may take before it fails (> 0). Local; call it on every rank. */
 void moe_comm_set_timeout(moe_comm *c, double seconds);
 
+/* Benchmark knob ([parallel] exchange_repeat): every token exchange is sent `repeat`
+ * times in a row, as a slower network would take (default 1). Local; call it on every
+ * rank of an EP group with the same value. */
+void moe_comm_set_exchange_repeat(moe_comm *c, int repeat);
+
 /* What the caller is doing, for timeout messages: a phase ("forward", "backward",
  * "gradient reduction", "checkpoint") and a layer (-1: none). phase must outlive the
  * calls that follow (a string literal). c NULL does nothing. Local. */
@@ -107,7 +112,9 @@ moe_status moe_comm_sum_int64(moe_comm *c, moe_group g, int64_t *vals, int n);
  * exchange (its counts included) and the gradient reduction. total: the operations'
  * own time on their streams (GPU); exposed: how long the compute stream, out of work,
  * waited for them (GPU). With MPI both are the host's time inside the wait (MPI may move
- * the data only there, so no overlap is claimed). Local. */
+ * the data only there, so no overlap is claimed). On a GPU the times are read here, after
+ * the compute stream passed the waits: call it after the step's last synchronisation.
+ * Local. */
 typedef struct {
     double exchange_s, exchange_exposed_s;
     double reduction_s, reduction_exposed_s;

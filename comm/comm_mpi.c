@@ -44,9 +44,16 @@ struct moe_comm {
     MPI_Request *scratch; /* 2 * ep requests for the count exchange */
     int *scratch_peer;
     struct moe_nccl *nccl; /* GPU runs: device-memory collectives go through NCCL */
-    char *is_device;       /* per handle: 1 when it is an NCCL event */
+    char *is_device;       /* per handle: DEVICE_* */
+    int exchange_repeat;   /* moe_comm_set_exchange_repeat */
     moe_comm_times times;  /* since the last moe_comm_take_times */
 };
+
+/* is_device: an NCCL operation in flight, or waited for with its times still to read
+ * (its slot stays taken until then: see read_device_times). */
+#define DEVICE_NONE 0
+#define DEVICE_IN_FLIGHT 1
+#define DEVICE_TIMES_DUE 2
 
 /* req_peer encoding: recv from EP peer p = p; send to p = -2 - p; collective = -1. */
 static int send_peer(int p) { return -2 - p; }
@@ -174,6 +181,7 @@ moe_status moe_comm_create(moe_comm **out, int ep)
         MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate the communicator");
     c->ep_size = ep;
     c->timeout_s = 600;
+    c->exchange_repeat = 1;
     c->ctx_layer = -1;
     c->groups[MOE_GROUP_WORLD] = MPI_COMM_WORLD;
     c->groups[MOE_GROUP_EP] = MPI_COMM_NULL;
@@ -267,11 +275,37 @@ void moe_comm_set_context(moe_comm *c, const char *phase, int layer)
     c->ctx_layer = layer;
 }
 
+/* Adds the times of every waited-for NCCL operation and frees their slots. */
+static moe_status read_device_times(moe_comm *c)
+{
+#ifdef MOE_HAVE_CUDA
+    for (int h = 0; h < POOL_HANDLES; h++) {
+        if (c->is_device[h] != DEVICE_TIMES_DUE)
+            continue;
+        double total = 0, exposed = 0;
+        c->is_device[h] = DEVICE_NONE;
+        MOE_CHECK(moe_nccl_times(c->nccl, h, &total, &exposed));
+        if (c->group[h] != MOE_GROUP_EP) {
+            c->times.reduction_s += total;
+            c->times.reduction_exposed_s += exposed;
+        } else {
+            c->times.exchange_s += total;
+            c->times.exchange_exposed_s += exposed;
+        }
+    }
+#else
+    (void)c;
+#endif
+    return MOE_OK;
+}
+
 static moe_status take_handle(moe_comm *c, const char *what, moe_group g, moe_comm_handle *h)
 {
-    for (int i = 0; i < POOL_HANDLES; i++) {
+    for (int i = 0; i < 2 * POOL_HANDLES; i++) {
+        if (i == POOL_HANDLES) /* full: free the slots whose times are due */
+            MOE_CHECK(read_device_times(c));
         int j = (c->next + i) % POOL_HANDLES;
-        if (c->n_req[j] < 0) {
+        if (c->n_req[j] < 0 && c->is_device[j] == DEVICE_NONE) {
             c->n_req[j] = 0;
             c->what[j] = what;
             c->group[j] = g;
@@ -296,12 +330,13 @@ moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h)
     const int reduction = c->group[h] != MOE_GROUP_EP;
     double total = 0, exposed = 0;
 #ifdef MOE_HAVE_CUDA
-    if (c->is_device[h]) {
-        c->is_device[h] = 0;
+    if (c->is_device[h] == DEVICE_IN_FLIGHT) {
         char what[192], ctx[96];
         context_text(c, ctx, sizeof ctx);
         snprintf(what, sizeof what, "%s%s", c->what[h], ctx);
-        MOE_CHECK(moe_nccl_wait(c->nccl, h, c->timeout_s, what, &total, &exposed));
+        c->is_device[h] = DEVICE_NONE;
+        MOE_CHECK(moe_nccl_wait(c->nccl, h, c->timeout_s, what));
+        c->is_device[h] = DEVICE_TIMES_DUE; /* read by read_device_times */
     }
 #endif
     if (n > 0) { /* MPI requests: what the host spends in the wait (MPI may move the data
@@ -333,7 +368,7 @@ moe_status moe_comm_allreduce_start(moe_comm *c, moe_group g, void *buf, size_t 
 #ifdef MOE_HAVE_CUDA
     if (c->nccl) {
         moe_status st = moe_nccl_allreduce(c->nccl, g, buf, count, elem_bytes, *done);
-        c->is_device[*done] = st == MOE_OK;
+        c->is_device[*done] = st == MOE_OK ? DEVICE_IN_FLIGHT : DEVICE_NONE;
         if (st != MOE_OK) {
             c->n_req[*done] = -1;
             *done = MOE_COMM_NONE;
@@ -364,8 +399,8 @@ moe_status moe_comm_exchange_start(moe_comm *c, const void *send, const size_t *
         MOE_CHECK(moe_comm_wait(c, after));
         MOE_CHECK(take_handle(c, "token exchange", MOE_GROUP_EP, done));
         moe_status st = moe_nccl_exchange(c->nccl, c->ep_size, send, send_counts, send_displs, recv,
-                                          recv_counts, recv_displs, *done);
-        c->is_device[*done] = st == MOE_OK;
+                                          recv_counts, recv_displs, c->exchange_repeat, *done);
+        c->is_device[*done] = st == MOE_OK ? DEVICE_IN_FLIGHT : DEVICE_NONE;
         if (st != MOE_OK) {
             c->n_req[*done] = -1;
             *done = MOE_COMM_NONE;
@@ -373,8 +408,21 @@ moe_status moe_comm_exchange_start(moe_comm *c, const void *send, const size_t *
         return st;
     }
 #endif
+    for (int k = 1; k < c->exchange_repeat; k++) { /* the benchmark's slower network */
+        moe_comm_handle h = MOE_COMM_NONE;
+        MOE_CHECK(moe_comm_exchange_host_start(c, send, send_counts, send_displs, recv, recv_counts,
+                                               recv_displs, after, &h));
+        MOE_CHECK(moe_comm_wait(c, h));
+        after = MOE_COMM_NONE;
+    }
     return moe_comm_exchange_host_start(c, send, send_counts, send_displs, recv, recv_counts,
                                         recv_displs, after, done);
+}
+
+void moe_comm_set_exchange_repeat(moe_comm *c, int repeat)
+{
+    if (c && repeat >= 1)
+        c->exchange_repeat = repeat;
 }
 
 moe_status moe_comm_exchange_host_start(moe_comm *c, const void *send, const size_t *send_counts,
@@ -545,6 +593,8 @@ void moe_comm_take_times(moe_comm *c, moe_comm_times *out)
         memset(out, 0, sizeof *out);
         return;
     }
+    if (read_device_times(c) != MOE_OK) /* logged; the step's own sync reports the error */
+        memset(&c->times, 0, sizeof c->times);
     *out = c->times;
     memset(&c->times, 0, sizeof c->times);
 }
@@ -554,7 +604,7 @@ moe_status moe_comm_enable_device(moe_comm *c, void *stream)
 #ifdef MOE_HAVE_CUDA
     if (c->nccl)
         return MOE_OK;
-    MOE_CHECK(moe_nccl_create(&c->nccl, c->groups, stream, POOL_HANDLES));
+    MOE_CHECK(moe_nccl_create(&c->nccl, c->groups, stream, POOL_HANDLES, c->timeout_s));
     return MOE_OK;
 #else
     (void)c;

@@ -110,9 +110,11 @@ static void print_report(const moe_trainer *tr, double step_s, const double *ph,
     const double tokens = (double)r.sequences * cfg->seq_len; /* per step, all ranks */
     const double tps = tokens / step_s, tps_gpu = tps / tr->world;
     const double flops = moe_bench_flops_per_token(cfg) * tps_gpu;
-    fprintf(out, "bench: %d warm-up, %d timed, %d phase-timed steps; world %d, ep %d, %s, %s\n",
-            warmup, cfg->steps, phase_steps, tr->world, cfg->ep, m->be->name,
-            moe_trainer_precision(tr));
+    fprintf(out,
+            "bench: %d warm-up, %d timed, %d phase-timed steps; world %d, ep %d, %d chunk%s per "
+            "micro-batch, exchange sent %dx, %s, %s\n",
+            warmup, cfg->steps, phase_steps, tr->world, cfg->ep, m->C, m->C > 1 ? "s" : "",
+            cfg->exchange_repeat, m->be->name, moe_trainer_precision(tr));
     fprintf(out, "  tokens/s              %.0f (%.0f per %s)\n", tps, tps_gpu,
             m->be->on_device ? "GPU" : "rank");
     fprintf(out, "  step time             %.2f ms (%.0f tokens per step, final loss %.4f)\n",

@@ -196,6 +196,7 @@ static int cmd_train(const cli_args *a, int bench)
     if (moe_comm_create(&comm, cfg.ep) != MOE_OK)
         return fail_job(EXIT_USAGE);
     moe_comm_set_timeout(comm, cfg.comm_timeout_s);
+    moe_comm_set_exchange_repeat(comm, cfg.exchange_repeat);
     if (moe_signals_install() != 0)
         return fail_job(1);
     moe_trainer *tr = NULL;

@@ -122,6 +122,11 @@ static const key_def keys[] = {
         "replan_interval steps) or a plan file (docs/scheduler.md)"),
     KEY("parallel", "replan_interval", T_INT, replan_interval, GE(0), "0",
         "steps between re-plans with placement = auto; 0 never re-plans"),
+    KEY("parallel", "a2a_chunks", T_STRING, a2a_chunks, NONE, "auto",
+        "chunks of sequences a micro-batch runs as, so that one chunk's token exchange "
+        "overlaps another's compute: a divisor of micro_batch, or auto (2 when ep > 1)"),
+    KEY("parallel", "exchange_repeat", T_INT, exchange_repeat, GE(1), "1",
+        "benchmark knob: every token exchange is sent this many times (a slower network)"),
 
     KEY_ENUM("data", "source", data_source, "synthetic|shards", "synthetic",
              "built-in synthetic corpus, or llm.c token shards"),
@@ -1002,6 +1007,19 @@ moe_status moe_config_validate(const moe_config *cfg)
                     "= auto re-plans every replan_interval steps, so it needs", "must be > 0 with");
         bad++;
     }
+    if (strcmp(cfg->a2a_chunks, "auto") != 0) {
+        char *end = NULL;
+        long n = strtol(cfg->a2a_chunks, &end, 10);
+        if (end == cfg->a2a_chunks || *end != '\0' || n < 1 || n > cfg->micro_batch) {
+            report(cfg, key_index("parallel.a2a_chunks"),
+                   "must be auto or a whole number from 1 to train.micro_batch");
+            bad++;
+        } else if (cfg->micro_batch % n != 0) {
+            rule_failed(cfg, "parallel.a2a_chunks", "train.micro_batch", "does not divide",
+                        "is not a multiple of");
+            bad++;
+        }
+    }
     if (strcmp(cfg->backend, "cpu") == 0 &&
         (strcmp(cfg->precision, "bf16") == 0 || strcmp(cfg->precision, "fp16") == 0)) {
         rule_failed(cfg, "precision.mode", "parallel.backend",
@@ -1020,6 +1038,14 @@ int moe_config_accum_at(const moe_config *cfg, int step)
         if (cfg->accum[p].from_step <= step)
             mb = cfg->accum[p].micro_batches;
     return mb;
+}
+
+int moe_config_chunks(const moe_config *cfg)
+{
+    if (strcmp(cfg->a2a_chunks, "auto") == 0) /* a capacity applies per chunk: keep one, so
+                                                 that the drops do not depend on ep */
+        return cfg->ep > 1 && cfg->micro_batch % 2 == 0 && cfg->capacity_factor <= 0 ? 2 : 1;
+    return (int)strtol(cfg->a2a_chunks, NULL, 10);
 }
 
 size_t moe_config_to_ini(const moe_config *cfg, char *buf, size_t cap)

@@ -65,6 +65,8 @@ typedef struct {
     double comm_timeout_s; /* a communication wait longer than this ends the job */
     char placement[MOE_PATH_MAX]; /* contiguous | auto | plan file */
     int replan_interval;          /* steps between re-plans with placement = auto */
+    char a2a_chunks[16];          /* auto | n: chunks of a micro-batch (moe_config_chunks) */
+    int exchange_repeat;          /* benchmark: every token exchange is sent this many times */
 
     /* [data] */
     char data_source[16];         /* synthetic | shards */
@@ -124,6 +126,11 @@ moe_status moe_config_validate(const moe_config *cfg);
 
 /* Micro-batches per optimizer step at `step` (0-based) from the grad_accum schedule. */
 int moe_config_accum_at(const moe_config *cfg, int step);
+
+/* Chunks a micro-batch runs as ([parallel] a2a_chunks): the number given, or for auto 2
+ * when tokens are exchanged (ep > 1), micro_batch is even and no capacity drops tokens
+ * (a capacity applies per chunk), else 1. Valid after moe_config_validate. */
+int moe_config_chunks(const moe_config *cfg);
 
 /* Writes the config as INI text (every key, current values) to buf; returns the
  * length it needed (like snprintf). */

@@ -208,22 +208,18 @@ static void *carve_take(carve *c, size_t nbytes)
 
 #define TAKE(c, type, count) ((type *)carve_take((c), sizeof(type) * (size_t)(count)))
 
-/* c: memory of the backend (device for cuda); h: host memory for what the host reads. */
-static void carve_activations(moe_model *m, carve *c, carve *h)
+/* What one chunk keeps apart from the others (moe_chunk): c backend memory, h host. */
+static void carve_chunk(moe_model *m, moe_chunk *ch, carve *c, carve *h)
 {
-    const size_t N = (size_t)m->N, D = (size_t)m->D, NK = N * (size_t)m->K;
-    const size_t Fmax = (size_t)(m->Fd > m->Fs ? m->Fd : m->Fs);
+    const size_t N = (size_t)m->Nc, D = (size_t)m->D, NK = N * (size_t)m->K;
     const size_t R = (size_t)m->Rmax, Mx = (size_t)m->Mmax;
-    m->tokens = TAKE(c, int32_t, N);
-    m->targets = TAKE(c, int32_t, N);
-    m->tokens_h = TAKE(h, int32_t, 2 * N);
-    m->send_assign = TAKE(h, int, m->ep);
-    m->expert_rank_dev = TAKE(c, int32_t, (size_t)m->L * m->E);
-    m->expert_local_dev = TAKE(c, int32_t, (size_t)m->L * m->E);
+    const size_t rows = R > NK ? R : NK;
+    ch->tokens = TAKE(c, int32_t, N);
+    ch->targets = TAKE(c, int32_t, N);
     for (int l = 0; l <= m->L; l++) {
         real *x = TAKE(c, real, N * D);
-        if (m->x)
-            m->x[l] = x;
+        if (ch->x)
+            ch->x[l] = x;
     }
     for (int l = 0; l < m->L; l++) {
         moe_layer_acts a = {0};
@@ -234,7 +230,7 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
         a.k = TAKE(c, real, N * D);
         a.v = TAKE(c, real, N * D);
         a.att = TAKE(c, real, N * D);
-        a.att_lse = TAKE(c, real, (size_t)m->B * m->H * m->T);
+        a.att_lse = TAKE(c, real, (size_t)m->Bc * m->H * m->T);
         a.xmid = TAKE(c, real, N * D);
         a.h2 = TAKE(c, real, N * D);
         a.rstd2 = TAKE(c, real, N);
@@ -248,7 +244,6 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
             a.rlse = TAKE(c, real, N);
             a.idx = TAKE(c, int32_t, NK);
             a.w = TAKE(c, real, NK);
-            a.mb_counts = TAKE(h, int64_t, m->E);
             a.slot_row = TAKE(c, int32_t, NK);
             a.send_token = TAKE(c, int32_t, N * (size_t)(m->K < m->ep ? m->K : m->ep));
             a.send_rows = TAKE(h, int, m->ep);
@@ -270,23 +265,45 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
                 a.sh = TAKE(c, real, N * m->Fs);
             }
         }
-        if (m->acts)
-            m->acts[l] = a;
+        if (ch->acts)
+            ch->acts[l] = a;
     }
-    m->hf = TAKE(c, real, N * D);
-    m->rstdf = TAKE(c, real, N);
+    ch->hf = TAKE(c, real, N * D);
+    ch->rstdf = TAKE(c, real, N);
+    ch->ce_lse = TAKE(c, real, N);
+    ch->ce_loss = TAKE(c, real, N);
+    ch->dres = TAKE(c, real, N * D);
+    ch->dh = TAKE(c, real, N * D);
+    ch->dyrecv = TAKE(c, real, R * D);
+    ch->send_buf = TAKE(c, char, rows * m->row_bytes);
+    ch->recv_buf = TAKE(c, char, rows * m->row_bytes);
+    ch->aux_part = TAKE(c, double, router_aux_part_len(m->Nc, m->E));
+    ch->xc_size = TAKE(h, size_t, 4 * (size_t)m->ep);
+}
+
+/* c: memory of the backend (device for cuda); h: host memory for what the host reads.
+ * The chunks' own buffers, then the scratch they share (used by one chunk at a time:
+ * the compute stream runs them in turn). */
+static void carve_activations(moe_model *m, carve *c, carve *h)
+{
+    const size_t N = (size_t)m->Nc, D = (size_t)m->D, NK = N * (size_t)m->K;
+    const size_t Fmax = (size_t)(m->Fd > m->Fs ? m->Fd : m->Fs);
+    const size_t R = (size_t)m->Rmax, Mx = (size_t)m->Mmax;
+    for (int i = 0; i < m->C; i++)
+        carve_chunk(m, &m->chunk[i], c, h);
+    m->tokens_h = TAKE(h, int32_t, 2 * (size_t)m->N);
+    m->send_assign = TAKE(h, int, m->ep);
+    m->expert_rank_dev = TAKE(c, int32_t, (size_t)m->L * m->E);
+    m->expert_local_dev = TAKE(c, int32_t, (size_t)m->L * m->E);
+    m->layer_counts = TAKE(h, int64_t, (size_t)m->L * m->E);
+    m->aux_psum = TAKE(h, double, (size_t)m->L * m->E);
     m->logits = TAKE(c, real, (size_t)m->head_rows * m->V);
-    m->ce_lse = TAKE(c, real, N);
-    m->ce_loss = TAKE(c, real, N);
     m->rope_cos = TAKE(c, real, (size_t)m->T * (m->Hd / 2));
     m->rope_sin = TAKE(c, real, (size_t)m->T * (m->Hd / 2));
-    m->dres = TAKE(c, real, N * D);
-    m->dh = TAKE(c, real, N * D);
     m->dq = TAKE(c, real, N * D);
     m->dk = TAKE(c, real, N * D);
     m->dv = TAKE(c, real, N * D);
     m->datt = TAKE(c, real, N * D);
-    m->dffn = TAKE(c, real, N * D);
     m->dfa = TAKE(c, real, N * Fmax);
     m->dfb = TAKE(c, real, N * Fmax);
     m->dfh = TAKE(c, real, N * Fmax);
@@ -295,7 +312,6 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->dea = TAKE(c, real, Mx * m->F);
     m->deb = TAKE(c, real, Mx * m->F);
     m->deh = TAKE(c, real, Mx * m->F);
-    m->dyrecv = TAKE(c, real, R * D);
     m->dxrecv = TAKE(c, real, R * D);
     m->dlw = TAKE(c, real, R * m->K);
     m->dw = TAKE(c, real, NK);
@@ -305,15 +321,33 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->route_scratch = TAKE(c, int, R * m->K);
     m->src_offsets = TAKE(h, int, m->E + 1);
     m->lslot_row = TAKE(c, int32_t, R * m->K);
-    m->xc_size = TAKE(h, size_t, 4 * (size_t)m->ep);
     m->xc_count = TAKE(h, int64_t, 2 * (size_t)m->ep);
     m->src_row_token = TAKE(c, int32_t, NK);
     m->src_row_slot = TAKE(c, int32_t, NK);
-    m->send_buf = TAKE(c, char, (R > N * (size_t)m->K ? R : N * (size_t)m->K) * m->row_bytes);
-    m->recv_buf = TAKE(c, char, (R > N * (size_t)m->K ? R : N * (size_t)m->K) * m->row_bytes);
-    m->aux_psum = TAKE(h, double, m->E);
-    m->aux_part = TAKE(c, double, router_aux_part_len(N, m->E));
     m->load = TAKE(h, int64_t, (size_t)m->L * m->E);
+}
+
+/* Points the per-chunk fields of m at chunk i (every function below that takes no chunk
+ * works on this one). */
+static void use_chunk(moe_model *m, int i)
+{
+    moe_chunk *ch = &m->chunk[i];
+    m->cur = i;
+    m->tokens = ch->tokens;
+    m->targets = ch->targets;
+    m->x = ch->x;
+    m->acts = ch->acts;
+    m->hf = ch->hf;
+    m->rstdf = ch->rstdf;
+    m->ce_lse = ch->ce_lse;
+    m->ce_loss = ch->ce_loss;
+    m->dres = ch->dres;
+    m->dh = ch->dh;
+    m->dyrecv = ch->dyrecv;
+    m->send_buf = ch->send_buf;
+    m->recv_buf = ch->recv_buf;
+    m->aux_part = ch->aux_part;
+    m->xc_size = ch->xc_size;
 }
 
 /* The placement tables are the only place that knows which rank holds an expert;
@@ -457,8 +491,11 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
     m->F = cfg->expert_hidden;
     m->Fd = cfg->dense_hidden;
     m->Fs = cfg->shared_experts * cfg->expert_hidden;
+    m->C = moe_config_chunks(cfg);
+    m->Bc = m->B / m->C;
+    m->Nc = m->Bc * m->T;
     /* worst case of dropless routing: every peer sends all its tokens here */
-    m->Rmax = m->ep * m->N;
+    m->Rmax = m->ep * m->Nc;
     m->Mmax = m->Rmax * (m->K < m->El ? m->K : m->El);
     {
         /* GEMM operands: token-major (N rows) and expert-row-major (Mmax rows) ones */
@@ -466,18 +503,18 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
         int widths[] = {m->Fd, m->Fs, m->V, m->E};
         for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
             wt = widths[i] > wt ? widths[i] : wt;
-        size_t a = (size_t)m->N * wt, b = (size_t)m->Mmax * we;
+        size_t a = (size_t)m->Nc * wt, b = (size_t)m->Mmax * we;
         m->max_gemm_operand = a > b ? a : b;
     }
     /* LM head chunk: at most 2^25 logits (128 MiB in fp32) at once, the whole micro-batch
      * when that fits (a (N, V) fp32 copy would be 2 GiB, and its gradient as much, at the
      * bench shape: N 16384, V 32768) */
     m->head_rows = (int)((size_t)(1 << 25) / (size_t)m->V);
-    m->head_rows = m->head_rows < 1 ? 1 : m->head_rows > m->N ? m->N : m->head_rows;
+    m->head_rows = m->head_rows < 1 ? 1 : m->head_rows > m->Nc ? m->Nc : m->head_rows;
     m->row_bytes =
         ((size_t)(m->D + m->K) * sizeof(real) + (size_t)m->K * sizeof(int32_t) + 7) & ~(size_t)7;
     m->capacity = cfg->capacity_factor > 0
-                      ? (int)ceil(cfg->capacity_factor * m->N * m->K / (double)m->E)
+                      ? (int)ceil(cfg->capacity_factor * m->Nc * m->K / (double)m->E)
                       : -1;
 
     MOE_CHECK_GOTO(st, alloc_placement(m));
@@ -485,9 +522,15 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
     MOE_CHECK_GOTO(st, layout_tensors(m));
     m->params = be->alloc(m->n_params * sizeof(real));
     m->grads = be->alloc(m->n_params * sizeof(real));
-    m->x = calloc((size_t)m->L + 1, sizeof *m->x);
-    m->acts = calloc((size_t)m->L, sizeof *m->acts);
-    if (!m->params || !m->grads || !m->x || !m->acts) {
+    m->chunk = calloc((size_t)m->C, sizeof *m->chunk);
+    int chunks_ok = m->chunk != NULL;
+    for (int i = 0; chunks_ok && i < m->C; i++) {
+        m->chunk[i].x = calloc((size_t)m->L + 1, sizeof *m->chunk[i].x);
+        m->chunk[i].acts = calloc((size_t)m->L, sizeof *m->chunk[i].acts);
+        m->chunk[i].pending = MOE_COMM_NONE;
+        chunks_ok = m->chunk[i].x && m->chunk[i].acts;
+    }
+    if (!m->params || !m->grads || !chunks_ok) {
         moe_log_at(__FILE__, __LINE__, "cannot allocate %zu parameters and their gradients",
                    m->n_params);
         st = MOE_ERR_NOMEM;
@@ -511,14 +554,18 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
         goto fail;
     }
     carve_activations(m, &c, &h);
+    for (int i = 0; i < m->C; i++)
+        for (int l = m->cfg.dense_layers; l < m->L; l++)
+            m->chunk[i].acts[l].mb_counts = m->layer_counts + (size_t)l * m->E;
+    use_chunk(m, 0);
 
     /* the ops' scratch, sized now so that no step allocates: the sorts of the routing
      * plans, scatters and embedding backward take about 16 bytes per item plus per-tile
      * counts; the host copies back at most the router's partials */
     {
-        const size_t items = (size_t)m->Rmax * m->K + (size_t)m->N * m->K + (size_t)m->N;
+        const size_t items = (size_t)m->Rmax * m->K + (size_t)m->Nc * m->K + (size_t)m->Nc;
         const size_t dev = 64 * items + ((size_t)16 << 20);
-        const size_t host = sizeof(double) * router_aux_part_len(m->N, m->E) + ((size_t)1 << 20);
+        const size_t host = sizeof(double) * router_aux_part_len(m->Nc, m->E) + ((size_t)1 << 20);
         MOE_CHECK_GOTO(st, be->reserve(dev, host));
     }
     be->rope_tables(m->rope_cos, m->rope_sin, m->T, m->Hd, cfg->rope_theta);
@@ -541,8 +588,11 @@ void moe_model_destroy(moe_model *m)
     free(m->host_base);
     free(m->p.layers);
     free(m->g.layers);
-    free(m->x);
-    free(m->acts);
+    for (int i = 0; m->chunk && i < m->C; i++) {
+        free(m->chunk[i].x);
+        free(m->chunk[i].acts);
+    }
+    free(m->chunk);
     be->release(m->params);
     be->release(m->grads);
     if (be->on_device)
@@ -556,18 +606,25 @@ void moe_model_destroy(moe_model *m)
 
 /* ---- forward ----------------------------------------------------------------------- */
 
+/* Each function below works on the chunk use_chunk chose (N: its Nc tokens). A layer
+ * runs in three stages per chunk: (a) attention, the router and the start of the token
+ * dispatch; (b) once the rows arrived, the experts and the start of the combine; (c) once
+ * the partial sums are back, the residual. moe_model_forward runs (c) of layer l-1 and
+ * (a) of layer l for every chunk, then (b) of layer l for every chunk, so each exchange
+ * travels while the compute stream works on another chunk. */
+
 static void attention_block_forward(moe_model *m, int l)
 {
     const moe_layer_view *w = &m->p.layers[l];
     moe_layer_acts *a = &m->acts[l];
-    const int N = m->N, D = m->D;
+    const int N = m->Nc, D = m->D;
     m->be->rmsnorm_forward(a->h1, a->rstd1, m->x[l], w->attn_norm, N, D, (real)m->cfg.norm_eps);
     m->be->matmul_forward(a->q, a->h1, w->wq, N, D, D);
     m->be->matmul_forward(a->k, a->h1, w->wk, N, D, D);
     m->be->matmul_forward(a->v, a->h1, w->wv, N, D, D);
-    m->be->rope_forward(a->q, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
-    m->be->rope_forward(a->k, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
-    m->be->attention_forward(a->att, a->att_lse, a->q, a->k, a->v, m->B, m->T, m->H, m->Hd);
+    m->be->rope_forward(a->q, m->rope_cos, m->rope_sin, m->Bc, m->T, m->H, m->Hd);
+    m->be->rope_forward(a->k, m->rope_cos, m->rope_sin, m->Bc, m->T, m->H, m->Hd);
+    m->be->attention_forward(a->att, a->att_lse, a->q, a->k, a->v, m->Bc, m->T, m->H, m->Hd);
     m->be->matmul_forward(a->xmid, a->att, w->wo, N, D, D);
     m->be->add_inplace(a->xmid, m->x[l], (size_t)N * D);
 }
@@ -583,34 +640,45 @@ static void swiglu_ffn_forward(const moe_model *m, real *out, real *fa, real *fb
     m->be->matmul_forward(out, fh, w2, n, F, D);
 }
 
-/* Router: logits, probabilities, top-k, the per-sequence aux partials and the plan of
- * routed rows. Adds this layer's aux and z sums and expert loads to stats. */
+/* Router: logits, probabilities, top-k and the aux partials of the chunk. The layer's
+ * counts and probability sums add up over the chunks in order (the same additions as
+ * one pass over the micro-batch); after the last chunk the layer's aux term and expert
+ * loads go into stats. */
 static void router_forward_layer(moe_model *m, int l, moe_fwd_stats *stats)
 {
     const moe_layer_view *w = &m->p.layers[l];
     moe_layer_acts *a = &m->acts[l];
-    const int N = m->N, E = m->E, K = m->K;
+    const int N = m->Nc, E = m->E, K = m->K;
+    int64_t *counts = m->layer_counts + (size_t)l * E;
+    double *psum = m->aux_psum + (size_t)l * E;
     m->be->matmul_forward(a->logits, a->h2, w->router, N, m->D, E);
     m->be->router_forward(a->probs, a->rlse, a->idx, a->w, m->aux_part, a->logits, N, E, K,
                           m->cfg.renorm_topk);
-    memset(a->mb_counts, 0, sizeof(int64_t) * E);
-    memset(m->aux_psum, 0, sizeof(double) * E);
-    stats->z_sum += m->be->router_aux_partials(a->mb_counts, m->aux_psum, m->aux_part, N, E);
+    if (m->cur == 0) {
+        memset(counts, 0, sizeof(int64_t) * E);
+        memset(psum, 0, sizeof(double) * E);
+    }
+    stats->z_sum += m->be->router_aux_partials(counts, psum, m->aux_part, N, E);
+    if (m->cur < m->C - 1)
+        return;
+    const double Nm = m->N; /* the micro-batch */
     double aux = 0;
     for (int e = 0; e < E; e++) {
-        aux += (double)a->mb_counts[e] / ((double)N * K) * (m->aux_psum[e] / N);
-        m->load[(size_t)l * E + e] += a->mb_counts[e];
+        aux += (double)counts[e] / (Nm * K) * (psum[e] / Nm);
+        m->load[(size_t)l * E + e] += counts[e];
     }
     stats->aux_sum += E * aux;
 }
 
 /* ---- MoE: dispatch, experts, combine ------------------------------------------------ */
 
-/* Exchanges rows inside the EP group: send_rows[p] rows of row_nbytes bytes (grouped by
- * peer, in peer order) to each peer p; recv_rows[p] rows from each into recv. */
-static moe_status exchange_rows(moe_model *m, const void *send, const int *send_rows, void *recv,
-                                const int *recv_rows, size_t row_nbytes)
+/* Starts the chunk's exchange inside the EP group: send_rows[p] rows of row_nbytes bytes
+ * (grouped by peer, in peer order) to each peer p; recv_rows[p] rows from each into
+ * recv. It is in flight until exchange_finish; at ep 1 it is a copy, done at once. */
+static moe_status exchange_start(moe_model *m, const void *send, const int *send_rows, void *recv,
+                                 const int *recv_rows, size_t row_nbytes)
 {
+    moe_chunk *ch = &m->chunk[m->cur];
     if (m->ep == 1) {
         m->be->copy(recv, send, (size_t)send_rows[0] * row_nbytes, MOE_COPY_D2D);
         return MOE_OK;
@@ -625,23 +693,31 @@ static moe_status exchange_rows(moe_model *m, const void *send, const int *send_
         rd[p] = ro;
         ro += rc[p];
     }
-    moe_comm_handle done;
+    return moe_comm_exchange_start(m->comm, send, sc, sd, recv, rc, rd, MOE_COMM_NONE,
+                                   &ch->pending);
+}
+
+/* Waits for the chunk's exchange (on a GPU, the compute stream waits for it). */
+static moe_status exchange_finish(moe_model *m)
+{
+    moe_chunk *ch = &m->chunk[m->cur];
+    if (ch->pending == MOE_COMM_NONE)
+        return MOE_OK;
     const double t0 = moe_model_phase_begin(m);
-    MOE_CHECK(moe_comm_exchange_start(m->comm, send, sc, sd, recv, rc, rd, MOE_COMM_NONE, &done));
-    MOE_CHECK(moe_comm_wait(m->comm, done));
+    moe_status st = moe_comm_wait(m->comm, ch->pending);
+    ch->pending = MOE_COMM_NONE;
     moe_model_phase_end(m, t0, MOE_PHASE_EXCHANGE);
-    return MOE_OK;
+    return st;
 }
 
 /* Source side: applies the capacity, then builds one row per (token, EP rank holding at
  * least one of its kept experts), grouped by rank. A token whose experts share a rank is
  * sent there once, with the local expert and weight of each of its slots (local id -1
- * for slots elsewhere). Exchanges the counts, then the rows; the experts' side finds
- * them unpacked in xrecv, lidx, lw. */
-static moe_status moe_dispatch(moe_model *m, int l, moe_fwd_stats *stats)
+ * for slots elsewhere). Exchanges the counts, then starts sending the rows. */
+static moe_status moe_dispatch_start(moe_model *m, int l, moe_fwd_stats *stats)
 {
     moe_layer_acts *a = &m->acts[l];
-    const int N = m->N, K = m->K, D = m->D, ep = m->ep;
+    const int N = m->Nc, K = m->K, D = m->D, ep = m->ep;
     int M = m->be->moe_route_plan(m->src_offsets, m->src_row_token, m->src_row_slot, a->slot_row,
                                   m->route_scratch, a->idx, a->w, N, m->E, K, N, m->capacity);
     stats->dropped += (int64_t)N * K - M;
@@ -676,10 +752,7 @@ static moe_status moe_dispatch(moe_model *m, int l, moe_fwd_stats *stats)
     if (a->n_recv > m->Rmax)
         MOE_FAIL(MOE_ERR_COMM, "layer %d: %d rows received, more than the %d sized for", l,
                  a->n_recv, m->Rmax);
-    MOE_CHECK(exchange_rows(m, m->send_buf, a->send_rows, m->recv_buf, a->recv_rows, m->row_bytes));
-    m->be->moe_unpack_dispatch(a->xrecv, a->lw, a->lidx, m->recv_buf, a->n_recv, D, K,
-                               m->row_bytes);
-    return MOE_OK;
+    return exchange_start(m, m->send_buf, a->send_rows, m->recv_buf, a->recv_rows, m->row_bytes);
 }
 
 /* Experts' side: groups the received rows' slots by local expert, runs the grouped
@@ -703,12 +776,21 @@ static void moe_experts_forward(moe_model *m, int l, real *out)
     m->be->moe_combine_forward(out, a->eout, a->lw, a->row_token, a->row_slot, M, D, K);
 }
 
-static moe_status moe_block_forward(moe_model *m, int l, real *out, moe_fwd_stats *stats)
+/* Stage (a): attention, the FFN norm, and the dense FFN or the MoE router and dispatch. */
+static moe_status layer_forward_begin(moe_model *m, int l, moe_fwd_stats *stats)
 {
     const moe_layer_view *w = &m->p.layers[l];
     moe_layer_acts *a = &m->acts[l];
-    const int N = m->N, D = m->D;
+    const int N = m->Nc, D = m->D;
     moe_comm_set_context(m->comm, "forward", l); /* named by a timeout (comm.h) */
+    attention_block_forward(m, l);
+    m->be->rmsnorm_forward(a->h2, a->rstd2, a->xmid, w->ffn_norm, N, D, (real)m->cfg.norm_eps);
+    if (l < m->cfg.dense_layers) {
+        real *out = m->x[l + 1];
+        swiglu_ffn_forward(m, out, a->fa, a->fb, a->fh, a->h2, w->w1, w->w3, w->w2, N, D, m->Fd);
+        m->be->add_inplace(out, a->xmid, (size_t)N * D);
+        return MOE_OK;
+    }
     router_forward_layer(m, l, stats);
     if (m->routing) { /* routing statistics for the scheduler, counted where idx is */
         const moe_routing_stats *rs = m->routing;
@@ -720,37 +802,48 @@ static moe_status moe_block_forward(moe_model *m, int l, real *out, moe_fwd_stat
             lm > 0 ? base + (rs->trans - rs->data) + (size_t)(lm - 1) * E * E : NULL, a->idx,
             lm > 0 ? m->acts[l - 1].idx : NULL, N, E, m->K);
     }
-    MOE_CHECK(moe_dispatch(m, l, stats));
+    return moe_dispatch_start(m, l, stats);
+}
+
+/* Stage (b) of a MoE layer: the experts on the rows received, then the partial sums go
+ * back to the rows' owners (sizes reversed). */
+static moe_status layer_forward_experts(moe_model *m, int l)
+{
+    moe_layer_acts *a = &m->acts[l];
+    if (l < m->cfg.dense_layers)
+        return MOE_OK;
+    moe_comm_set_context(m->comm, "forward", l);
+    MOE_CHECK(exchange_finish(m));
+    m->be->moe_unpack_dispatch(a->xrecv, a->lw, a->lidx, m->recv_buf, a->n_recv, m->D, m->K,
+                               m->row_bytes);
     moe_experts_forward(m, l, (real *)m->send_buf);
-    /* combine: partial sums go back to the rows' owners (sizes reversed) */
-    MOE_CHECK(
-        exchange_rows(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows, sizeof(real) * D));
+    return exchange_start(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows,
+                          sizeof(real) * m->D);
+}
+
+/* Stage (c) of a MoE layer: x[l+1] = xmid + shared experts + the partial sums received. */
+static moe_status layer_forward_end(moe_model *m, int l)
+{
+    const moe_layer_view *w = &m->p.layers[l];
+    moe_layer_acts *a = &m->acts[l];
+    const int N = m->Nc, D = m->D;
+    real *out = m->x[l + 1];
+    if (l < m->cfg.dense_layers)
+        return MOE_OK;
+    moe_comm_set_context(m->comm, "forward", l);
+    MOE_CHECK(exchange_finish(m));
     if (m->Fs > 0)
         swiglu_ffn_forward(m, out, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N, D, m->Fs);
     else
         m->be->zero(out, sizeof(real) * (size_t)N * D);
     m->be->moe_permute_backward(out, (const real *)m->recv_buf, a->send_token, a->n_send, D);
-    return MOE_OK;
-}
-
-static moe_status ffn_block_forward(moe_model *m, int l, moe_fwd_stats *stats)
-{
-    const moe_layer_view *w = &m->p.layers[l];
-    moe_layer_acts *a = &m->acts[l];
-    const int N = m->N, D = m->D;
-    real *out = m->x[l + 1];
-    m->be->rmsnorm_forward(a->h2, a->rstd2, a->xmid, w->ffn_norm, N, D, (real)m->cfg.norm_eps);
-    if (l < m->cfg.dense_layers)
-        swiglu_ffn_forward(m, out, a->fa, a->fb, a->fh, a->h2, w->w1, w->w3, w->w2, N, D, m->Fd);
-    else
-        MOE_CHECK(moe_block_forward(m, l, out, stats));
     m->be->add_inplace(out, a->xmid, (size_t)N * D);
     return MOE_OK;
 }
 
 moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats *stats)
 {
-    const int N = m->N, D = m->D, T = m->T;
+    const int N = m->N, D = m->D, T = m->T, Nc = m->Nc;
     memset(stats, 0, sizeof *stats);
     for (int b = 0; b < m->B; b++) {
         for (int t = 0; t < T; t++) {
@@ -765,24 +858,40 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
             m->tokens_h[(size_t)N + (size_t)b * T + t] = tg;
         }
     }
-    m->be->copy(m->tokens, m->tokens_h, sizeof(int32_t) * N, MOE_COPY_H2D);
-    m->be->copy(m->targets, m->tokens_h + N, sizeof(int32_t) * N, MOE_COPY_H2D);
-    m->be->embedding_forward(m->x[0], m->tokens, m->p.embedding, N, D);
+    for (int i = 0; i < m->C; i++) { /* chunk i: sequences [i*Bc, (i+1)*Bc) */
+        use_chunk(m, i);
+        m->be->copy(m->tokens, m->tokens_h + (size_t)i * Nc, sizeof(int32_t) * Nc, MOE_COPY_H2D);
+        m->be->copy(m->targets, m->tokens_h + N + (size_t)i * Nc, sizeof(int32_t) * Nc,
+                    MOE_COPY_H2D);
+        m->be->embedding_forward(m->x[0], m->tokens, m->p.embedding, Nc, D);
+    }
     for (int l = 0; l < m->L; l++) {
-        attention_block_forward(m, l);
-        MOE_CHECK(ffn_block_forward(m, l, stats));
+        for (int i = 0; i < m->C; i++) {
+            use_chunk(m, i);
+            if (l > 0)
+                MOE_CHECK(layer_forward_end(m, l - 1));
+            MOE_CHECK(layer_forward_begin(m, l, stats));
+        }
+        for (int i = 0; i < m->C; i++) {
+            use_chunk(m, i);
+            MOE_CHECK(layer_forward_experts(m, l));
+        }
     }
-    m->be->rmsnorm_forward(m->hf, m->rstdf, m->x[m->L], m->p.final_norm, N, D,
-                           (real)m->cfg.norm_eps);
-    /* LM head and cross-entropy in chunks of head_rows tokens: the logits of the whole
-     * micro-batch never exist at once */
-    for (int r0 = 0; r0 < N; r0 += m->head_rows) {
-        int rows = N - r0 < m->head_rows ? N - r0 : m->head_rows;
-        m->be->matmul_forward(m->logits, m->hf + (size_t)r0 * D, m->p.lm_head, rows, D, m->V);
-        m->be->cross_entropy_forward(m->ce_loss + r0, m->ce_lse + r0, m->logits, m->targets + r0,
-                                     rows, m->V);
+    for (int i = 0; i < m->C; i++) {
+        use_chunk(m, i);
+        MOE_CHECK(layer_forward_end(m, m->L - 1));
+        m->be->rmsnorm_forward(m->hf, m->rstdf, m->x[m->L], m->p.final_norm, Nc, D,
+                               (real)m->cfg.norm_eps);
+        /* LM head and cross-entropy in chunks of head_rows tokens: the logits of the whole
+         * chunk never exist at once */
+        for (int r0 = 0; r0 < Nc; r0 += m->head_rows) {
+            int rows = Nc - r0 < m->head_rows ? Nc - r0 : m->head_rows;
+            m->be->matmul_forward(m->logits, m->hf + (size_t)r0 * D, m->p.lm_head, rows, D, m->V);
+            m->be->cross_entropy_forward(m->ce_loss + r0, m->ce_lse + r0, m->logits,
+                                         m->targets + r0, rows, m->V);
+        }
+        stats->ce_sum += m->be->sum_values(m->ce_loss, (size_t)Nc);
     }
-    stats->ce_sum = m->be->sum_values(m->ce_loss, (size_t)N);
     stats->tokens = N;
     return m->be->sync();
 }
@@ -805,20 +914,21 @@ static void swiglu_ffn_backward(moe_model *m, real *dx, real *gw1, real *gw3, re
     m->be->matmul_backward(dx, gw3, m->dfb, x, w3, n, D, F);
 }
 
-/* Gradient of the router: top-k weights (dw), aux and z terms, softmax, linear. */
+/* Gradient of the router: top-k weights (dw), aux and z terms, softmax, linear. The aux
+ * term uses the counts of the whole micro-batch (all chunks). */
 static void router_backward_layer(moe_model *m, int l, int64_t step_sequences)
 {
     const moe_layer_view *w = &m->p.layers[l];
     const moe_layer_view *g = &m->g.layers[l];
     moe_layer_acts *a = &m->acts[l];
-    const int N = m->N, E = m->E, K = m->K;
+    const int N = m->Nc, E = m->E, K = m->K;
     m->be->zero(m->dprobs, sizeof(real) * (size_t)N * E);
     m->be->zero(m->drlogits, sizeof(real) * (size_t)N * E);
     m->be->router_topk_backward(m->dprobs, m->dw, a->probs, a->idx, N, E, K, m->cfg.renorm_topk);
     /* aux: averaged over the step's micro-batches; z: over its tokens */
     const double n_micro = (double)step_sequences / m->B;
-    m->be->router_aux_backward(m->dprobs, m->drlogits, a->probs, a->rlse, a->mb_counts, N, N, E, K,
-                               m->loss_scale * m->cfg.aux_loss_coef / n_micro,
+    m->be->router_aux_backward(m->dprobs, m->drlogits, a->probs, a->rlse, a->mb_counts, m->N, N, E,
+                               K, m->loss_scale * m->cfg.aux_loss_coef / n_micro,
                                m->loss_scale * m->cfg.z_loss_coef / n_micro);
     m->be->softmax_backward(m->drlogits, m->dprobs, a->probs, N, E);
     m->be->matmul_backward(m->dh, g->router, m->drlogits, a->h2, w->router, N, m->D, E);
@@ -853,47 +963,59 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
     m->be->moe_pack_grad_rows(out, m->dxrecv, m->dlw, R, D, K);
 }
 
-/* dffn: gradient of the MoE output (N, D); adds the gradient of h2 into m->dh. */
-static moe_status moe_block_backward(moe_model *m, int l, const real *dffn, int64_t step_sequences)
+/* Backward of a layer in three stages per chunk, mirroring forward. On entry to (a)
+ * m->dres = dL/dx[l+1]; on exit from (c) dL/dx[l].
+ * (a): the dense FFN, or the shared experts and the start of sending each sent row's
+ * gradient to the rank that computed it. */
+static moe_status layer_backward_begin(moe_model *m, int l)
 {
     const moe_layer_view *w = &m->p.layers[l];
     const moe_layer_view *g = &m->g.layers[l];
     moe_layer_acts *a = &m->acts[l];
-    const int N = m->N, D = m->D, K = m->K;
+    const int N = m->Nc, D = m->D;
     moe_comm_set_context(m->comm, "backward", l); /* named by a timeout (comm.h) */
-    if (m->Fs > 0)
-        swiglu_ffn_backward(m, m->dh, g->sw1, g->sw3, g->sw2, dffn, a->h2, a->sa, a->sb, a->sh,
-                            w->sw1, w->sw3, w->sw2, N, D, m->Fs);
-    /* the gradient of each sent row's partial sum goes to the rank that computed it */
-    m->be->moe_permute((real *)m->send_buf, dffn, a->send_token, a->n_send, D);
-    MOE_CHECK(
-        exchange_rows(m, m->send_buf, a->send_rows, m->dyrecv, a->recv_rows, sizeof(real) * D));
-    moe_experts_backward(m, l, m->dyrecv, (real *)m->send_buf);
-    MOE_CHECK(exchange_rows(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows,
-                            sizeof(real) * (D + K)));
-    m->be->zero(m->dw, sizeof(real) * (size_t)N * K);
-    m->be->moe_scatter_grad_rows(m->dh, m->dw, (const real *)m->recv_buf, a->send_token, a->n_send,
-                                 D, K);
-    router_backward_layer(m, l, step_sequences);
-    return MOE_OK;
-}
-
-/* On entry m->dres = dL/dx[l+1]; on exit dL/dx[l]. */
-static moe_status layer_backward(moe_model *m, int l, int64_t step_sequences)
-{
-    const moe_layer_view *w = &m->p.layers[l];
-    const moe_layer_view *g = &m->g.layers[l];
-    moe_layer_acts *a = &m->acts[l];
-    const int N = m->N, D = m->D;
-    const size_t ND = (size_t)N * D;
-
-    /* FFN branch: x[l+1] = xmid + ffn(norm(xmid)) */
-    m->be->zero(m->dh, sizeof(real) * ND);
-    if (l < m->cfg.dense_layers)
+    m->be->zero(m->dh, sizeof(real) * (size_t)N * D);
+    if (l < m->cfg.dense_layers) {
         swiglu_ffn_backward(m, m->dh, g->w1, g->w3, g->w2, m->dres, a->h2, a->fa, a->fb, a->fh,
                             w->w1, w->w3, w->w2, N, D, m->Fd);
-    else
-        MOE_CHECK(moe_block_backward(m, l, m->dres, step_sequences));
+        return MOE_OK;
+    }
+    if (m->Fs > 0)
+        swiglu_ffn_backward(m, m->dh, g->sw1, g->sw3, g->sw2, m->dres, a->h2, a->sa, a->sb, a->sh,
+                            w->sw1, w->sw3, w->sw2, N, D, m->Fs);
+    m->be->moe_permute((real *)m->send_buf, m->dres, a->send_token, a->n_send, D);
+    return exchange_start(m, m->send_buf, a->send_rows, m->dyrecv, a->recv_rows, sizeof(real) * D);
+}
+
+/* (b) of a MoE layer: the experts' backward, and its row gradients start back. */
+static moe_status layer_backward_experts(moe_model *m, int l)
+{
+    moe_layer_acts *a = &m->acts[l];
+    if (l < m->cfg.dense_layers)
+        return MOE_OK;
+    moe_comm_set_context(m->comm, "backward", l);
+    MOE_CHECK(exchange_finish(m));
+    moe_experts_backward(m, l, m->dyrecv, (real *)m->send_buf);
+    return exchange_start(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows,
+                          sizeof(real) * (m->D + m->K));
+}
+
+/* (c): the row gradients into dh and the router's, then the FFN norm and attention. */
+static moe_status layer_backward_end(moe_model *m, int l, int64_t step_sequences)
+{
+    const moe_layer_view *w = &m->p.layers[l];
+    const moe_layer_view *g = &m->g.layers[l];
+    moe_layer_acts *a = &m->acts[l];
+    const int N = m->Nc, D = m->D, K = m->K;
+    const size_t ND = (size_t)N * D;
+    if (l >= m->cfg.dense_layers) {
+        moe_comm_set_context(m->comm, "backward", l);
+        MOE_CHECK(exchange_finish(m));
+        m->be->zero(m->dw, sizeof(real) * (size_t)N * K);
+        m->be->moe_scatter_grad_rows(m->dh, m->dw, (const real *)m->recv_buf, a->send_token,
+                                     a->n_send, D, K);
+        router_backward_layer(m, l, step_sequences);
+    }
     m->be->rmsnorm_backward(m->dres, g->ffn_norm, m->dh, a->xmid, w->ffn_norm, a->rstd2, N, D);
 
     /* attention branch: xmid = x[l] + attn(norm(x[l])) */
@@ -904,9 +1026,9 @@ static moe_status layer_backward(moe_model *m, int l, int64_t step_sequences)
     m->be->zero(m->dh, sizeof(real) * ND);
     m->be->matmul_backward(m->datt, g->wo, m->dres, a->att, w->wo, N, D, D);
     m->be->attention_backward(m->dq, m->dk, m->dv, m->datt, a->att, a->att_lse, a->q, a->k, a->v,
-                              m->B, m->T, m->H, m->Hd);
-    m->be->rope_backward(m->dq, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
-    m->be->rope_backward(m->dk, m->rope_cos, m->rope_sin, m->B, m->T, m->H, m->Hd);
+                              m->Bc, m->T, m->H, m->Hd);
+    m->be->rope_backward(m->dq, m->rope_cos, m->rope_sin, m->Bc, m->T, m->H, m->Hd);
+    m->be->rope_backward(m->dk, m->rope_cos, m->rope_sin, m->Bc, m->T, m->H, m->Hd);
     m->be->matmul_backward(m->dh, g->wq, m->dq, a->h1, w->wq, N, D, D);
     m->be->matmul_backward(m->dh, g->wk, m->dk, a->h1, w->wk, N, D, D);
     m->be->matmul_backward(m->dh, g->wv, m->dv, a->h1, w->wv, N, D, D);
@@ -922,41 +1044,67 @@ static void grad_ready(moe_model *m, int stage)
 
 moe_status moe_model_logits(moe_model *m, real *host)
 {
-    for (int r0 = 0; r0 < m->N; r0 += m->head_rows) {
-        int rows = m->N - r0 < m->head_rows ? m->N - r0 : m->head_rows;
-        m->be->matmul_forward(m->logits, m->hf + (size_t)r0 * m->D, m->p.lm_head, rows, m->D, m->V);
-        m->be->copy(host + (size_t)r0 * m->V, m->logits, sizeof(real) * (size_t)rows * m->V,
-                    MOE_COPY_D2H);
+    const int Nc = m->Nc;
+    for (int i = 0; i < m->C; i++) {
+        use_chunk(m, i);
+        for (int r0 = 0; r0 < Nc; r0 += m->head_rows) {
+            int rows = Nc - r0 < m->head_rows ? Nc - r0 : m->head_rows;
+            m->be->matmul_forward(m->logits, m->hf + (size_t)r0 * m->D, m->p.lm_head, rows, m->D,
+                                  m->V);
+            m->be->copy(host + ((size_t)i * Nc + r0) * m->V, m->logits,
+                        sizeof(real) * (size_t)rows * m->V, MOE_COPY_D2H);
+        }
     }
     return m->be->sync();
 }
 
 moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
 {
-    const int N = m->N, D = m->D;
-    const size_t ND = (size_t)N * D;
+    const int Nc = m->Nc, D = m->D;
+    const size_t ND = (size_t)Nc * D;
     real dloss = (real)(m->loss_scale / ((double)step_sequences * m->T));
-    m->be->zero(m->dh, sizeof(real) * ND);
-    for (int r0 = 0; r0 < N; r0 += m->head_rows) {
-        int rows = N - r0 < m->head_rows ? N - r0 : m->head_rows;
-        const real *h = m->hf + (size_t)r0 * D;
-        if (rows < N) /* several chunks: the logits of this one were overwritten */
-            m->be->matmul_forward(m->logits, h, m->p.lm_head, rows, D, m->V);
-        m->be->zero(m->dlogits, sizeof(real) * (size_t)rows * m->V);
-        m->be->cross_entropy_backward(m->dlogits, m->logits, m->ce_lse + r0, m->targets + r0, dloss,
-                                      rows, m->V);
-        m->be->matmul_backward(m->dh + (size_t)r0 * D, m->g.lm_head, m->dlogits, h, m->p.lm_head,
-                               rows, D, m->V);
+    for (int i = 0; i < m->C; i++) {
+        use_chunk(m, i);
+        m->be->zero(m->dh, sizeof(real) * ND);
+        for (int r0 = 0; r0 < Nc; r0 += m->head_rows) {
+            int rows = Nc - r0 < m->head_rows ? Nc - r0 : m->head_rows;
+            const real *h = m->hf + (size_t)r0 * D;
+            if (rows < Nc || m->C > 1) /* the logits of this one were overwritten */
+                m->be->matmul_forward(m->logits, h, m->p.lm_head, rows, D, m->V);
+            m->be->zero(m->dlogits, sizeof(real) * (size_t)rows * m->V);
+            m->be->cross_entropy_backward(m->dlogits, m->logits, m->ce_lse + r0, m->targets + r0,
+                                          dloss, rows, m->V);
+            m->be->matmul_backward(m->dh + (size_t)r0 * D, m->g.lm_head, m->dlogits, h,
+                                   m->p.lm_head, rows, D, m->V);
+        }
+        m->be->zero(m->dres, sizeof(real) * ND);
+        m->be->rmsnorm_backward(m->dres, m->g.final_norm, m->dh, m->x[m->L], m->p.final_norm,
+                                m->rstdf, Nc, D);
     }
-    m->be->zero(m->dres, sizeof(real) * ND);
-    m->be->rmsnorm_backward(m->dres, m->g.final_norm, m->dh, m->x[m->L], m->p.final_norm, m->rstdf,
-                            N, D);
     grad_ready(m, m->L);
     for (int l = m->L - 1; l >= 0; l--) {
-        MOE_CHECK(layer_backward(m, l, step_sequences));
-        grad_ready(m, l);
+        for (int i = 0; i < m->C; i++) {
+            use_chunk(m, i);
+            if (l < m->L - 1)
+                MOE_CHECK(layer_backward_end(m, l + 1, step_sequences));
+            MOE_CHECK(layer_backward_begin(m, l));
+        }
+        if (l < m->L - 1)
+            grad_ready(m, l + 1);
+        for (int i = 0; i < m->C; i++) {
+            use_chunk(m, i);
+            MOE_CHECK(layer_backward_experts(m, l));
+        }
     }
-    m->be->embedding_backward(m->g.embedding, m->dres, m->tokens, N, D);
+    for (int i = 0; i < m->C; i++) {
+        use_chunk(m, i);
+        MOE_CHECK(layer_backward_end(m, 0, step_sequences));
+    }
+    grad_ready(m, 0);
+    for (int i = 0; i < m->C; i++) {
+        use_chunk(m, i);
+        m->be->embedding_backward(m->g.embedding, m->dres, m->tokens, Nc, D);
+    }
     grad_ready(m, -1);
     return MOE_OK;
 }

@@ -67,7 +67,8 @@ typedef struct {
     moe_layer_view *layers; /* L */
 } moe_view;
 
-/* Activations of one layer for one micro-batch (saved for backward). */
+/* Activations of one layer for one chunk of a micro-batch, saved for backward (N below:
+ * the chunk's Nc tokens, B its Bc sequences). */
 typedef struct {
     real *h1, *rstd1;    /* (N, D), (N): attention-norm output and 1/rms */
     real *q, *k, *v;     /* (N, D): q, k after RoPE */
@@ -79,7 +80,7 @@ typedef struct {
     real *logits, *probs, *rlse; /* router: (N, E), (N, E), (N) */
     int32_t *idx;                /* (N, K) global expert ids */
     real *w;                     /* (N, K) */
-    int64_t *mb_counts;          /* (E): top-k assignments per expert in this micro-batch */
+    int64_t *mb_counts;          /* (E): layer_counts of the layer (the whole micro-batch) */
     int32_t *slot_row;           /* (N*K): -1 where the capacity dropped the assignment */
     int32_t *send_token;         /* (N*min(K,ep)): token of each row sent, by destination */
     int *send_rows, *recv_rows;  /* (ep): rows sent to / received from each EP peer */
@@ -96,6 +97,22 @@ typedef struct {
     real *eout;                    /* (M, D) */
     real *sa, *sb, *sh;            /* shared: (N, Fs) */
 } moe_layer_acts;
+
+/* What a chunk of a micro-batch keeps apart from the other chunks (moe_model.chunk):
+ * everything indexed by its tokens, and every buffer a token exchange reads or writes
+ * while another chunk computes. */
+typedef struct {
+    int32_t *tokens, *targets;           /* (Nc) */
+    real **x;                            /* L+1 residual streams (Nc, D) */
+    moe_layer_acts *acts;                /* L */
+    real *hf, *rstdf, *ce_lse, *ce_loss; /* final norm (Nc, D), (Nc); losses (Nc) */
+    real *dres, *dh;                     /* backward: the residual gradient, (Nc, D) */
+    real *dyrecv;                        /* (Rmax, D) */
+    char *send_buf, *recv_buf;           /* packed exchange rows: max(rows) * row_bytes */
+    double *aux_part;                    /* router_aux_part_len(Nc, E) */
+    size_t *xc_size;                     /* (4*ep): byte counts and displacements */
+    int pending;                         /* moe_comm_handle of its exchange in flight */
+} moe_chunk;
 
 typedef struct {
     double ce_sum;           /* sum of token cross-entropies */
@@ -131,7 +148,13 @@ typedef enum {
 typedef struct moe_model {
     moe_config cfg;
     int B, T, N, D, H, Hd, V, L, E, El, K, F, Fd, Fs;
-    int capacity;               /* per expert per micro-batch, -1 dropless */
+    /* A micro-batch of B sequences runs as C chunks of Bc sequences (Nc tokens), layer
+     * by layer in turn, so that one chunk's token exchange travels while another
+     * computes ([parallel] a2a_chunks). The per-chunk pointers below (tokens ... xc_size)
+     * show the chunk `cur` (use_chunk in model.c). */
+    int C, Bc, Nc, cur;
+    moe_chunk *chunk;           /* C */
+    int capacity;               /* per expert per chunk, -1 dropless */
     double loss_scale;          /* backward seeds are multiplied by it (fp16 loss scaling); 1 */
     size_t max_gemm_operand;    /* elements of the largest activation operand of any GEMM */
     int ep, ep_rank;            /* expert-parallel degree and this rank's place in its EP group */
@@ -155,9 +178,10 @@ typedef struct moe_model {
     real *params, *grads;
     moe_view p, g;
 
-    /* activations */
+    /* activations; in this block and the next, N is a chunk's Nc tokens, and the
+     * pointers from tokens to xc_size show the chunk `cur` */
     int32_t *tokens, *targets;       /* (N) */
-    int32_t *tokens_h;               /* (2N) host staging of tokens then targets */
+    int32_t *tokens_h;               /* (2 * B * T) host staging of tokens then targets */
     int *send_assign;                /* (ep) host: kept assignments sent to each EP rank */
     real **x;                        /* L+1 residual streams (N, D): x[0] embedding, x[L] final */
     moe_layer_acts *acts;            /* L */
@@ -167,25 +191,26 @@ typedef struct moe_model {
     real *rope_cos, *rope_sin; /* (T, Hd/2), computed once */
 
     /* backward scratch, reused across layers */
-    real *dres, *dh, *dq, *dk, *dv, *datt, *dffn; /* (N, D) */
-    real *dfa, *dfb, *dfh;                        /* (N, max(Fd, Fs)) */
-    real *dxperm, *deout;                         /* (Mmax, D) */
-    real *dea, *deb, *deh;                        /* (Mmax, F) */
-    real *dyrecv, *dxrecv;                        /* (Rmax, D) */
-    real *dlw;                                    /* (Rmax, K) */
-    real *dw, *dprobs, *drlogits;                 /* (N, K), (N, E), (N, E) */
-    char *send_buf, *recv_buf;                    /* packed exchange rows: max(rows) * row_bytes */
-    size_t row_bytes;                             /* D reals + K reals + K int32, 8-aligned */
-    int Rmax, Mmax;                               /* rows received / expert rows, worst case */
-    real *dlogits;                                /* (head_rows, V) */
-    int *route_scratch;                           /* (Rmax*K) */
-    int *src_offsets;                             /* (E+1): the source-side plan (capacity drops) */
-    int32_t *lslot_row;                           /* (Rmax*K): expert-side plan scratch */
+    real *dres, *dh, *dq, *dk, *dv, *datt; /* (N, D) */
+    real *dfa, *dfb, *dfh;                 /* (N, max(Fd, Fs)) */
+    real *dxperm, *deout;                  /* (Mmax, D) */
+    real *dea, *deb, *deh;                 /* (Mmax, F) */
+    real *dyrecv, *dxrecv;                 /* (Rmax, D) */
+    real *dlw;                             /* (Rmax, K) */
+    real *dw, *dprobs, *drlogits;          /* (N, K), (N, E), (N, E) */
+    char *send_buf, *recv_buf;             /* packed exchange rows: max(rows) * row_bytes */
+    size_t row_bytes;                      /* D reals + K reals + K int32, 8-aligned */
+    int Rmax, Mmax;                        /* rows received / expert rows, worst case */
+    real *dlogits;                         /* (head_rows, V) */
+    int *route_scratch;                    /* (Rmax*K) */
+    int *src_offsets;                      /* (E+1): the source-side plan (capacity drops) */
+    int32_t *lslot_row;                    /* (Rmax*K): expert-side plan scratch */
     size_t *xc_size;   /* (4*ep): byte counts and displacements of an exchange */
     int64_t *xc_count; /* (2*ep): row counts sent and received */
     int32_t *src_row_token, *src_row_slot; /* (N*K) */
-    double *aux_psum;                      /* (E) */
-    double *aux_part;                      /* router_aux_part_len(N, E): the router's partials */
+    int64_t *layer_counts; /* (L, E): top-k assignments per expert in this micro-batch */
+    double *aux_psum;      /* (L, E): the router's probability sums in this micro-batch */
+    double *aux_part;      /* router_aux_part_len(N, E): the router's partials */
 
     int64_t *load;   /* (L, E): assignments per expert since the last reset */
     void *act_base;  /* the one backend block all activations are carved from */

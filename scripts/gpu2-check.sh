@@ -18,31 +18,52 @@ run() { # name np backend ep accum extra...
     --set train.steps=50 --set log.jsonl="$OUT/$name.jsonl" "$@" >"$OUT/$name.log" 2>&1
   echo "$name: exit $?"
 }
-run cpu_w2ep2 2 cpu 2 1
+run cpu_w2ep2 2 cpu 2 1 --set parallel.a2a_chunks=1
 run gpu_w2ep2 2 cuda 2 1
+run gpu_w2ep2_c1 2 cuda 2 1 --set parallel.a2a_chunks=1
+run gpu_w2ep2_c4 2 cuda 2 1 --set parallel.a2a_chunks=4
 run gpu_w2ep1 2 cuda 1 1
 run gpu_w1 1 cuda 1 2
 run gpu_w2ep2_bf16 2 cuda 2 1 --set precision.mode=bf16
+run gpu_w2ep2_fp16 2 cuda 2 1 --set precision.mode=fp16
 python3 - "$OUT" <<'PY'
 import json, sys
 d = sys.argv[1]
 def load(n):
     try: return [json.loads(l) for l in open(f"{d}/{n}.jsonl")]
     except Exception as e: print(n, "missing:", e); return None
+def worst(a, b):
+    return max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b))
 ref = load("cpu_w2ep2")
-for n in ("gpu_w2ep2", "gpu_w2ep1", "gpu_w1", "gpu_w2ep2_bf16"):
+for n in ("gpu_w2ep2", "gpu_w2ep2_c1", "gpu_w2ep2_c4", "gpu_w2ep1", "gpu_w1", "gpu_w2ep2_bf16",
+          "gpu_w2ep2_fp16"):
     g = load(n)
     if not g or not ref: continue
-    worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(g, ref))
-    print(f"{n} vs cpu world 2 ep 2: {len(g)} steps, worst relative loss difference {worst:.2e}, "
-          f"final {g[-1]['loss']:.5f} vs {ref[-1]['loss']:.5f}")
+    print(f"{n} vs cpu world 2 ep 2 (1 chunk): {len(g)} steps, worst relative loss difference "
+          f"{worst(g, ref):.2e}, final {g[-1]['loss']:.5f} vs {ref[-1]['loss']:.5f}")
+c1, c2, c4 = load("gpu_w2ep2_c1"), load("gpu_w2ep2"), load("gpu_w2ep2_c4")
+if c1 and c2 and c4:
+    print(f"chunks on/off on 2 GPUs: 2 vs 1 {worst(c2, c1):.2e}, 4 vs 1 {worst(c4, c1):.2e}")
 PY
 tail -2 "$OUT/gpu_w2ep2.log"
 if [ "${BENCH:-1}" = 1 ]; then
-  timeout 240 mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE=0 ./$B/moe-dist bench \
-    configs/bench-h200.ini --set parallel.ep=2 >"$OUT/bench2.log" 2>&1
-  echo "moe-dist bench, 2 GPUs ep 2: exit $?"
-  sed -n '/^bench:/,/^bench-result/p' "$OUT/bench2.log" | cut -c1-200
-  timeout 150 torchrun --nproc_per_node=2 .device-kit/peers/hf_mixtral_bench.py 4 32 8 2048 \
-    >"$OUT/peer_ddp.log" 2>&1; echo "peer DDP: exit $?"; grep hf-mixtral "$OUT/peer_ddp.log"
+  bench() { # name extra-sets...
+    local name=$1; shift
+    timeout 240 mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE=0 ./$B/moe-dist bench \
+      configs/bench-h200.ini --set parallel.ep=2 "$@" >"$OUT/$name.log" 2>&1
+    echo "moe-dist bench $name ($*): exit $?"
+    grep -E "^bench:|tokens/s|step time|communication  |exposed communication" "$OUT/$name.log" |
+      cut -c1-220
+  }
+  bench bench2_c1 --set parallel.a2a_chunks=1
+  bench bench2 # auto: 2 chunks
+  bench bench2_c4 --set parallel.a2a_chunks=4
+  for k in ${REPEATS:-4 8}; do
+    bench "bench2_r$k" --set parallel.exchange_repeat=$k
+    bench "bench2_c1_r$k" --set parallel.a2a_chunks=1 --set parallel.exchange_repeat=$k
+  done
+  if [ "${PEER:-1}" = 1 ]; then
+    timeout 150 torchrun --nproc_per_node=2 .device-kit/peers/hf_mixtral_bench.py 4 32 8 2048 \
+      >"$OUT/peer_ddp.log" 2>&1; echo "peer DDP: exit $?"; grep hf-mixtral "$OUT/peer_ddp.log"
+  fi
 fi

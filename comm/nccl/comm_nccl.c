@@ -12,7 +12,13 @@
  * (host side, with the deadline) and then makes the compute stream wait for it, so the
  * compute stream never waits longer than the data dependency. `arrive[h]` is recorded on
  * the compute stream when the wait begins; exposed time = done - arrive when positive
- * (the compute stream had nothing left to do), total = done - start. */
+ * (the compute stream had nothing left to do), total = done - start. The times are read
+ * later (moe_nccl_times), once the compute stream has passed `arrive`: reading them at
+ * the wait would stall the host until the compute stream drained.
+ *
+ * The communicators are non-blocking (ncclConfig_t.blocking = 0), so that neither their
+ * setup nor a call that connects peers lazily can block the host past the deadline: a
+ * call may answer ncclInProgress, and settle() polls the communicator until it is done. */
 struct moe_nccl {
     ncclComm_t comm[3];
     int ranks[3];
@@ -20,13 +26,52 @@ struct moe_nccl {
     cudaStream_t xstream, gstream; /* token exchange, gradient reduction */
     cudaEvent_t *events, *ready, *start, *arrive;
     int n_events;
+    double timeout_s;
 };
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* After a call on a non-blocking communicator answered r: polls until the communicator
+ * is no longer in progress, at most timeout_s. MOE_OK when it ended in ncclSuccess. */
+static moe_status settle(ncclComm_t comm, ncclResult_t r, double timeout_s, const char *what)
+{
+    const double deadline = now_s() + timeout_s;
+    while (r == ncclInProgress) {
+        if (now_s() > deadline) {
+            ncclCommAbort(comm);
+            MOE_FAIL(MOE_ERR_COMM, "%s: NCCL did not finish within %.0f s (a peer is missing?)",
+                     what, timeout_s);
+        }
+        struct timespec nap = {0, 100000};
+        nanosleep(&nap, NULL);
+        if (ncclCommGetAsyncError(comm, &r) != ncclSuccess)
+            MOE_FAIL(MOE_ERR_COMM, "%s: ncclCommGetAsyncError failed", what);
+    }
+    if (r != ncclSuccess)
+        MOE_FAIL(MOE_ERR_COMM, "%s: %s", what, ncclGetErrorString(r));
+    return MOE_OK;
+}
 
 #define NCCL_TRY(call, what)                                                                       \
     do {                                                                                           \
         ncclResult_t r_ = (call);                                                                  \
-        if (r_ != ncclSuccess)                                                                     \
+        if (r_ != ncclSuccess && r_ != ncclInProgress)                                             \
             MOE_FAIL(MOE_ERR_COMM, "%s: %s failed: %s", what, #call, ncclGetErrorString(r_));      \
+    } while (0)
+
+/* A group call ended: the communicator may still be enqueueing (non-blocking). */
+#define NCCL_END(comm, n, what)                                                                    \
+    do {                                                                                           \
+        ncclResult_t r_ = ncclGroupEnd();                                                          \
+        if (r_ == ncclInProgress)                                                                  \
+            MOE_CHECK(settle((comm), r_, (n)->timeout_s, what));                                   \
+        else if (r_ != ncclSuccess)                                                                \
+            MOE_FAIL(MOE_ERR_COMM, "%s: ncclGroupEnd failed: %s", what, ncclGetErrorString(r_));   \
     } while (0)
 
 #define CUDA_TRY(call, what)                                                                       \
@@ -36,7 +81,8 @@ struct moe_nccl {
             MOE_FAIL(MOE_ERR_DEVICE, "%s: %s failed: %s", what, #call, cudaGetErrorString(e_));    \
     } while (0)
 
-moe_status moe_nccl_create(moe_nccl **out, MPI_Comm groups[3], void *stream, int n_events)
+moe_status moe_nccl_create(moe_nccl **out, MPI_Comm groups[3], void *stream, int n_events,
+                           double timeout_s)
 {
     *out = NULL;
     moe_nccl *n = calloc(1, sizeof *n);
@@ -48,6 +94,7 @@ moe_status moe_nccl_create(moe_nccl **out, MPI_Comm groups[3], void *stream, int
     }
     n->events = ev;
     n->stream = (cudaStream_t)stream;
+    n->timeout_s = timeout_s;
     moe_status st = MOE_OK;
     for (int g = 0; g < 3 && st == MOE_OK; g++) {
         int rank = 0, size = 0;
@@ -65,11 +112,20 @@ moe_status moe_nccl_create(moe_nccl **out, MPI_Comm groups[3], void *stream, int
             st = MOE_ERR_COMM;
             break;
         }
-        ncclResult_t r = ncclCommInitRank(&n->comm[g], size, id, rank);
-        if (r != ncclSuccess) {
-            moe_log_at(__FILE__, __LINE__, "ncclCommInitRank (group %d, %d ranks): %s", g, size,
-                       ncclGetErrorString(r));
+        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+        config.blocking = 0;
+        ncclResult_t r = ncclCommInitRankConfig(&n->comm[g], size, id, rank, &config);
+        if (r != ncclSuccess && r != ncclInProgress) {
+            moe_log_at(__FILE__, __LINE__, "ncclCommInitRankConfig (group %d, %d ranks): %s", g,
+                       size, ncclGetErrorString(r));
             st = MOE_ERR_COMM;
+        } else {
+            static const char *names[3] = {"NCCL setup of the world communicator",
+                                           "NCCL setup of the expert-parallel communicator",
+                                           "NCCL setup of the expert-data-parallel communicator"};
+            st = settle(n->comm[g], r, timeout_s, names[g]);
+            if (st != MOE_OK)
+                n->comm[g] = NULL; /* aborted by settle */
         }
     }
     n->ready = calloc((size_t)n_events, sizeof *ev);
@@ -140,39 +196,34 @@ moe_status moe_nccl_allreduce(moe_nccl *n, int group, void *buf, size_t count, s
                               int event)
 {
     MOE_CHECK(begin_on(n, n->gstream, event));
-    NCCL_TRY(ncclAllReduce(buf, buf, count, elem_bytes == 8 ? ncclFloat64 : ncclFloat32, ncclSum,
-                           n->comm[group], n->gstream),
-             "gradient allreduce");
+    ncclResult_t r = ncclAllReduce(buf, buf, count, elem_bytes == 8 ? ncclFloat64 : ncclFloat32,
+                                   ncclSum, n->comm[group], n->gstream);
+    MOE_CHECK(settle(n->comm[group], r, n->timeout_s, "gradient allreduce"));
     CUDA_TRY(cudaEventRecord(n->events[event], n->gstream), "recording a communication event");
     return MOE_OK;
 }
 
 moe_status moe_nccl_exchange(moe_nccl *n, int peers, const void *send, const size_t *send_counts,
                              const size_t *send_displs, void *recv, const size_t *recv_counts,
-                             const size_t *recv_displs, int event)
+                             const size_t *recv_displs, int repeat, int event)
 {
     MOE_CHECK(begin_on(n, n->xstream, event));
-    NCCL_TRY(ncclGroupStart(), "token exchange");
-    for (int p = 0; p < peers; p++) {
-        if (send_counts[p])
-            NCCL_TRY(ncclSend((const char *)send + send_displs[p], send_counts[p], ncclUint8, p,
-                              n->comm[1], n->xstream),
-                     "token exchange");
-        if (recv_counts[p])
-            NCCL_TRY(ncclRecv((char *)recv + recv_displs[p], recv_counts[p], ncclUint8, p,
-                              n->comm[1], n->xstream),
-                     "token exchange");
+    for (int k = 0; k < repeat; k++) {
+        NCCL_TRY(ncclGroupStart(), "token exchange");
+        for (int p = 0; p < peers; p++) {
+            if (send_counts[p])
+                NCCL_TRY(ncclSend((const char *)send + send_displs[p], send_counts[p], ncclUint8, p,
+                                  n->comm[1], n->xstream),
+                         "token exchange");
+            if (recv_counts[p])
+                NCCL_TRY(ncclRecv((char *)recv + recv_displs[p], recv_counts[p], ncclUint8, p,
+                                  n->comm[1], n->xstream),
+                         "token exchange");
+        }
+        NCCL_END(n->comm[1], n, "token exchange");
     }
-    NCCL_TRY(ncclGroupEnd(), "token exchange");
     CUDA_TRY(cudaEventRecord(n->events[event], n->xstream), "recording a communication event");
     return MOE_OK;
-}
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 /* Milliseconds from event a to event b, both complete; 0 if unreadable. */
@@ -182,8 +233,7 @@ static double elapsed_ms(cudaEvent_t a, cudaEvent_t b)
     return cudaEventElapsedTime(&ms, a, b) == cudaSuccess ? ms : 0.0;
 }
 
-moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *what,
-                         double *total_s, double *exposed_s)
+moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *what)
 {
     const double deadline = now_s() + timeout_s;
     CUDA_TRY(cudaEventRecord(n->arrive[event], n->stream), "recording a communication event");
@@ -192,20 +242,14 @@ moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *w
         if (q == cudaSuccess) {
             CUDA_TRY(cudaStreamWaitEvent(n->stream, n->events[event], 0),
                      "ordering the compute stream after communication");
-            /* arrive follows work the compute stream had queued: wait for it to read the
-             * times (the reduction's waits come at the end of backward; an exchange's
-             * arrive directly follows its ready event) */
-            CUDA_TRY(cudaEventSynchronize(n->arrive[event]), "timing communication");
-            const double exposed = elapsed_ms(n->arrive[event], n->events[event]);
-            *total_s = 1e-3 * elapsed_ms(n->start[event], n->events[event]);
-            *exposed_s = exposed > 0 ? 1e-3 * exposed : 0.0;
             return MOE_OK;
         }
         if (q != cudaErrorNotReady)
             MOE_FAIL(MOE_ERR_DEVICE, "%s: %s", what, cudaGetErrorString(q));
         for (int g = 0; g < 3; g++) {
             ncclResult_t async = ncclSuccess;
-            if (ncclCommGetAsyncError(n->comm[g], &async) == ncclSuccess && async != ncclSuccess) {
+            if (ncclCommGetAsyncError(n->comm[g], &async) == ncclSuccess && async != ncclSuccess &&
+                async != ncclInProgress) {
                 for (int h = 0; h < 3; h++)
                     ncclCommAbort(n->comm[h]), n->comm[h] = NULL;
                 MOE_FAIL(MOE_ERR_COMM, "%s: NCCL reported %s", what, ncclGetErrorString(async));
@@ -220,4 +264,13 @@ moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *w
         struct timespec nap = {0, 20000};
         nanosleep(&nap, NULL);
     }
+}
+
+moe_status moe_nccl_times(moe_nccl *n, int event, double *total_s, double *exposed_s)
+{
+    CUDA_TRY(cudaEventSynchronize(n->arrive[event]), "timing communication");
+    const double exposed = elapsed_ms(n->arrive[event], n->events[event]);
+    *total_s = 1e-3 * elapsed_ms(n->start[event], n->events[event]);
+    *exposed_s = exposed > 0 ? 1e-3 * exposed : 0.0;
+    return MOE_OK;
 }

@@ -16,19 +16,25 @@
 
 typedef struct moe_nccl moe_nccl;
 
-/* Collective over the world: one NCCL communicator per MPI communicator in groups[3]. */
-moe_status moe_nccl_create(moe_nccl **out, MPI_Comm groups[3], void *stream, int n_events);
+/* Collective over the world: one NCCL communicator per MPI communicator in groups[3],
+ * non-blocking, each set up within timeout_s (else the setup is aborted and named). */
+moe_status moe_nccl_create(moe_nccl **out, MPI_Comm groups[3], void *stream, int n_events,
+                           double timeout_s);
 void moe_nccl_destroy(moe_nccl *n);
 moe_status moe_nccl_allreduce(moe_nccl *n, int group, void *buf, size_t count, size_t elem_bytes,
                               int event);
-/* Byte counts per EP peer, as moe_comm_exchange_start. */
+/* Byte counts per EP peer, as moe_comm_exchange_start; sent `repeat` times in a row
+ * (the benchmark's slower network, [parallel] exchange_repeat; 1 normally). */
 moe_status moe_nccl_exchange(moe_nccl *n, int peers, const void *send, const size_t *send_counts,
                              const size_t *send_displs, void *recv, const size_t *recv_counts,
-                             const size_t *recv_displs, int event);
+                             const size_t *recv_displs, int repeat, int event);
 /* Waits for the event of a handle, up to timeout_s; names `what` on failure. Then the
- * compute stream waits for it too. total_s: the operation's time on its stream;
- * exposed_s: how long the compute stream, having run out of work, waited for it. */
-moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *what,
-                         double *total_s, double *exposed_s);
+ * compute stream waits for it too. Its times are read by moe_nccl_times, which the
+ * handle's slot must get before it is reused. */
+moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *what);
+/* Times of a waited-for handle; waits until the compute stream reached the wait.
+ * total_s: the operation's time on its stream; exposed_s: how long the compute stream,
+ * having run out of work, waited for it. */
+moe_status moe_nccl_times(moe_nccl *n, int event, double *total_s, double *exposed_s);
 
 #endif

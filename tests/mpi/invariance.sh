@@ -1,5 +1,6 @@
-# The same global batch gives the same losses at any world size and expert-parallel
-# degree (fp32; only the order of floating-point sums differs). Global batch 24 or 32
+# The same global batch gives the same losses at any world size, expert-parallel degree
+# and number of chunks per micro-batch (fp32; only the order of floating-point sums
+# differs). Global batch 24 or 32
 # sequences = micro_batch 8 x world x grad_accum, for 20 steps: dropless top-2; capacity
 # mode with top-3 and a shared expert; 6 experts over 3 ranks; and a zero-initialised
 # router, which sends every token to expert 0 at the start (top-1), so the other ranks
@@ -48,6 +49,18 @@ for mode in dropless capacity; do
 done
 # capacity mode must really drop, or it tests nothing
 if grep -q '"dropped":[1-9]' "$WORK/capacity-w1.jsonl"; then pass "capacity mode drops assignments"; else fail "capacity mode dropped nothing"; fi
+
+# chunks ([parallel] a2a_chunks): a micro-batch run as 2, 4 or 8 chunks of sequences
+# (auto gives 2 at ep > 1, so the w2ep2/w4ep* runs above are chunked) against one chunk,
+# also with a dense layer and a shared expert in the same model
+run dropless-w1c4 1 1 4 --set parallel.a2a_chunks=4
+run dropless-w2ep2c8 2 2 2 --set parallel.a2a_chunks=8
+run dropless-w4ep4c1 4 4 1 --set parallel.a2a_chunks=1
+for other in w1c4 w2ep2c8 w4ep4c1; do compare dropless-w1 "dropless-$other"; done
+shared=(--set model.shared_experts=1)
+run shared-w1 1 1 4 "${shared[@]}"
+run shared-w2ep2c4 2 2 2 "${shared[@]}" --set parallel.a2a_chunks=4
+compare shared-w1 shared-w2ep2c4
 
 # 6 experts (not a power of two) over 3 ranks, global batch 24
 six=(--set model.experts=6 --set model.top_k=2)

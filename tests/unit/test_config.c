@@ -429,6 +429,15 @@ typedef struct {
 } rule_case;
 
 static const rule_case rule_errors[] = {
+    {"[train]\nmicro_batch = 4\n[parallel]\na2a_chunks = 3\n",
+     NULL,
+     {"R.ini:4: [parallel] a2a_chunks = 3: does not divide [train] micro_batch = 4 (line 2)"}},
+    {"[parallel]\na2a_chunks = two\n",
+     NULL,
+     {"R.ini:2: [parallel] a2a_chunks = two: must be auto or a whole number from 1 to "
+      "train.micro_batch"}},
+    {"[parallel]\na2a_chunks = 0\n", NULL, {"R.ini:2: [parallel] a2a_chunks = 0: must be auto"}},
+    {"[parallel]\na2a_chunks = 16\n", NULL, {"R.ini:2: [parallel] a2a_chunks = 16: must be auto"}},
     {"[model]\nexperts = 8\ntop_k = 9\n",
      NULL,
      {"R.ini:3: [model] top_k = 9: exceeds [model] experts = 8 (line 2)"}},
@@ -499,6 +508,27 @@ static void test_rules(void **state)
     st = moe_config_validate(&cfg);
     capture_end();
     assert_int_equal(st, MOE_ERR_INVALID);
+}
+
+/* ---- a2a_chunks ---- */
+
+static void test_chunks(void **state)
+{
+    (void)state;
+    moe_config cfg;
+    moe_config_defaults(&cfg);
+    cfg.micro_batch = 4;
+    assert_int_equal(moe_config_chunks(&cfg), 1); /* auto, ep 1: nothing is exchanged */
+    cfg.ep = 2;
+    assert_int_equal(moe_config_chunks(&cfg), 2);
+    cfg.micro_batch = 3;
+    assert_int_equal(moe_config_chunks(&cfg), 1); /* odd: no two equal chunks */
+    cfg.micro_batch = 4;
+    cfg.capacity_factor = 1.25;
+    assert_int_equal(moe_config_chunks(&cfg), 1); /* a capacity is per chunk: keep one */
+    assert_int_equal(moe_config_set(&cfg, "parallel.a2a_chunks=4"), MOE_OK);
+    assert_int_equal(moe_config_validate(&cfg), MOE_OK);
+    assert_int_equal(moe_config_chunks(&cfg), 4);
 }
 
 /* ---- grad_accum ---- */
@@ -586,6 +616,8 @@ static void test_round_trip(void **state)
         "precision.loss_scale_backoff=0.25",
         "parallel.placement=plan.txt",
         "parallel.replan_interval=7",
+        "parallel.a2a_chunks=3",
+        "parallel.exchange_repeat=2",
         "log.routing_stats=stats.txt",
         "data.source=shards",
         "data.path=/data/my shards/a.bin,b#1.bin,c;d.bin",
@@ -690,6 +722,7 @@ int main(void)
         cmocka_unit_test(test_ini_syntax),
         cmocka_unit_test(test_set),
         cmocka_unit_test(test_rules),
+        cmocka_unit_test(test_chunks),
         cmocka_unit_test(test_accum_schedule),
         cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_docs_list_every_key),
