@@ -1014,16 +1014,16 @@ static struct {
 
 static void run_pack(void)
 {
-    a2.n_send = gpu->moe_pack_dispatch(a2.rows, a2.send_token, a2.send_rows, a2.send_assign, a2.x,
-                                       a2.idx, a2.wts, a2.slot_row, a2.erank, a2.elocal, N_, opt.D,
-                                       opt.K, world, a2.row_bytes);
+    a2.n_send = gpu->moe_pack_dispatch(a2.rows, a2.send_token, a2.send_rows, a2.send_assign, NULL,
+                                       a2.x, a2.idx, a2.wts, a2.slot_row, a2.erank, a2.elocal, N_,
+                                       opt.D, opt.K, world, opt.E / world, a2.row_bytes);
 }
 
 static void run_counts(void)
 {
     for (int p = 0; p < world; p++)
         a2.cnt_send[p] = a2.send_rows[p];
-    MOE_CK(moe_comm_exchange_counts(a2.comm, a2.cnt_send, a2.cnt_recv));
+    MOE_CK(moe_comm_exchange_counts(a2.comm, a2.cnt_send, a2.cnt_recv, 1));
 }
 
 /* Byte counts and displacements of an exchange: send srows[p] and receive rrows[p] rows of

@@ -97,10 +97,10 @@ moe_status moe_comm_exchange_host_start(moe_comm *c, const void *send, const siz
  * Host collectives (counts, sums, gathers) stay on MPI. Builds without CUDA: an error. */
 moe_status moe_comm_enable_device(moe_comm *c, void *stream);
 
-/* Blocking exchange of one int64 per peer inside the EP group (the counts before a
- * token exchange): recv[p] = what peer p put in its send[this rank]. Point to point
- * (one message per peer), so a timeout names the peers that sent nothing. */
-moe_status moe_comm_exchange_counts(moe_comm *c, const int64_t *send, int64_t *recv);
+/* Blocking exchange of n int64 per peer inside the EP group (the counts before a token
+ * exchange): recv[p*n .. p*n+n) = what peer p put in its send[this rank * n ...]. Point
+ * to point (one message per peer), so a timeout names the peers that sent nothing. */
+moe_status moe_comm_exchange_counts(moe_comm *c, const int64_t *send, int64_t *recv, int n);
 
 /* Waits for a handle (MOE_COMM_NONE returns at once) and releases it. */
 moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h);

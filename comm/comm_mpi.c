@@ -459,22 +459,24 @@ moe_status moe_comm_exchange_host_start(moe_comm *c, const void *send, const siz
     return MOE_OK;
 }
 
-moe_status moe_comm_exchange_counts(moe_comm *c, const int64_t *send, int64_t *recv)
+moe_status moe_comm_exchange_counts(moe_comm *c, const int64_t *send, int64_t *recv, int per)
 {
     MPI_Comm comm = c->groups[MOE_GROUP_EP];
     const int me = c->rank[MOE_GROUP_EP];
     int n = 0, rc = MPI_SUCCESS;
-    recv[me] = send[me];
+    memcpy(recv + (size_t)me * per, send + (size_t)me * per, sizeof(int64_t) * (size_t)per);
     for (int p = 0; p < c->ep_size && rc == MPI_SUCCESS; p++) {
         if (p == me)
             continue;
-        rc = MPI_Irecv(&recv[p], 1, MPI_INT64_T, p, TAG_COUNTS, comm, &c->scratch[n]);
+        rc = MPI_Irecv(recv + (size_t)p * per, per, MPI_INT64_T, p, TAG_COUNTS, comm,
+                       &c->scratch[n]);
         c->scratch_peer[n++] = p;
     }
     for (int p = 0; p < c->ep_size && rc == MPI_SUCCESS; p++) {
         if (p == me)
             continue;
-        rc = MPI_Isend(&send[p], 1, MPI_INT64_T, p, TAG_COUNTS, comm, &c->scratch[n]);
+        rc = MPI_Isend(send + (size_t)p * per, per, MPI_INT64_T, p, TAG_COUNTS, comm,
+                       &c->scratch[n]);
         c->scratch_peer[n++] = send_peer(p);
     }
     MPI_TRY(rc, "token-count exchange");

@@ -5,8 +5,9 @@
  * Memory: buffers from alloc live where the backend computes (host for cpu, device for
  * cuda). Host memory is required where ops.h says so: moe_route_plan's offsets and
  * return value, grouped_matmul's offsets, router_aux_partials' counts and psum,
- * moe_pack_dispatch's send_rows and send_assign; every value an op returns is on the
- * host (the cuda backend synchronises to return it). */
+ * moe_pack_dispatch's send_rows, send_assign and send_experts; every value an op returns
+ * is on the host (the cuda backend synchronises to return it, which is why the runtime
+ * asks for as few as it can: fetch queues a copy that a later return brings along). */
 #ifndef MOE_KERNELS_BACKEND_H
 #define MOE_KERNELS_BACKEND_H
 
@@ -81,6 +82,14 @@ typedef struct moe_backend {
     void (*copy)(void *dst, const void *src, size_t nbytes, moe_copy_kind kind);
     /* waits for queued work; reports an asynchronous failure with its message */
     moe_status (*sync)(void);
+    /* Host memory that fetch copies into without the host waiting (pinned for cuda),
+     * zeroed, or NULL; release_host frees it (NULL does nothing). */
+    void *(*alloc_host)(size_t nbytes);
+    void (*release_host)(void *p);
+    /* Queues a copy of nbytes of backend memory into host memory from alloc_host, after
+     * the ops queued before it. The host may read it once a later op has returned a host
+     * value (which waits for the queue) or sync has returned. */
+    void (*fetch)(void *host, const void *src, size_t nbytes);
     /* the stream every op runs on (a cudaStream_t; NULL on the cpu), for NCCL */
     void *(*native_stream)(void);
     /* compute capability of the device, major*10 + minor (0 on the cpu) */

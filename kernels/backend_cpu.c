@@ -62,6 +62,7 @@ static moe_status cpu_reserve(size_t device_bytes, size_t host_bytes)
     return MOE_OK;
 }
 static long cpu_allocations(void) { return 0; }
+static void cpu_fetch(void *host, const void *src, size_t nbytes) { memcpy(host, src, nbytes); }
 
 static size_t cpu_mem_in_use(void)
 {
@@ -77,6 +78,9 @@ const moe_backend moe_backend_cpu = {.name = "cpu",
                                      .zero = cpu_zero,
                                      .copy = cpu_copy,
                                      .sync = cpu_sync,
+                                     .alloc_host = cpu_alloc,
+                                     .release_host = cpu_release,
+                                     .fetch = cpu_fetch,
                                      .native_stream = cpu_stream,
                                      .compute_capability = cpu_capability,
                                      .set_precision = cpu_set_precision,

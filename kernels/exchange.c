@@ -5,11 +5,14 @@
 #include "kernels/ops.h"
 
 int moe_pack_dispatch(char *rows, int32_t *send_token, int *send_rows, int *send_assign,
-                      const real *x, const int32_t *idx, const real *w, const int32_t *slot_row,
-                      const int32_t *expert_rank, const int32_t *expert_local, int N, int D, int K,
-                      int P, size_t row_bytes)
+                      int *send_experts, const real *x, const int32_t *idx, const real *w,
+                      const int32_t *slot_row, const int32_t *expert_rank,
+                      const int32_t *expert_local, int N, int D, int K, int P, int El,
+                      size_t row_bytes)
 {
     int n = 0;
+    if (send_experts)
+        memset(send_experts, 0, sizeof(int) * (size_t)P * (size_t)El);
     for (int p = 0; p < P; p++) {
         send_rows[p] = 0;
         send_assign[p] = 0;
@@ -23,6 +26,8 @@ int moe_pack_dispatch(char *rows, int32_t *send_token, int *send_rows, int *send
                 row[D + k] = here ? w[a] : 0;
                 lid[k] = here ? expert_local[e] : -1;
                 hits += here;
+                if (here && send_experts)
+                    send_experts[(size_t)p * El + expert_local[e]]++;
             }
             if (!hits)
                 continue;

@@ -134,7 +134,11 @@ void router_aux_backward(real *dprobs, real *dlogits, const real *probs, const r
  * row_token (N*K) and row_slot (N*K) for rows 0..M-1, slot_row (N*K): the row of each
  * (token, slot) or -1 if dropped. A negative expert id in idx means "no assignment
  * here" (the experts' side of an exchange marks slots held by other ranks so): such a
- * slot is never a row and its slot_row is -1. Returns M. scratch: N*K ints. */
+ * slot is never a row and its slot_row is -1. Returns M. scratch: N*K ints.
+ * offsets NULL: the plan stays on the backend (no synchronisation on a GPU) and the
+ * return value is -1; the caller knows the counts otherwise (the source side from
+ * moe_pack_dispatch, the experts' side from the exchanged counts). scratch then needs
+ * N*K + E + 1 ints. */
 int moe_route_plan(int *offsets, int32_t *row_token, int32_t *row_slot, int32_t *slot_row,
                    int *scratch, const int32_t *idx, const real *w, int N, int E, int K, int group,
                    int capacity);
@@ -172,12 +176,15 @@ void routing_stats_count(int64_t *tokens, int64_t *load, int64_t *coact, int64_t
  * >= 0) has its expert on p (expert_rank[e] == p), grouped by p in order, tokens in
  * order within a p. send_token (rows): the token of each row. Host outputs: send_rows (P)
  * rows per destination, send_assign (P) kept assignments per destination (so the caller
- * can count what sending a token once saves). expert_rank/expert_local: (E). Returns
- * the number of rows. */
+ * can count what sending a token once saves; their sum is the kept count M), and, when
+ * send_experts is not NULL, send_experts (P, El) kept assignments per destination and
+ * local expert there (what the destination's routing plan needs: its offsets).
+ * expert_rank/expert_local: (E), local ids < El. Returns the number of rows. */
 int moe_pack_dispatch(char *rows, int32_t *send_token, int *send_rows, int *send_assign,
-                      const real *x, const int32_t *idx, const real *w, const int32_t *slot_row,
-                      const int32_t *expert_rank, const int32_t *expert_local, int N, int D, int K,
-                      int P, size_t row_bytes);
+                      int *send_experts, const real *x, const int32_t *idx, const real *w,
+                      const int32_t *slot_row, const int32_t *expert_rank,
+                      const int32_t *expert_local, int N, int D, int K, int P, int El,
+                      size_t row_bytes);
 /* Splits R dispatch rows into x (R,D), w (R,K), lidx (R,K). */
 void moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int R, int D, int K,
                          size_t row_bytes);

@@ -63,6 +63,9 @@ int moe_route_plan(int *offsets, int32_t *row_token, int32_t *row_slot, int32_t 
                    int capacity)
 {
     int NK = N * K;
+    const int report = offsets != NULL;
+    if (!report)
+        offsets = scratch + NK; /* the caller knows the counts (ops.h) */
     if (group <= 0)
         group = N > 0 ? N : 1; /* defensive: one group (the runtime passes N % group == 0) */
     /* slot_row holds the keep flags until the rows are known. */
@@ -94,7 +97,7 @@ int moe_route_plan(int *offsets, int32_t *row_token, int32_t *row_slot, int32_t 
     for (int e = E; e > 0; e--)
         offsets[e] = offsets[e - 1];
     offsets[0] = 0;
-    return M;
+    return report ? M : -1;
 }
 
 void moe_permute(real *out, const real *x, const int32_t *row_token, int M, int D)

@@ -293,6 +293,7 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
         carve_chunk(m, &m->chunk[i], c, h);
     m->tokens_h = TAKE(h, int32_t, 2 * (size_t)m->N);
     m->send_assign = TAKE(h, int, m->ep);
+    m->send_experts = TAKE(h, int, (size_t)m->ep * m->El);
     m->expert_rank_dev = TAKE(c, int32_t, (size_t)m->L * m->E);
     m->expert_local_dev = TAKE(c, int32_t, (size_t)m->L * m->E);
     m->layer_counts = TAKE(h, int64_t, (size_t)m->L * m->E);
@@ -318,10 +319,9 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->dprobs = TAKE(c, real, N * m->E);
     m->drlogits = TAKE(c, real, N * m->E);
     m->dlogits = TAKE(c, real, (size_t)m->head_rows * m->V);
-    m->route_scratch = TAKE(c, int, R * m->K);
-    m->src_offsets = TAKE(h, int, m->E + 1);
+    m->route_scratch = TAKE(c, int, R * m->K + (size_t)m->E + 1);
     m->lslot_row = TAKE(c, int32_t, R * m->K);
-    m->xc_count = TAKE(h, int64_t, 2 * (size_t)m->ep);
+    m->xc_count = TAKE(h, int64_t, 2 * (size_t)m->ep * (1 + (size_t)m->El));
     m->src_row_token = TAKE(c, int32_t, NK);
     m->src_row_slot = TAKE(c, int32_t, NK);
     m->load = TAKE(h, int64_t, (size_t)m->L * m->E);
@@ -558,6 +558,20 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
         for (int l = m->cfg.dense_layers; l < m->L; l++)
             m->chunk[i].acts[l].mb_counts = m->layer_counts + (size_t)l * m->E;
     use_chunk(m, 0);
+    {
+        /* the router's partials come back with the dispatch counts (one synchronisation
+         * per MoE layer and chunk), through host memory the backend copies into at once */
+        const size_t each = (router_aux_part_len(m->Nc, m->E) + 7) & ~(size_t)7;
+        m->fetch_base = be->alloc_host(sizeof(double) * each * (size_t)m->C);
+        if (!m->fetch_base) {
+            moe_log_at(__FILE__, __LINE__, "cannot allocate %zu bytes of host memory (%s)",
+                       sizeof(double) * each * (size_t)m->C, be->name);
+            st = MOE_ERR_NOMEM;
+            goto fail;
+        }
+        for (int i = 0; i < m->C; i++)
+            m->chunk[i].aux_host = (double *)m->fetch_base + each * (size_t)i;
+    }
 
     /* the ops' scratch, sized now so that no step allocates: the sorts of the routing
      * plans, scatters and embedding backward take about 16 bytes per item plus per-tile
@@ -586,6 +600,7 @@ void moe_model_destroy(moe_model *m)
     const moe_backend *be = m->be;
     be->release(m->act_base);
     free(m->host_base);
+    be->release_host(m->fetch_base);
     free(m->p.layers);
     free(m->g.layers);
     for (int i = 0; m->chunk && i < m->C; i++) {
@@ -640,25 +655,35 @@ static void swiglu_ffn_forward(const moe_model *m, real *out, real *fa, real *fb
     m->be->matmul_forward(out, fh, w2, n, F, D);
 }
 
-/* Router: logits, probabilities, top-k and the aux partials of the chunk. The layer's
- * counts and probability sums add up over the chunks in order (the same additions as
- * one pass over the micro-batch); after the last chunk the layer's aux term and expert
- * loads go into stats. */
-static void router_forward_layer(moe_model *m, int l, moe_fwd_stats *stats)
+/* Router: logits, probabilities, top-k and the aux partials of the chunk; the partials
+ * are queued for the host (router_aux_layer reads them). */
+static void router_forward_layer(moe_model *m, int l)
 {
     const moe_layer_view *w = &m->p.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int N = m->Nc, E = m->E, K = m->K;
-    int64_t *counts = m->layer_counts + (size_t)l * E;
-    double *psum = m->aux_psum + (size_t)l * E;
     m->be->matmul_forward(a->logits, a->h2, w->router, N, m->D, E);
     m->be->router_forward(a->probs, a->rlse, a->idx, a->w, m->aux_part, a->logits, N, E, K,
                           m->cfg.renorm_topk);
+    m->be->fetch(m->chunk[m->cur].aux_host, m->aux_part,
+                 sizeof(double) * router_aux_part_len(N, E));
+}
+
+/* Once the backend returned a host value after router_forward_layer (the dispatch
+ * counts): the layer's counts and probability sums add up over the chunks in order (the
+ * same additions as one pass over the micro-batch); after the last chunk the layer's aux
+ * term and expert loads go into stats. */
+static void router_aux_layer(moe_model *m, int l, moe_fwd_stats *stats)
+{
+    const int N = m->Nc, E = m->E, K = m->K;
+    int64_t *counts = m->layer_counts + (size_t)l * E;
+    double *psum = m->aux_psum + (size_t)l * E;
     if (m->cur == 0) {
         memset(counts, 0, sizeof(int64_t) * E);
         memset(psum, 0, sizeof(double) * E);
     }
-    stats->z_sum += m->be->router_aux_partials(counts, psum, m->aux_part, N, E);
+    /* the reference's sum, on the partials the backend computed */
+    stats->z_sum += router_aux_partials(counts, psum, m->chunk[m->cur].aux_host, N, E);
     if (m->cur < m->C - 1)
         return;
     const double Nm = m->N; /* the micro-batch */
@@ -717,15 +742,20 @@ static moe_status exchange_finish(moe_model *m)
 static moe_status moe_dispatch_start(moe_model *m, int l, moe_fwd_stats *stats)
 {
     moe_layer_acts *a = &m->acts[l];
-    const int N = m->Nc, K = m->K, D = m->D, ep = m->ep;
-    int M = m->be->moe_route_plan(m->src_offsets, m->src_row_token, m->src_row_slot, a->slot_row,
-                                  m->route_scratch, a->idx, a->w, N, m->E, K, N, m->capacity);
-    stats->dropped += (int64_t)N * K - M;
-
-    a->n_send =
-        m->be->moe_pack_dispatch(m->send_buf, a->send_token, a->send_rows, m->send_assign, a->h2,
-                                 a->idx, a->w, a->slot_row, m->expert_rank_dev + (size_t)l * m->E,
-                                 m->expert_local_dev + (size_t)l * m->E, N, D, K, ep, m->row_bytes);
+    const int N = m->Nc, K = m->K, D = m->D, ep = m->ep, El = m->El;
+    /* the plan stays on the backend: the packing below counts what the host needs */
+    m->be->moe_route_plan(NULL, m->src_row_token, m->src_row_slot, a->slot_row, m->route_scratch,
+                          a->idx, a->w, N, m->E, K, N, m->capacity);
+    /* the layer's one wait for the backend: the counts (and the router's partials) */
+    a->n_send = m->be->moe_pack_dispatch(
+        m->send_buf, a->send_token, a->send_rows, m->send_assign, m->send_experts, a->h2, a->idx,
+        a->w, a->slot_row, m->expert_rank_dev + (size_t)l * m->E,
+        m->expert_local_dev + (size_t)l * m->E, N, D, K, ep, El, m->row_bytes);
+    router_aux_layer(m, l, stats);
+    int64_t kept = 0;
+    for (int p = 0; p < ep; p++)
+        kept += m->send_assign[p];
+    stats->dropped += (int64_t)N * K - kept;
     /* token payload of dispatch and combine, with and without sending a token once */
     for (int p = 0; p < ep; p++) {
         if (p == m->ep_rank)
@@ -735,20 +765,37 @@ static moe_status moe_dispatch_start(moe_model *m, int l, moe_fwd_stats *stats)
             2 * (int64_t)(m->send_assign[p] - a->send_rows[p]) * D * (int64_t)sizeof(real);
     }
 
-    int64_t *scount = m->xc_count, *rcount = m->xc_count + ep;
-    for (int p = 0; p < ep; p++)
-        scount[p] = a->send_rows[p];
+    /* per peer: rows, then assignments per local expert there */
+    const int per = 1 + El;
+    int64_t *scount = m->xc_count, *rcount = m->xc_count + (size_t)ep * per;
+    for (int p = 0; p < ep; p++) {
+        scount[(size_t)p * per] = a->send_rows[p];
+        for (int e = 0; e < El; e++)
+            scount[(size_t)p * per + 1 + e] = m->send_experts[(size_t)p * El + e];
+    }
     if (ep > 1) {
         const double t0 = moe_model_phase_begin(m);
-        MOE_CHECK(moe_comm_exchange_counts(m->comm, scount, rcount));
+        MOE_CHECK(moe_comm_exchange_counts(m->comm, scount, rcount, per));
         moe_model_phase_end(m, t0, MOE_PHASE_EXCHANGE);
     } else
-        rcount[0] = scount[0];
+        memcpy(rcount, scount, sizeof(int64_t) * (size_t)per);
     a->n_recv = 0;
     for (int p = 0; p < ep; p++) {
-        a->recv_rows[p] = (int)rcount[p];
+        a->recv_rows[p] = (int)rcount[(size_t)p * per];
         a->n_recv += a->recv_rows[p];
     }
+    /* the experts' side plan: rows per local expert, summed over the peers */
+    a->offsets[0] = 0;
+    for (int e = 0; e < El; e++) {
+        int64_t rows = 0;
+        for (int p = 0; p < ep; p++)
+            rows += rcount[(size_t)p * per + 1 + e];
+        a->offsets[e + 1] = a->offsets[e] + (int)rows;
+    }
+    a->n_rows = a->offsets[El];
+    if (a->n_rows > m->Mmax)
+        MOE_FAIL(MOE_ERR_COMM, "layer %d: %d expert rows announced, more than the %d sized for", l,
+                 a->n_rows, m->Mmax);
     if (a->n_recv > m->Rmax)
         MOE_FAIL(MOE_ERR_COMM, "layer %d: %d rows received, more than the %d sized for", l,
                  a->n_recv, m->Rmax);
@@ -763,9 +810,9 @@ static void moe_experts_forward(moe_model *m, int l, real *out)
     const moe_layer_view *w = &m->p.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int R = a->n_recv, D = m->D, K = m->K, F = m->F;
-    a->n_rows =
-        m->be->moe_route_plan(a->offsets, a->row_token, a->row_slot, m->lslot_row, m->route_scratch,
-                              a->lidx, a->lw, R, m->El, K, R > 0 ? R : 1, -1);
+    /* offsets and n_rows came with the counts (moe_dispatch_start): nothing returns here */
+    m->be->moe_route_plan(NULL, a->row_token, a->row_slot, m->lslot_row, m->route_scratch, a->lidx,
+                          a->lw, R, m->El, K, R > 0 ? R : 1, -1);
     const int M = a->n_rows;
     m->be->moe_permute(a->xperm, a->xrecv, a->row_token, M, D);
     m->be->grouped_matmul_forward(a->ea, a->xperm, w->ew1, a->offsets, m->El, D, F);
@@ -791,7 +838,7 @@ static moe_status layer_forward_begin(moe_model *m, int l, moe_fwd_stats *stats)
         m->be->add_inplace(out, a->xmid, (size_t)N * D);
         return MOE_OK;
     }
-    router_forward_layer(m, l, stats);
+    router_forward_layer(m, l);
     if (m->routing) { /* routing statistics for the scheduler, counted where idx is */
         const moe_routing_stats *rs = m->routing;
         const int lm = l - m->cfg.dense_layers, E = m->E;

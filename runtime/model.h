@@ -110,8 +110,9 @@ typedef struct {
     real *dyrecv;                        /* (Rmax, D) */
     char *send_buf, *recv_buf;           /* packed exchange rows: max(rows) * row_bytes */
     double *aux_part;                    /* router_aux_part_len(Nc, E) */
-    size_t *xc_size;                     /* (4*ep): byte counts and displacements */
-    int pending;                         /* moe_comm_handle of its exchange in flight */
+    double *aux_host; /* the same, fetched into host memory (read after the dispatch counts) */
+    size_t *xc_size;  /* (4*ep): byte counts and displacements */
+    int pending;      /* moe_comm_handle of its exchange in flight */
 } moe_chunk;
 
 typedef struct {
@@ -183,6 +184,7 @@ typedef struct moe_model {
     int32_t *tokens, *targets;       /* (N) */
     int32_t *tokens_h;               /* (2 * B * T) host staging of tokens then targets */
     int *send_assign;                /* (ep) host: kept assignments sent to each EP rank */
+    int *send_experts;               /* (ep, El) host: the same per local expert there */
     real **x;                        /* L+1 residual streams (N, D): x[0] embedding, x[L] final */
     moe_layer_acts *acts;            /* L */
     real *hf, *rstdf;                /* final norm (N, D), (N) */
@@ -202,19 +204,19 @@ typedef struct moe_model {
     size_t row_bytes;                      /* D reals + K reals + K int32, 8-aligned */
     int Rmax, Mmax;                        /* rows received / expert rows, worst case */
     real *dlogits;                         /* (head_rows, V) */
-    int *route_scratch;                    /* (Rmax*K) */
-    int *src_offsets;                      /* (E+1): the source-side plan (capacity drops) */
+    int *route_scratch;                    /* (Rmax*K + E + 1) */
     int32_t *lslot_row;                    /* (Rmax*K): expert-side plan scratch */
     size_t *xc_size;   /* (4*ep): byte counts and displacements of an exchange */
-    int64_t *xc_count; /* (2*ep): row counts sent and received */
+    int64_t *xc_count; /* (2*ep*(1+El)): rows, then per local expert, sent and received */
     int32_t *src_row_token, *src_row_slot; /* (N*K) */
     int64_t *layer_counts; /* (L, E): top-k assignments per expert in this micro-batch */
     double *aux_psum;      /* (L, E): the router's probability sums in this micro-batch */
     double *aux_part;      /* router_aux_part_len(N, E): the router's partials */
 
-    int64_t *load;   /* (L, E): assignments per expert since the last reset */
-    void *act_base;  /* the one backend block all activations are carved from */
-    void *host_base; /* the one host block for what the host reads */
+    int64_t *load;    /* (L, E): assignments per expert since the last reset */
+    void *act_base;   /* the one backend block all activations are carved from */
+    void *host_base;  /* the one host block for what the host reads */
+    void *fetch_base; /* backend host memory (pinned) the chunks' aux_host are carved from */
 } moe_model;
 
 /* Lays out the tensors for cfg on this rank (its experts: those the placement gives

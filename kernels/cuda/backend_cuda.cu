@@ -177,6 +177,37 @@ static void cuda_release(void *p)
         MOE_CUDA_OK(cudaFree(p));
 }
 
+static void *cuda_alloc_host(size_t nbytes)
+{
+    void *p = NULL;
+    g.allocations++;
+    cudaError_t err = cudaMallocHost(&p, nbytes ? nbytes : 1);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        moe_log_at(__FILE__, __LINE__, "cuda: cudaMallocHost(%zu bytes): %s", nbytes,
+                   cudaGetErrorString(err));
+        return NULL;
+    }
+    memset(p, 0, nbytes);
+    return p;
+}
+
+static void cuda_release_host(void *p)
+{
+    if (p)
+        MOE_CUDA_OK(cudaFreeHost(p));
+}
+
+/* Into pinned memory, so the copy is queued and the host goes on. */
+static void cuda_fetch(void *host, const void *src, size_t nbytes)
+{
+    if (!nbytes)
+        return;
+    MOE_CUDA_PROF_BEGIN("copy device to host");
+    MOE_CUDA_OK(cudaMemcpyAsync(host, src, nbytes, cudaMemcpyDeviceToHost, g.stream));
+    MOE_CUDA_PROF_END();
+}
+
 static void cuda_zero(void *p, size_t nbytes)
 {
     if (nbytes)
@@ -392,6 +423,9 @@ static void fill_table(moe_backend *b)
     b->zero = cuda_zero;
     b->copy = cuda_copy;
     b->sync = cuda_sync;
+    b->alloc_host = cuda_alloc_host;
+    b->release_host = cuda_release_host;
+    b->fetch = cuda_fetch;
     b->native_stream = cuda_native_stream;
     b->compute_capability = cuda_compute_capability;
     b->set_precision = cuda_set_precision;

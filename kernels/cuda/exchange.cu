@@ -2,8 +2,9 @@
  * the MoE dispatch and combine (row layout in ops.h). moe_pack_dispatch flags each
  * (destination, token) pair, numbers the flagged pairs with a prefix sum in
  * (destination, token) order -- the reference's order -- copies the per-destination
- * counts back (it waits for the stream), then fills the rows. The gradient scatter sorts
- * the rows by token and adds each token's rows in row order (deterministic). */
+ * counts (and per destination and local expert) back in one copy (it waits for the
+ * stream: the one synchronisation of a MoE layer's forward), then fills the rows. The gradient
+ * scatter sorts the rows by token and adds each token's rows in row order (deterministic). */
 #include "kernels/cuda/cuda_common.cuh"
 
 /* Is assignment a (kept) on destination p? */
@@ -13,17 +14,25 @@ static __device__ __forceinline__ int on_dest(const int32_t *idx, const int32_t 
     return slot_row[a] >= 0 && expert_rank[idx[a]] == p;
 }
 
-/* flags[p*N + t] = 1 if token t sends a row to p; assign[p] += its kept slots there. */
-static __global__ void dispatch_flags_kernel(int *flags, int *assign, const int32_t *idx,
-                                             const int32_t *slot_row, const int32_t *expert_rank,
-                                             int N, int K, int P)
+/* flags[p*N + t] = 1 if token t sends a row to p; assign[p] += its kept slots there;
+ * experts[p*El + local] += 1 per kept slot (when experts is not NULL). Integer atomics:
+ * the counts do not depend on the order. */
+static __global__ void dispatch_flags_kernel(int *flags, int *assign, int *experts,
+                                             const int32_t *idx, const int32_t *slot_row,
+                                             const int32_t *expert_rank,
+                                             const int32_t *expert_local, int N, int K, int P,
+                                             int El)
 {
     MOE_CUDA_GRID_STRIDE(i, (size_t)P * N)
     {
         const int p = (int)(i / N), t = (int)(i % N);
         int hits = 0;
-        for (int k = 0; k < K; k++)
-            hits += on_dest(idx, slot_row, expert_rank, t * K + k, p);
+        for (int k = 0; k < K; k++) {
+            const int a = t * K + k, here = on_dest(idx, slot_row, expert_rank, a, p);
+            hits += here;
+            if (here && experts)
+                atomicAdd(&experts[(size_t)p * El + expert_local[idx[a]]], 1);
+        }
         flags[i] = hits > 0;
         if (hits)
             atomicAdd(&assign[p], hits);
@@ -75,13 +84,16 @@ static __global__ void dispatch_fill_kernel(char *rows, int32_t *send_token, con
 }
 
 extern "C" int cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int *send_rows,
-                                      int *send_assign, const real *x, const int32_t *idx,
-                                      const real *w, const int32_t *slot_row,
+                                      int *send_assign, int *send_experts, const real *x,
+                                      const int32_t *idx, const real *w, const int32_t *slot_row,
                                       const int32_t *expert_rank, const int32_t *expert_local,
-                                      int N, int D, int K, int P, size_t row_bytes)
+                                      int N, int D, int K, int P, int El, size_t row_bytes)
 {
     for (int p = 0; p < P; p++)
         send_rows[p] = send_assign[p] = 0;
+    const size_t PE = send_experts ? (size_t)P * El : 0;
+    if (PE)
+        memset(send_experts, 0, sizeof(int) * PE);
     if (N <= 0 || P <= 0)
         return 0;
     const int PN = P * N;
@@ -93,23 +105,28 @@ extern "C" int cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int *send
         rowidx = MOE_CUDA_TAKE(&c, int, PN + 1);
         scan = MOE_CUDA_TAKE(&c, int, moe_cuda_scan_ints(PN));
         assign = MOE_CUDA_TAKE(&c, int, P);
-        res = MOE_CUDA_TAKE(&c, int, 2 * P + 1);
+        res = MOE_CUDA_TAKE(&c, int, 2 * P + 1 + PE);
         rowsrc = MOE_CUDA_TAKE(&c, int, PN);
     }
     const unsigned blocks = moe_cuda_blocks(PN, MOE_CUDA_THREADS);
+    int *experts = PE ? res + 2 * P + 1 : NULL;
     MOE_CUDA_OK(cudaMemsetAsync(assign, 0, sizeof(int) * P, moe_cuda_stream()));
-    MOE_CUDA_LAUNCH(dispatch_flags_kernel, blocks, MOE_CUDA_THREADS, 0, rowidx, assign, idx,
-                    slot_row, expert_rank, N, K, P);
+    if (experts)
+        MOE_CUDA_OK(cudaMemsetAsync(experts, 0, sizeof(int) * PE, moe_cuda_stream()));
+    MOE_CUDA_LAUNCH(dispatch_flags_kernel, blocks, MOE_CUDA_THREADS, 0, rowidx, assign, experts,
+                    idx, slot_row, expert_rank, expert_local, N, K, P, El);
     moe_cuda_scan(rowidx, rowidx, PN, scan);
     MOE_CUDA_LAUNCH(dispatch_counts_kernel, blocks, MOE_CUDA_THREADS, 0, res, rowsrc, rowidx,
                     assign, N, P);
-    const int *host = (const int *)moe_cuda_fetch(res, sizeof(int) * (2 * (size_t)P + 1));
+    const int *host = (const int *)moe_cuda_fetch(res, sizeof(int) * (2 * (size_t)P + 1 + PE));
     if (!host)
         return 0;
     for (int p = 0; p < P; p++) {
         send_rows[p] = host[p];
         send_assign[p] = host[P + p];
     }
+    if (PE)
+        memcpy(send_experts, host + 2 * P + 1, sizeof(int) * PE);
     const int n = host[2 * P];
     if (n > 0)
         MOE_CUDA_LAUNCH(dispatch_fill_kernel,

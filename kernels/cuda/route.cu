@@ -81,9 +81,10 @@ extern "C" int cuda_moe_route_plan(int *offsets, int32_t *row_token, int32_t *ro
                                    const real *w, int N, int E, int K, int group, int capacity)
 {
     const int NK = N * K;
-    memset(offsets, 0, sizeof(int) * (size_t)(E + 1));
+    if (offsets)
+        memset(offsets, 0, sizeof(int) * (size_t)(E + 1));
     if (NK <= 0 || E <= 0)
-        return 0;
+        return offsets ? 0 : -1;
     if (group <= 0)
         group = N; /* as the reference: one group */
     const int groups = (N + group - 1) / group;
@@ -115,6 +116,8 @@ extern "C" int cuda_moe_route_plan(int *offsets, int32_t *row_token, int32_t *ro
     MOE_CUDA_LAUNCH(plan_rows_kernel, moe_cuda_blocks(NK, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
                     row_token, row_slot, slot_row, by_expert.order, by_expert.start, kept, NK, K,
                     E);
+    if (!offsets) /* the caller knows the counts: no copy back, no synchronisation */
+        return -1;
     const int *host = (const int *)moe_cuda_fetch(by_expert.start, sizeof(int) * (size_t)(E + 1));
     if (!host)
         return 0;

@@ -674,6 +674,19 @@ static void test_route(int N, int E, int K, int group, int capacity, int mode, i
         return;
     }
 
+    begin("moe_route_plan, offsets not reported", name);
+    int32_t *drt2 = DEVI(ipoison(NK), NK), *drs2 = DEVI(ipoison(NK), NK);
+    int32_t *dsr2 = DEVI(ipoison(NK), NK);
+    int *dscratch2 = (int *)DEVI(ipoison(NK + E + 1), NK + E + 1);
+    int unreported =
+        gpu->moe_route_plan(NULL, drt2, drs2, dsr2, dscratch2, didx, dw_, N, E, K, group, capacity);
+    gpu_done();
+    const int minus_one = -1;
+    check_i("returned", &unreported, &minus_one, 1);
+    check_i("slot_row", HOSTI(dsr2, NK), slot_row, NK);
+    check_i("row_token", HOSTI(drt2, NK), row_token, M);
+    check_i("row_slot", HOSTI(drs2, NK), row_slot, M);
+
     /* the moves, on the reference plan */
     const size_t MD = (size_t)M * D;
     int32_t *rt = DEVI(row_token, NK), *rs = DEVI(row_slot, NK);
@@ -785,16 +798,21 @@ static void test_exchange(int N, int E, int K, int P, int D, int capacity, const
     int *gsend_rows = hmem(sizeof(int) * P), *gsend_assign = hmem(sizeof(int) * P);
     for (int p = 0; p < P; p++)
         send_rows[p] = send_assign[p] = gsend_rows[p] = gsend_assign[p] = POISON_INT;
+    int *send_experts = hmem(sizeof(int) * P * per), *gsend_experts = hmem(sizeof(int) * P * per);
+    for (int i = 0; i < P * per; i++)
+        send_experts[i] = gsend_experts[i] = POISON_INT;
     float *x = frand((size_t)N * D, -1, 1);
-    int n = cpu->moe_pack_dispatch(rows, st, send_rows, send_assign, x, idx, w, slot_row, erank,
-                                   elocal, N, D, K, P, row_bytes);
-    int gn = gpu->moe_pack_dispatch(drows, dst, gsend_rows, gsend_assign, DEVF(x, (size_t)N * D),
-                                    DEVI(idx, NK), DEVF(w, NK), DEVI(slot_row, NK), DEVI(erank, E),
-                                    DEVI(elocal, E), N, D, K, P, row_bytes);
+    int n = cpu->moe_pack_dispatch(rows, st, send_rows, send_assign, send_experts, x, idx, w,
+                                   slot_row, erank, elocal, N, D, K, P, per, row_bytes);
+    int gn = gpu->moe_pack_dispatch(drows, dst, gsend_rows, gsend_assign, gsend_experts,
+                                    DEVF(x, (size_t)N * D), DEVI(idx, NK), DEVF(w, NK),
+                                    DEVI(slot_row, NK), DEVI(erank, E), DEVI(elocal, E), N, D, K, P,
+                                    per, row_bytes);
     gpu_done();
     check_i("rows", &gn, &n, 1);
     check_i("send_rows", gsend_rows, send_rows, P);
     check_i("send_assign", gsend_assign, send_assign, P);
+    check_i("send_experts", gsend_experts, send_experts, P * per);
     if (gn != n) {
         free_all();
         return;

@@ -88,6 +88,18 @@ static void check_plan(int group, int capacity, const plan_want *want)
         assert_memory_equal(row_slot, want->row_slot, (size_t)M * sizeof(int32_t));
     }
     assert_memory_equal(slot_row, want->slot_row, sizeof slot_row);
+
+    /* offsets not reported: the same rows, -1 returned, the scratch's tail used */
+    int scratch2[PN * PK + PE + 1];
+    int32_t row_token2[PN * PK], row_slot2[PN * PK], slot_row2[PN * PK];
+    assert_int_equal(moe_route_plan(NULL, row_token2, row_slot2, slot_row2, scratch2, plan_idx,
+                                    plan_w, PN, PE, PK, group, capacity),
+                     -1);
+    if (M > 0) {
+        assert_memory_equal(row_token2, want->row_token, (size_t)M * sizeof(int32_t));
+        assert_memory_equal(row_slot2, want->row_slot, (size_t)M * sizeof(int32_t));
+    }
+    assert_memory_equal(slot_row2, want->slot_row, sizeof slot_row);
 }
 
 static void test_route_plan_dropless(void **state)
@@ -103,6 +115,49 @@ static void test_route_plan_dropless(void **state)
     check_plan(PN, -1, &want);
     check_plan(2, -1, &want); /* groups do not matter without capacity */
     check_plan(PN, 4, &want); /* nor does a capacity nobody exceeds */
+}
+
+/* The plan's tokens over 2 ranks: experts 0, 1 on rank 0 and 2, 3 on rank 1 (local ids
+ * 0, 1 on each), dropless. Counted by hand:
+ *   rank 0 gets t0 (e1, e0), t1 (e1), t2 (e0, e1), t3 (e1): 4 rows, 6 assignments,
+ *          local 0 (e0) 2, local 1 (e1) 4;
+ *   rank 1 gets t1 (e2), t3 (e2): 2 rows, 2 assignments, local 0 (e2) 2, local 1 0. */
+static void test_pack_dispatch(void **state)
+{
+    (void)state;
+    enum { D = 3, P = 2, El = 2 };
+    const int32_t erank[PE] = {0, 0, 1, 1}, elocal[PE] = {0, 1, 0, 1};
+    int32_t slot_row[PN * PK], row_token[PN * PK], row_slot[PN * PK], send_token[PN * P];
+    int offsets[PE + 1], scratch[PN * PK];
+    moe_route_plan(offsets, row_token, row_slot, slot_row, scratch, plan_idx, plan_w, PN, PE, PK,
+                   PN, -1);
+    real x[PN * D];
+    for (int i = 0; i < PN * D; i++)
+        x[i] = (real)(i + 1);
+    const size_t row_bytes = sizeof(real) * (D + PK) + sizeof(int32_t) * PK;
+    char rows[PN * P * sizeof(real) * (D + 2 * PK)];
+    int send_rows[P], send_assign[P], send_experts[P * El];
+    int n = moe_pack_dispatch(rows, send_token, send_rows, send_assign, send_experts, x, plan_idx,
+                              plan_w, slot_row, erank, elocal, PN, D, PK, P, El, row_bytes);
+    assert_int_equal(n, 6);
+    const int want_rows[P] = {4, 2}, want_assign[P] = {6, 2}, want_experts[P * El] = {2, 4, 2, 0};
+    const int32_t want_token[6] = {0, 1, 2, 3, 1, 3};
+    assert_memory_equal(send_rows, want_rows, sizeof want_rows);
+    assert_memory_equal(send_assign, want_assign, sizeof want_assign);
+    assert_memory_equal(send_experts, want_experts, sizeof want_experts);
+    assert_memory_equal(send_token, want_token, sizeof want_token);
+    /* row 4: token 1 to rank 1, its slot 0 (e1) elsewhere, slot 1 (e2) local 0 there */
+    const real *r4 = (const real *)(rows + 4 * row_bytes);
+    const int32_t *l4 = (const int32_t *)(r4 + D + PK);
+    assert_true(r4[0] == x[3] && r4[2] == x[5]);
+    assert_true(r4[D] == 0 && r4[D + 1] == plan_w[3]);
+    assert_int_equal(l4[0], -1);
+    assert_int_equal(l4[1], 0);
+    /* without send_experts the rest is the same */
+    int rows2 = moe_pack_dispatch(rows, send_token, send_rows, send_assign, NULL, x, plan_idx,
+                                  plan_w, slot_row, erank, elocal, PN, D, PK, P, El, row_bytes);
+    assert_int_equal(rows2, 6);
+    assert_memory_equal(send_rows, want_rows, sizeof want_rows);
 }
 
 static void test_route_plan_capacity(void **state)
@@ -621,6 +676,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_route_plan_dropless),
+        cmocka_unit_test(test_pack_dispatch),
         cmocka_unit_test(test_route_plan_capacity),
         cmocka_unit_test(test_permute_combine_forward),
         cmocka_unit_test(test_router_forward),
