@@ -1002,7 +1002,7 @@ static struct {
     int32_t *idx, *row_token, *row_slot, *slot_row, *erank, *elocal, *send_token, *lidx;
     int *scratch, *offsets;     /* offsets: host */
     int *send_rows, *recv_rows; /* host (P) */
-    int *send_assign;           /* host (P) */
+    int *counts;                /* pinned host (MOE_PACK_COUNTS(P, E/P)) */
     int64_t *cnt_send, *cnt_recv;
     char *rows, *recv;
     size_t row_bytes;
@@ -1014,9 +1014,13 @@ static struct {
 
 static void run_pack(void)
 {
-    a2.n_send = gpu->moe_pack_dispatch(a2.rows, a2.send_token, a2.send_rows, a2.send_assign, NULL,
-                                       a2.x, a2.idx, a2.wts, a2.slot_row, a2.erank, a2.elocal, N_,
-                                       opt.D, opt.K, world, opt.E / world, a2.row_bytes);
+    gpu->moe_pack_dispatch(a2.rows, a2.send_token, a2.counts, a2.x, a2.idx, a2.wts, a2.slot_row,
+                           a2.erank, a2.elocal, N_, opt.D, opt.K, world, opt.E / world,
+                           a2.row_bytes);
+    MOE_CK(gpu->queue_wait(gpu->queue_mark())); /* the counts, as the runtime waits for them */
+    for (int p = 0; p < world; p++)
+        a2.send_rows[p] = a2.counts[p];
+    a2.n_send = a2.counts[2 * world];
 }
 
 static void run_counts(void)
@@ -1102,15 +1106,15 @@ static void a2a_setup(void)
     a2.row_bytes = ((size_t)(D + K) * sizeof(real) + (size_t)K * sizeof(int32_t) + 7) & ~(size_t)7;
     a2.send_rows = calloc((size_t)P, sizeof(int));
     a2.recv_rows = calloc((size_t)P, sizeof(int));
-    a2.send_assign = calloc((size_t)P, sizeof(int));
+    a2.counts = gpu->alloc_host(sizeof(int) * (size_t)MOE_PACK_COUNTS(P, E / P));
     a2.cnt_send = calloc((size_t)P, sizeof(int64_t));
     a2.cnt_recv = calloc((size_t)P, sizeof(int64_t));
     a2.xc = calloc((size_t)4 * P, sizeof(size_t));
     a2.offsets = calloc((size_t)E + 1, sizeof(int));
     int32_t *er = calloc((size_t)E, sizeof(int32_t)), *el = calloc((size_t)E, sizeof(int32_t));
     real *lg = malloc(sizeof(real) * N * E);
-    if (!a2.send_rows || !a2.recv_rows || !a2.send_assign || !a2.cnt_send || !a2.cnt_recv ||
-        !a2.xc || !a2.offsets || !er || !el || !lg)
+    if (!a2.send_rows || !a2.recv_rows || !a2.counts || !a2.cnt_send || !a2.cnt_recv || !a2.xc ||
+        !a2.offsets || !er || !el || !lg)
         die("out of host memory");
     for (int e = 0; e < E; e++) {
         er[e] = e / (E / P);
@@ -1452,7 +1456,7 @@ static int main_a2a(int argc, char **argv)
     finish();
     free(a2.send_rows);
     free(a2.recv_rows);
-    free(a2.send_assign);
+    gpu->release_host(a2.counts);
     free(a2.cnt_send);
     free(a2.cnt_recv);
     free(a2.xc);

@@ -90,6 +90,11 @@ typedef struct moe_backend {
      * the ops queued before it. The host may read it once a later op has returned a host
      * value (which waits for the queue) or sync has returned. */
     void (*fetch)(void *host, const void *src, size_t nbytes);
+    /* A mark in the queue after the work queued so far; queue_wait(mark) waits until the
+     * queue has passed it (copies to the host before it have landed), not for the work
+     * queued after it. The cpu runs everything at once: marks are 0, waits return. */
+    long (*queue_mark)(void);
+    moe_status (*queue_wait)(long mark);
     /* the stream every op runs on (a cudaStream_t; NULL on the cpu), for NCCL */
     void *(*native_stream)(void);
     /* compute capability of the device, major*10 + minor (0 on the cpu) */

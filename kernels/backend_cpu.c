@@ -17,6 +17,12 @@ static void cpu_copy(void *dst, const void *src, size_t nbytes, moe_copy_kind ki
     memmove(dst, src, nbytes);
 }
 static moe_status cpu_sync(void) { return MOE_OK; }
+static long cpu_mark(void) { return 0; }
+static moe_status cpu_wait(long mark)
+{
+    (void)mark;
+    return MOE_OK;
+}
 static int cpu_capability(void) { return 0; }
 static void *cpu_stream(void) { return NULL; }
 static moe_status cpu_set_precision(moe_precision p, const real *params, size_t n, size_t max)
@@ -81,6 +87,8 @@ const moe_backend moe_backend_cpu = {.name = "cpu",
                                      .alloc_host = cpu_alloc,
                                      .release_host = cpu_release,
                                      .fetch = cpu_fetch,
+                                     .queue_mark = cpu_mark,
+                                     .queue_wait = cpu_wait,
                                      .native_stream = cpu_stream,
                                      .compute_capability = cpu_capability,
                                      .set_precision = cpu_set_precision,

@@ -4,18 +4,15 @@
 
 #include "kernels/ops.h"
 
-int moe_pack_dispatch(char *rows, int32_t *send_token, int *send_rows, int *send_assign,
-                      int *send_experts, const real *x, const int32_t *idx, const real *w,
-                      const int32_t *slot_row, const int32_t *expert_rank,
-                      const int32_t *expert_local, int N, int D, int K, int P, int El,
-                      size_t row_bytes)
+void moe_pack_dispatch(char *rows, int32_t *send_token, int *counts, const real *x,
+                       const int32_t *idx, const real *w, const int32_t *slot_row,
+                       const int32_t *expert_rank, const int32_t *expert_local, int N, int D, int K,
+                       int P, int El, size_t row_bytes)
 {
     int n = 0;
-    if (send_experts)
-        memset(send_experts, 0, sizeof(int) * (size_t)P * (size_t)El);
+    int *send_rows = counts, *send_assign = counts + P, *send_experts = counts + 2 * P + 1;
+    memset(counts, 0, sizeof(int) * (size_t)MOE_PACK_COUNTS(P, El));
     for (int p = 0; p < P; p++) {
-        send_rows[p] = 0;
-        send_assign[p] = 0;
         for (int t = 0; t < N; t++) {
             real *row = (real *)(rows + (size_t)n * row_bytes);
             int32_t *lid = (int32_t *)(row + D + K);
@@ -26,7 +23,7 @@ int moe_pack_dispatch(char *rows, int32_t *send_token, int *send_rows, int *send
                 row[D + k] = here ? w[a] : 0;
                 lid[k] = here ? expert_local[e] : -1;
                 hits += here;
-                if (here && send_experts)
+                if (here)
                     send_experts[(size_t)p * El + expert_local[e]]++;
             }
             if (!hits)
@@ -37,7 +34,7 @@ int moe_pack_dispatch(char *rows, int32_t *send_token, int *send_rows, int *send
             send_assign[p] += hits;
         }
     }
-    return n;
+    counts[2 * P] = n;
 }
 
 void moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int R, int D, int K,

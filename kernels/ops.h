@@ -174,17 +174,23 @@ void routing_stats_count(int64_t *tokens, int64_t *load, int64_t *coact, int64_t
  *
  * Builds one row per (token n, destination p) such that some kept slot of n (slot_row
  * >= 0) has its expert on p (expert_rank[e] == p), grouped by p in order, tokens in
- * order within a p. send_token (rows): the token of each row. Host outputs: send_rows (P)
- * rows per destination, send_assign (P) kept assignments per destination (so the caller
- * can count what sending a token once saves; their sum is the kept count M), and, when
- * send_experts is not NULL, send_experts (P, El) kept assignments per destination and
- * local expert there (what the destination's routing plan needs: its offsets).
- * expert_rank/expert_local: (E), local ids < El. Returns the number of rows. */
-int moe_pack_dispatch(char *rows, int32_t *send_token, int *send_rows, int *send_assign,
-                      int *send_experts, const real *x, const int32_t *idx, const real *w,
-                      const int32_t *slot_row, const int32_t *expert_rank,
-                      const int32_t *expert_local, int N, int D, int K, int P, int El,
-                      size_t row_bytes);
+ * order within a p. send_token (rows): the token of each row. expert_rank/expert_local:
+ * (E), local ids < El. The counts go to host memory, counts[MOE_PACK_COUNTS(P, El)]:
+ *   [0, P)            rows per destination (send_rows)
+ *   [P, 2P)           kept assignments per destination (what sending a token once saves;
+ *                     their sum is the kept count M)
+ *   [2P]              rows in all
+ *   [2P+1, 2P+1+P*El) kept assignments per destination and local expert there (the
+ *                     destination's routing-plan offsets)
+ * The cpu writes them before returning. A GPU backend does not wait: counts must be host
+ * memory from its alloc_host, and they land with the queue (read them after a
+ * queue_wait on a later mark, or sync), so the host can queue more work before it needs
+ * them. */
+#define MOE_PACK_COUNTS(P, El) (2 * (P) + 1 + (P) * (El))
+void moe_pack_dispatch(char *rows, int32_t *send_token, int *counts, const real *x,
+                       const int32_t *idx, const real *w, const int32_t *slot_row,
+                       const int32_t *expert_rank, const int32_t *expert_local, int N, int D, int K,
+                       int P, int El, size_t row_bytes);
 /* Splits R dispatch rows into x (R,D), w (R,K), lidx (R,K). */
 void moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int R, int D, int K,
                          size_t row_bytes);

@@ -292,8 +292,6 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     for (int i = 0; i < m->C; i++)
         carve_chunk(m, &m->chunk[i], c, h);
     m->tokens_h = TAKE(h, int32_t, 2 * (size_t)m->N);
-    m->send_assign = TAKE(h, int, m->ep);
-    m->send_experts = TAKE(h, int, (size_t)m->ep * m->El);
     m->expert_rank_dev = TAKE(c, int32_t, (size_t)m->L * m->E);
     m->expert_local_dev = TAKE(c, int32_t, (size_t)m->L * m->E);
     m->layer_counts = TAKE(h, int64_t, (size_t)m->L * m->E);
@@ -559,18 +557,23 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
             m->chunk[i].acts[l].mb_counts = m->layer_counts + (size_t)l * m->E;
     use_chunk(m, 0);
     {
-        /* the router's partials come back with the dispatch counts (one synchronisation
-         * per MoE layer and chunk), through host memory the backend copies into at once */
-        const size_t each = (router_aux_part_len(m->Nc, m->E) + 7) & ~(size_t)7;
-        m->fetch_base = be->alloc_host(sizeof(double) * each * (size_t)m->C);
+        /* the router's partials and the dispatch counts come back through host memory the
+         * backend copies into without waiting (one wait per MoE layer and chunk) */
+        const size_t aux = (router_aux_part_len(m->Nc, m->E) + 7) & ~(size_t)7;
+        const size_t counts = ((size_t)MOE_PACK_COUNTS(m->ep, m->El) + 15) & ~(size_t)15;
+        const size_t each = sizeof(double) * aux + sizeof(int) * counts;
+        m->fetch_base = be->alloc_host(each * (size_t)m->C);
         if (!m->fetch_base) {
             moe_log_at(__FILE__, __LINE__, "cannot allocate %zu bytes of host memory (%s)",
-                       sizeof(double) * each * (size_t)m->C, be->name);
+                       each * (size_t)m->C, be->name);
             st = MOE_ERR_NOMEM;
             goto fail;
         }
-        for (int i = 0; i < m->C; i++)
-            m->chunk[i].aux_host = (double *)m->fetch_base + each * (size_t)i;
+        for (int i = 0; i < m->C; i++) {
+            char *at = (char *)m->fetch_base + each * (size_t)i;
+            m->chunk[i].aux_host = (double *)at;
+            m->chunk[i].pack_counts = (int *)(at + sizeof(double) * aux);
+        }
     }
 
     /* the ops' scratch, sized now so that no step allocates: the sorts of the routing
@@ -735,43 +738,61 @@ static moe_status exchange_finish(moe_model *m)
     return st;
 }
 
-/* Source side: applies the capacity, then builds one row per (token, EP rank holding at
- * least one of its kept experts), grouped by rank. A token whose experts share a rank is
- * sent there once, with the local expert and weight of each of its slots (local id -1
- * for slots elsewhere). Exchanges the counts, then starts sending the rows. */
-static moe_status moe_dispatch_start(moe_model *m, int l, moe_fwd_stats *stats)
+/* Source side, queued without waiting: applies the capacity, then builds one row per
+ * (token, EP rank holding at least one of its kept experts), grouped by rank. A token
+ * whose experts share a rank is sent there once, with the local expert and weight of
+ * each of its slots (local id -1 for slots elsewhere). The counts come back to the host
+ * behind a queue mark (moe_dispatch_send reads them). */
+static void moe_dispatch_pack(moe_model *m, int l)
 {
     moe_layer_acts *a = &m->acts[l];
-    const int N = m->Nc, K = m->K, D = m->D, ep = m->ep, El = m->El;
-    /* the plan stays on the backend: the packing below counts what the host needs */
+    moe_chunk *ch = &m->chunk[m->cur];
+    const int N = m->Nc, K = m->K;
     m->be->moe_route_plan(NULL, m->src_row_token, m->src_row_slot, a->slot_row, m->route_scratch,
                           a->idx, a->w, N, m->E, K, N, m->capacity);
-    /* the layer's one wait for the backend: the counts (and the router's partials) */
-    a->n_send = m->be->moe_pack_dispatch(
-        m->send_buf, a->send_token, a->send_rows, m->send_assign, m->send_experts, a->h2, a->idx,
-        a->w, a->slot_row, m->expert_rank_dev + (size_t)l * m->E,
-        m->expert_local_dev + (size_t)l * m->E, N, D, K, ep, El, m->row_bytes);
+    m->be->moe_pack_dispatch(m->send_buf, a->send_token, ch->pack_counts, a->h2, a->idx, a->w,
+                             a->slot_row, m->expert_rank_dev + (size_t)l * m->E,
+                             m->expert_local_dev + (size_t)l * m->E, N, m->D, K, m->ep, m->El,
+                             m->row_bytes);
+    ch->mark = m->be->queue_mark();
+}
+
+/* The layer's one wait for the backend per chunk: the dispatch counts (and the router's
+ * partials, fetched before them). Exchanges the counts (rows, and assignments per local
+ * expert, so the experts' side knows its plan's offsets without asking its backend),
+ * then starts sending the rows. */
+static moe_status moe_dispatch_send(moe_model *m, int l, moe_fwd_stats *stats)
+{
+    moe_layer_acts *a = &m->acts[l];
+    moe_chunk *ch = &m->chunk[m->cur];
+    const int N = m->Nc, K = m->K, D = m->D, ep = m->ep, El = m->El;
+    MOE_CHECK(m->be->queue_wait(ch->mark));
+    const int *send_rows = ch->pack_counts, *send_assign = ch->pack_counts + ep;
+    const int *send_experts = ch->pack_counts + 2 * ep + 1;
+    a->n_send = ch->pack_counts[2 * ep];
     router_aux_layer(m, l, stats);
     int64_t kept = 0;
-    for (int p = 0; p < ep; p++)
-        kept += m->send_assign[p];
+    for (int p = 0; p < ep; p++) {
+        a->send_rows[p] = send_rows[p];
+        kept += send_assign[p];
+    }
     stats->dropped += (int64_t)N * K - kept;
     /* token payload of dispatch and combine, with and without sending a token once */
     for (int p = 0; p < ep; p++) {
         if (p == m->ep_rank)
             continue;
-        stats->a2a_bytes += 2 * (int64_t)a->send_rows[p] * D * (int64_t)sizeof(real);
+        stats->a2a_bytes += 2 * (int64_t)send_rows[p] * D * (int64_t)sizeof(real);
         stats->a2a_bytes_saved +=
-            2 * (int64_t)(m->send_assign[p] - a->send_rows[p]) * D * (int64_t)sizeof(real);
+            2 * (int64_t)(send_assign[p] - send_rows[p]) * D * (int64_t)sizeof(real);
     }
 
     /* per peer: rows, then assignments per local expert there */
     const int per = 1 + El;
     int64_t *scount = m->xc_count, *rcount = m->xc_count + (size_t)ep * per;
     for (int p = 0; p < ep; p++) {
-        scount[(size_t)p * per] = a->send_rows[p];
+        scount[(size_t)p * per] = send_rows[p];
         for (int e = 0; e < El; e++)
-            scount[(size_t)p * per + 1 + e] = m->send_experts[(size_t)p * El + e];
+            scount[(size_t)p * per + 1 + e] = send_experts[(size_t)p * El + e];
     }
     if (ep > 1) {
         const double t0 = moe_model_phase_begin(m);
@@ -784,6 +805,9 @@ static moe_status moe_dispatch_start(moe_model *m, int l, moe_fwd_stats *stats)
         a->recv_rows[p] = (int)rcount[(size_t)p * per];
         a->n_recv += a->recv_rows[p];
     }
+    if (a->n_recv > m->Rmax)
+        MOE_FAIL(MOE_ERR_COMM, "layer %d: %d rows received, more than the %d sized for", l,
+                 a->n_recv, m->Rmax);
     /* the experts' side plan: rows per local expert, summed over the peers */
     a->offsets[0] = 0;
     for (int e = 0; e < El; e++) {
@@ -796,9 +820,6 @@ static moe_status moe_dispatch_start(moe_model *m, int l, moe_fwd_stats *stats)
     if (a->n_rows > m->Mmax)
         MOE_FAIL(MOE_ERR_COMM, "layer %d: %d expert rows announced, more than the %d sized for", l,
                  a->n_rows, m->Mmax);
-    if (a->n_recv > m->Rmax)
-        MOE_FAIL(MOE_ERR_COMM, "layer %d: %d rows received, more than the %d sized for", l,
-                 a->n_recv, m->Rmax);
     return exchange_start(m, m->send_buf, a->send_rows, m->recv_buf, a->recv_rows, m->row_bytes);
 }
 
@@ -810,7 +831,7 @@ static void moe_experts_forward(moe_model *m, int l, real *out)
     const moe_layer_view *w = &m->p.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int R = a->n_recv, D = m->D, K = m->K, F = m->F;
-    /* offsets and n_rows came with the counts (moe_dispatch_start): nothing returns here */
+    /* offsets and n_rows came with the counts (moe_dispatch_send): nothing returns here */
     m->be->moe_route_plan(NULL, a->row_token, a->row_slot, m->lslot_row, m->route_scratch, a->lidx,
                           a->lw, R, m->El, K, R > 0 ? R : 1, -1);
     const int M = a->n_rows;
@@ -823,20 +844,20 @@ static void moe_experts_forward(moe_model *m, int l, real *out)
     m->be->moe_combine_forward(out, a->eout, a->lw, a->row_token, a->row_slot, M, D, K);
 }
 
-/* Stage (a): attention, the FFN norm, and the dense FFN or the MoE router and dispatch. */
-static moe_status layer_forward_begin(moe_model *m, int l, moe_fwd_stats *stats)
+/* Stage (a): attention, the FFN norm, and the dense FFN or the MoE router and the
+ * packing of the dispatch: all queued, nothing waited for. */
+static void layer_forward_begin(moe_model *m, int l)
 {
     const moe_layer_view *w = &m->p.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int N = m->Nc, D = m->D;
-    moe_comm_set_context(m->comm, "forward", l); /* named by a timeout (comm.h) */
     attention_block_forward(m, l);
     m->be->rmsnorm_forward(a->h2, a->rstd2, a->xmid, w->ffn_norm, N, D, (real)m->cfg.norm_eps);
     if (l < m->cfg.dense_layers) {
         real *out = m->x[l + 1];
         swiglu_ffn_forward(m, out, a->fa, a->fb, a->fh, a->h2, w->w1, w->w3, w->w2, N, D, m->Fd);
         m->be->add_inplace(out, a->xmid, (size_t)N * D);
-        return MOE_OK;
+        return;
     }
     router_forward_layer(m, l);
     if (m->routing) { /* routing statistics for the scheduler, counted where idx is */
@@ -849,11 +870,19 @@ static moe_status layer_forward_begin(moe_model *m, int l, moe_fwd_stats *stats)
             lm > 0 ? base + (rs->trans - rs->data) + (size_t)(lm - 1) * E * E : NULL, a->idx,
             lm > 0 ? m->acts[l - 1].idx : NULL, N, E, m->K);
     }
-    return moe_dispatch_start(m, l, stats);
+    moe_dispatch_pack(m, l);
 }
 
-/* Stage (b) of a MoE layer: the experts on the rows received, then the partial sums go
- * back to the rows' owners (sizes reversed). */
+/* Stage (b) of a MoE layer: the counts, then the dispatch starts. */
+static moe_status layer_forward_send(moe_model *m, int l, moe_fwd_stats *stats)
+{
+    if (l < m->cfg.dense_layers)
+        return MOE_OK;
+    moe_comm_set_context(m->comm, "forward", l); /* named by a timeout (comm.h) */
+    return moe_dispatch_send(m, l, stats);
+}
+
+/* Stage (c) of a MoE layer: once the rows arrived, the experts. */
 static moe_status layer_forward_experts(moe_model *m, int l)
 {
     moe_layer_acts *a = &m->acts[l];
@@ -864,11 +893,21 @@ static moe_status layer_forward_experts(moe_model *m, int l)
     m->be->moe_unpack_dispatch(a->xrecv, a->lw, a->lidx, m->recv_buf, a->n_recv, m->D, m->K,
                                m->row_bytes);
     moe_experts_forward(m, l, (real *)m->send_buf);
+    return MOE_OK;
+}
+
+/* Stage (d): the partial sums go back to the rows' owners (sizes reversed). */
+static moe_status layer_forward_return(moe_model *m, int l)
+{
+    moe_layer_acts *a = &m->acts[l];
+    if (l < m->cfg.dense_layers)
+        return MOE_OK;
+    moe_comm_set_context(m->comm, "forward", l);
     return exchange_start(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows,
                           sizeof(real) * m->D);
 }
 
-/* Stage (c) of a MoE layer: x[l+1] = xmid + shared experts + the partial sums received. */
+/* Stage (e) of a MoE layer: x[l+1] = xmid + shared experts + the partial sums received. */
 static moe_status layer_forward_end(moe_model *m, int l)
 {
     const moe_layer_view *w = &m->p.layers[l];
@@ -886,6 +925,34 @@ static moe_status layer_forward_end(moe_model *m, int l)
     m->be->moe_permute_backward(out, (const real *)m->recv_buf, a->send_token, a->n_send, D);
     m->be->add_inplace(out, a->xmid, (size_t)N * D);
     return MOE_OK;
+}
+
+/* Layer l over the chunks, in the order that keeps the compute stream fed while the
+ * host waits and tokens travel: (e) of layer l-1 and (a) for every chunk; then per chunk
+ * i: (b) -- the host waits for chunk i's counts while the stream still computes the
+ * chunks after it --, (d) of chunk i-1, (c) of chunk i. The exchanges enter their stream
+ * as dispatch 0, dispatch 1, combine 0, dispatch 2, combine 1, ...: no dispatch queues
+ * behind a combine that waits for experts. */
+static moe_status layer_forward_chunks(moe_model *m, int l, moe_fwd_stats *stats)
+{
+    for (int i = 0; i < m->C; i++) {
+        use_chunk(m, i);
+        if (l > 0)
+            MOE_CHECK(layer_forward_end(m, l - 1));
+        layer_forward_begin(m, l);
+    }
+    for (int i = 0; i < m->C; i++) {
+        use_chunk(m, i);
+        MOE_CHECK(layer_forward_send(m, l, stats));
+        if (i > 0) {
+            use_chunk(m, i - 1);
+            MOE_CHECK(layer_forward_return(m, l));
+            use_chunk(m, i);
+        }
+        MOE_CHECK(layer_forward_experts(m, l));
+    }
+    use_chunk(m, m->C - 1);
+    return layer_forward_return(m, l);
 }
 
 moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats *stats)
@@ -912,18 +979,8 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
                     MOE_COPY_H2D);
         m->be->embedding_forward(m->x[0], m->tokens, m->p.embedding, Nc, D);
     }
-    for (int l = 0; l < m->L; l++) {
-        for (int i = 0; i < m->C; i++) {
-            use_chunk(m, i);
-            if (l > 0)
-                MOE_CHECK(layer_forward_end(m, l - 1));
-            MOE_CHECK(layer_forward_begin(m, l, stats));
-        }
-        for (int i = 0; i < m->C; i++) {
-            use_chunk(m, i);
-            MOE_CHECK(layer_forward_experts(m, l));
-        }
-    }
+    for (int l = 0; l < m->L; l++)
+        MOE_CHECK(layer_forward_chunks(m, l, stats));
     for (int i = 0; i < m->C; i++) {
         use_chunk(m, i);
         MOE_CHECK(layer_forward_end(m, m->L - 1));

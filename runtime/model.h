@@ -111,6 +111,8 @@ typedef struct {
     char *send_buf, *recv_buf;           /* packed exchange rows: max(rows) * row_bytes */
     double *aux_part;                    /* router_aux_part_len(Nc, E) */
     double *aux_host; /* the same, fetched into host memory (read after the dispatch counts) */
+    int *pack_counts; /* MOE_PACK_COUNTS(ep, El): the dispatch counts, fetched likewise */
+    long mark;        /* the backend's queue mark after them */
     size_t *xc_size;  /* (4*ep): byte counts and displacements */
     int pending;      /* moe_comm_handle of its exchange in flight */
 } moe_chunk;
@@ -183,8 +185,6 @@ typedef struct moe_model {
      * pointers from tokens to xc_size show the chunk `cur` */
     int32_t *tokens, *targets;       /* (N) */
     int32_t *tokens_h;               /* (2 * B * T) host staging of tokens then targets */
-    int *send_assign;                /* (ep) host: kept assignments sent to each EP rank */
-    int *send_experts;               /* (ep, El) host: the same per local expert there */
     real **x;                        /* L+1 residual streams (N, D): x[0] embedding, x[L] final */
     moe_layer_acts *acts;            /* L */
     real *hf, *rstdf;                /* final norm (N, D), (N) */
@@ -216,7 +216,7 @@ typedef struct moe_model {
     int64_t *load;    /* (L, E): assignments per expert since the last reset */
     void *act_base;   /* the one backend block all activations are carved from */
     void *host_base;  /* the one host block for what the host reads */
-    void *fetch_base; /* backend host memory (pinned) the chunks' aux_host are carved from */
+    void *fetch_base; /* backend host memory (pinned): the chunks' aux_host, pack_counts */
 } moe_model;
 
 /* Lays out the tensors for cfg on this rank (its experts: those the placement gives

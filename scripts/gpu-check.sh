@@ -25,6 +25,9 @@ for mode in fp32 bf16 fp16; do
     --set log.jsonl="$OUT/gpu_$mode.jsonl" >"$OUT/train_gpu_$mode.log" 2>&1
   echo "train gpu $mode: exit $?"
 done
+./$B/moe-dist train --set parallel.backend=cuda --set parallel.a2a_chunks=4 --set train.steps=50 \
+  --set log.jsonl="$OUT/gpu_fp32c4.jsonl" >"$OUT/train_gpu_fp32c4.log" 2>&1
+echo "train gpu fp32, 4 chunks: exit $?"
 OMP_NUM_THREADS=8 ./$B/moe-dist train --set parallel.backend=cpu --set train.steps=50 \
   --set log.jsonl="$OUT/cpu.jsonl" >"$OUT/train_cpu.log" 2>&1; echo "train cpu: exit $?"
 python3 - "$OUT" <<'PY'
@@ -32,7 +35,7 @@ import json, sys
 d = sys.argv[1]
 load = lambda n: [json.loads(l) for l in open(f"{d}/{n}.jsonl")]
 c = load("cpu")
-for mode in ("fp32", "bf16", "fp16"):
+for mode in ("fp32", "fp32c4", "bf16", "fp16"):
     try:
         g = load("gpu_" + mode)
     except Exception as e:

@@ -14,6 +14,7 @@
 
 #define WORKSPACE_BYTES ((size_t)32 << 20)
 #define MAX_LOGGED 16 /* failures logged in full; later ones are counted */
+#define MARKS 64      /* queue marks alive at once (an older one waits a little longer) */
 
 static struct {
     int device;
@@ -24,6 +25,8 @@ static struct {
     size_t scratch_bytes;
     void *host; /* pinned */
     size_t host_bytes;
+    cudaEvent_t marks[MARKS]; /* queue_mark's events, reused in turn */
+    long next_mark;
     int capability;    /* major * 10 + minor */
     long allocations;  /* cudaMalloc / cudaMallocHost calls of alloc and the scratch */
     moe_status status; /* the first failure, reported by sync */
@@ -199,13 +202,35 @@ static void cuda_release_host(void *p)
 }
 
 /* Into pinned memory, so the copy is queued and the host goes on. */
-static void cuda_fetch(void *host, const void *src, size_t nbytes)
+void moe_cuda_fetch_async(void *host, const void *dev, size_t nbytes)
 {
     if (!nbytes)
         return;
     MOE_CUDA_PROF_BEGIN("copy device to host");
-    MOE_CUDA_OK(cudaMemcpyAsync(host, src, nbytes, cudaMemcpyDeviceToHost, g.stream));
+    MOE_CUDA_OK(cudaMemcpyAsync(host, dev, nbytes, cudaMemcpyDeviceToHost, g.stream));
     MOE_CUDA_PROF_END();
+}
+
+static void cuda_fetch(void *host, const void *src, size_t nbytes)
+{
+    moe_cuda_fetch_async(host, src, nbytes);
+}
+
+static long cuda_queue_mark(void)
+{
+    const long mark = g.next_mark++;
+    MOE_CUDA_OK(cudaEventRecord(g.marks[mark % MARKS], g.stream));
+    return mark;
+}
+
+/* A mark whose event was recorded again since (MARKS marks later) waits for that later
+ * point: longer, never too short. */
+static moe_status cuda_queue_wait(long mark)
+{
+    if (mark < 0 || mark >= g.next_mark)
+        MOE_FAIL(MOE_ERR_INVALID, "cuda: wait on a queue mark (%ld) never made", mark);
+    MOE_CUDA_OK(cudaEventSynchronize(g.marks[mark % MARKS]));
+    return g.status;
 }
 
 static void cuda_zero(void *p, size_t nbytes)
@@ -426,6 +451,8 @@ static void fill_table(moe_backend *b)
     b->alloc_host = cuda_alloc_host;
     b->release_host = cuda_release_host;
     b->fetch = cuda_fetch;
+    b->queue_mark = cuda_queue_mark;
+    b->queue_wait = cuda_queue_wait;
     b->native_stream = cuda_native_stream;
     b->compute_capability = cuda_compute_capability;
     b->set_precision = cuda_set_precision;
@@ -490,6 +517,11 @@ static const char *cuda_init(void)
         why = "cannot create the cuBLASLt handle (see the log)";
         goto fail;
     }
+    for (int i = 0; i < MARKS; i++)
+        if (!MOE_CUDA_OK(cudaEventCreateWithFlags(&g.marks[i], cudaEventDisableTiming))) {
+            why = "cannot create a CUDA event (see the log)";
+            goto fail;
+        }
     if (!MOE_CUDA_OK(cudaMalloc(&g.workspace, WORKSPACE_BYTES))) {
         why = "cannot allocate the cuBLASLt workspace (see the log)";
         goto fail;

@@ -64,6 +64,9 @@ void *moe_cuda_host_scratch(size_t nbytes);
 /* Copies nbytes of device memory to the pinned host scratch, waits, and returns it (NULL
  * on failure, recorded): how every op that returns a host value gets it. */
 void *moe_cuda_fetch(const void *dev, size_t nbytes);
+/* Queues a copy of nbytes of device memory into pinned host memory (from alloc_host)
+ * without waiting (the table's queue_mark and queue_wait tell when it landed). */
+void moe_cuda_fetch_async(void *host, const void *dev, size_t nbytes);
 
 /* ---- launches ------------------------------------------------------------------------ */
 

@@ -1,9 +1,9 @@
 /* kernels/cuda/exchange.cu: packing and unpacking the rows that travel between ranks in
  * the MoE dispatch and combine (row layout in ops.h). moe_pack_dispatch flags each
  * (destination, token) pair, numbers the flagged pairs with a prefix sum in
- * (destination, token) order -- the reference's order -- copies the per-destination
- * counts (and per destination and local expert) back in one copy (it waits for the
- * stream: the one synchronisation of a MoE layer's forward), then fills the rows. The gradient
+ * (destination, token) order -- the reference's order -- fills the rows (the grid covers
+ * the most rows there can be; the count stays on the device) and queues one copy of the
+ * counts to the host: nothing waits, the caller reads them after fetch_wait. The gradient
  * scatter sorts the rows by token and adds each token's rows in row order (deterministic). */
 #include "kernels/cuda/cuda_common.cuh"
 
@@ -59,10 +59,10 @@ static __global__ void dispatch_counts_kernel(int *res, int *rowsrc, const int *
 static __global__ void dispatch_fill_kernel(char *rows, int32_t *send_token, const int *rowsrc,
                                             const real *x, const int32_t *idx, const real *w,
                                             const int32_t *slot_row, const int32_t *expert_rank,
-                                            const int32_t *expert_local, int n, int N, int D, int K,
-                                            size_t row_bytes)
+                                            const int32_t *expert_local, const int *n_rows, int N,
+                                            int D, int K, size_t row_bytes)
 {
-    const int W = D + 2 * K;
+    const int W = D + 2 * K, n = *n_rows;
     MOE_CUDA_GRID_STRIDE(e, (size_t)n * W)
     {
         const int r = (int)(e / W), j = (int)(e % W);
@@ -83,57 +83,44 @@ static __global__ void dispatch_fill_kernel(char *rows, int32_t *send_token, con
     }
 }
 
-extern "C" int cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int *send_rows,
-                                      int *send_assign, int *send_experts, const real *x,
-                                      const int32_t *idx, const real *w, const int32_t *slot_row,
-                                      const int32_t *expert_rank, const int32_t *expert_local,
-                                      int N, int D, int K, int P, int El, size_t row_bytes)
+extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int *counts, const real *x,
+                                       const int32_t *idx, const real *w, const int32_t *slot_row,
+                                       const int32_t *expert_rank, const int32_t *expert_local,
+                                       int N, int D, int K, int P, int El, size_t row_bytes)
 {
-    for (int p = 0; p < P; p++)
-        send_rows[p] = send_assign[p] = 0;
-    const size_t PE = send_experts ? (size_t)P * El : 0;
-    if (PE)
-        memset(send_experts, 0, sizeof(int) * PE);
-    if (N <= 0 || P <= 0)
-        return 0;
+    const size_t n_counts = (size_t)MOE_PACK_COUNTS(P, El);
+    if (N <= 0 || P <= 0) {
+        memset(counts, 0, sizeof(int) * n_counts);
+        return;
+    }
     const int PN = P * N;
     moe_cuda_carve c = {NULL, 0};
     int *rowidx = NULL, *scan = NULL, *assign = NULL, *res = NULL, *rowsrc = NULL;
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1 && !moe_cuda_carve_alloc(&c))
-            return 0;
+            return;
         rowidx = MOE_CUDA_TAKE(&c, int, PN + 1);
         scan = MOE_CUDA_TAKE(&c, int, moe_cuda_scan_ints(PN));
         assign = MOE_CUDA_TAKE(&c, int, P);
-        res = MOE_CUDA_TAKE(&c, int, 2 * P + 1 + PE);
+        res = MOE_CUDA_TAKE(&c, int, n_counts);
         rowsrc = MOE_CUDA_TAKE(&c, int, PN);
     }
     const unsigned blocks = moe_cuda_blocks(PN, MOE_CUDA_THREADS);
-    int *experts = PE ? res + 2 * P + 1 : NULL;
+    int *experts = res + 2 * P + 1;
     MOE_CUDA_OK(cudaMemsetAsync(assign, 0, sizeof(int) * P, moe_cuda_stream()));
-    if (experts)
-        MOE_CUDA_OK(cudaMemsetAsync(experts, 0, sizeof(int) * PE, moe_cuda_stream()));
-    MOE_CUDA_LAUNCH(dispatch_flags_kernel, blocks, MOE_CUDA_THREADS, 0, rowidx, assign, experts,
-                    idx, slot_row, expert_rank, expert_local, N, K, P, El);
+    if (El > 0)
+        MOE_CUDA_OK(cudaMemsetAsync(experts, 0, sizeof(int) * (size_t)P * El, moe_cuda_stream()));
+    MOE_CUDA_LAUNCH(dispatch_flags_kernel, blocks, MOE_CUDA_THREADS, 0, rowidx, assign,
+                    El > 0 ? experts : NULL, idx, slot_row, expert_rank, expert_local, N, K, P, El);
     moe_cuda_scan(rowidx, rowidx, PN, scan);
     MOE_CUDA_LAUNCH(dispatch_counts_kernel, blocks, MOE_CUDA_THREADS, 0, res, rowsrc, rowidx,
                     assign, N, P);
-    const int *host = (const int *)moe_cuda_fetch(res, sizeof(int) * (2 * (size_t)P + 1 + PE));
-    if (!host)
-        return 0;
-    for (int p = 0; p < P; p++) {
-        send_rows[p] = host[p];
-        send_assign[p] = host[P + p];
-    }
-    if (PE)
-        memcpy(send_experts, host + 2 * P + 1, sizeof(int) * PE);
-    const int n = host[2 * P];
-    if (n > 0)
-        MOE_CUDA_LAUNCH(dispatch_fill_kernel,
-                        moe_cuda_blocks((size_t)n * (D + 2 * K), MOE_CUDA_THREADS),
-                        MOE_CUDA_THREADS, 0, rows, send_token, rowsrc, x, idx, w, slot_row,
-                        expert_rank, expert_local, n, N, D, K, row_bytes);
-    return n;
+    /* the row count stays on the device: the fill covers the most rows there can be */
+    MOE_CUDA_LAUNCH(dispatch_fill_kernel,
+                    moe_cuda_blocks((size_t)PN * (D + 2 * K), MOE_CUDA_THREADS), MOE_CUDA_THREADS,
+                    0, rows, send_token, rowsrc, x, idx, w, slot_row, expert_rank, expert_local,
+                    res + 2 * P, N, D, K, row_bytes);
+    moe_cuda_fetch_async(counts, res, sizeof(int) * n_counts);
 }
 
 /* x (R,D), w (R,K), lidx (R,K) from the rows: one thread per value. */
