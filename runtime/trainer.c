@@ -243,6 +243,7 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     res->exchange_exposed_s = ct.exchange_exposed_s;
     res->reduction_s = ct.reduction_s;
     res->reduction_exposed_s = ct.reduction_exposed_s;
+    res->counts_s = ct.counts_s;
     const double tokens = (double)S * tr->cfg.seq_len;
     res->ce = sums[0] / tokens;
     res->aux = sums[1] / ((double)tr->world * accum); /* mean over the step's micro-batches */
@@ -416,13 +417,13 @@ static void write_jsonl(FILE *f, const moe_step_result *r, double tok_per_s)
             "\"lr\":%.9g,\"sequences\":%lld,\"dropped\":%lld,\"a2a_bytes\":%lld,"
             "\"a2a_bytes_saved\":%lld,\"loss_scale\":%.9g,\"skipped\":%d,\"step_s\":%.6f,"
             "\"tok_per_s\":%.1f,\"exchange_ms\":%.4f,\"exchange_exposed_ms\":%.4f,"
-            "\"reduction_ms\":%.4f,\"reduction_exposed_ms\":%.4f}\n",
+            "\"reduction_ms\":%.4f,\"reduction_exposed_ms\":%.4f,\"counts_ms\":%.4f}\n",
             r->step + 1, json_num(loss, sizeof loss, r->loss), json_num(ce, sizeof ce, r->ce),
             json_num(aux, sizeof aux, r->aux), json_num(z, sizeof z, r->z),
             json_num(norm, sizeof norm, r->grad_norm), r->lr, (long long)r->sequences,
             (long long)r->dropped, (long long)r->a2a_bytes, (long long)r->a2a_saved, r->loss_scale,
             r->skipped, r->seconds, tok_per_s, 1e3 * r->exchange_s, 1e3 * r->exchange_exposed_s,
-            1e3 * r->reduction_s, 1e3 * r->reduction_exposed_s);
+            1e3 * r->reduction_s, 1e3 * r->reduction_exposed_s, 1e3 * r->counts_s);
     fflush(f);
 }
 

@@ -11,6 +11,10 @@ B=build-gpu
     -DCMAKE_CUDA_ARCHITECTURES="75;90" && cmake --build $B; } >"$OUT/build.log" 2>&1 ||
   { tail -40 "$OUT/build.log"; exit 1; }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ "${TESTS:-1}" = 1 ]; then # every GPU test (labels gpu and mgpu) against the CPU
+  bash scripts/run-tests.sh $B "gpu|mgpu" >"$OUT/tests.log" 2>&1
+  echo "GPU tests: exit $?"; tail -3 "$OUT/tests.log"
+fi
 run() { # name np backend ep accum extra...
   local name=$1 np=$2 be=$3 ep=$4 acc=$5; shift 5
   timeout 300 mpirun -np "$np" --bind-to none -x NCCL_NVLS_ENABLE=0 ./$B/moe-dist train \
@@ -18,6 +22,7 @@ run() { # name np backend ep accum extra...
     --set train.steps=50 --set log.jsonl="$OUT/$name.jsonl" "$@" >"$OUT/$name.log" 2>&1
   echo "$name: exit $?"
 }
+if [ "${TINY:-1}" = 1 ]; then # the tiny config on 2 GPUs against 2 CPU ranks
 run cpu_w2ep2 2 cpu 2 1 --set parallel.a2a_chunks=1
 run gpu_w2ep2 2 cuda 2 1
 run gpu_w2ep2_c1 2 cuda 2 1 --set parallel.a2a_chunks=1
@@ -46,6 +51,7 @@ if c1 and c2 and c4:
     print(f"chunks on/off on 2 GPUs: 2 vs 1 {worst(c2, c1):.2e}, 4 vs 1 {worst(c4, c1):.2e}")
 PY
 tail -2 "$OUT/gpu_w2ep2.log"
+fi
 if [ "${BENCH:-1}" = 1 ]; then
   bench() { # name extra-sets...
     local name=$1; shift
@@ -59,8 +65,9 @@ if [ "${BENCH:-1}" = 1 ]; then
   bench bench2 # auto: 2 chunks
   bench bench2_c4 --set parallel.a2a_chunks=4
   for k in ${REPEATS:-4 8}; do
-    bench "bench2_r$k" --set parallel.exchange_repeat=$k
     bench "bench2_c1_r$k" --set parallel.a2a_chunks=1 --set parallel.exchange_repeat=$k
+    bench "bench2_r$k" --set parallel.exchange_repeat=$k
+    bench "bench2_c4_r$k" --set parallel.a2a_chunks=4 --set parallel.exchange_repeat=$k
   done
   if [ "${PEER:-1}" = 1 ]; then
     timeout 150 torchrun --nproc_per_node=2 .device-kit/peers/hf_mixtral_bench.py 4 32 8 2048 \
