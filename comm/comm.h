@@ -118,8 +118,9 @@ moe_status moe_comm_sum_int64(moe_comm *c, moe_group g, int64_t *vals, int n);
 typedef struct {
     double exchange_s, exchange_exposed_s;
     double reduction_s, reduction_exposed_s;
-    double counts_s; /* of the exchange: the host's time in the count exchanges (blocking,
-                        so counted exposed; it includes waiting for the slowest peer) */
+    double counts_s; /* of the exchange: the host's time in the count exchanges (it
+                        includes waiting for the slowest peer). Exposed: on the CPU all of
+                        it; on a GPU the time the compute stream sat idle meanwhile */
 } moe_comm_times;
 void moe_comm_take_times(moe_comm *c, moe_comm_times *out);
 

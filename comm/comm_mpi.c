@@ -279,6 +279,11 @@ void moe_comm_set_context(moe_comm *c, const char *phase, int layer)
 static moe_status read_device_times(moe_comm *c)
 {
 #ifdef MOE_HAVE_CUDA
+    if (c->nccl) {
+        double idle = 0;
+        MOE_CHECK(moe_nccl_gaps(c->nccl, &idle));
+        c->times.exchange_exposed_s += idle;
+    }
     for (int h = 0; h < POOL_HANDLES; h++) {
         if (c->is_device[h] != DEVICE_TIMES_DUE)
             continue;
@@ -481,12 +486,22 @@ moe_status moe_comm_exchange_counts(moe_comm *c, const int64_t *send, int64_t *r
     }
     MPI_TRY(rc, "token-count exchange");
     const double t0 = moe_clock_seconds();
+#ifdef MOE_HAVE_CUDA
+    int gap = -1;
+    if (c->nccl)
+        MOE_CHECK(moe_nccl_gap_begin(c->nccl, &gap));
+#endif
     MOE_CHECK(
         poll_requests(c, c->scratch, c->scratch_peer, n, "token-count exchange", MOE_GROUP_EP));
-    const double took = moe_clock_seconds() - t0; /* blocking: all of it is exposed */
+    const double took = moe_clock_seconds() - t0;
     c->times.exchange_s += took;
-    c->times.exchange_exposed_s += took;
     c->times.counts_s += took;
+#ifdef MOE_HAVE_CUDA
+    if (c->nccl) /* exposed: what the compute stream sat idle meanwhile (read later) */
+        MOE_CHECK(moe_nccl_gap_end(c->nccl, gap));
+    else
+#endif
+        c->times.exchange_exposed_s += took; /* the host computes: all of it is exposed */
     return MOE_OK;
 }
 

@@ -53,22 +53,29 @@ PY
 tail -2 "$OUT/gpu_w2ep2.log"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
-  bench() { # name extra-sets...
+  bench() { # name extra-sets... (NCCL_* settings in $NCCL_SET are passed to both ranks)
     local name=$1; shift
-    timeout 240 mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE=0 ./$B/moe-dist bench \
+    local envs=(-x NCCL_NVLS_ENABLE=0)
+    for kv in ${NCCL_SET:-}; do envs+=(-x "$kv"); done
+    timeout 240 mpirun -np 2 --bind-to none "${envs[@]}" ./$B/moe-dist bench \
       configs/bench-h200.ini --set parallel.ep=2 "$@" >"$OUT/$name.log" 2>&1
-    echo "moe-dist bench $name ($*): exit $?"
+    echo "moe-dist bench $name ($* ${NCCL_SET:-}): exit $?"
     grep -E "^bench:|tokens/s|step time|communication  |exposed communication" "$OUT/$name.log" |
-      cut -c1-220
+      cut -c1-260
   }
-  bench bench2_c1 --set parallel.a2a_chunks=1
-  bench bench2 # auto: 2 chunks
-  bench bench2_c4 --set parallel.a2a_chunks=4
-  for k in ${REPEATS:-4 8}; do
-    bench "bench2_c1_r$k" --set parallel.a2a_chunks=1 --set parallel.exchange_repeat=$k
-    bench "bench2_r$k" --set parallel.exchange_repeat=$k
-    bench "bench2_c4_r$k" --set parallel.a2a_chunks=4 --set parallel.exchange_repeat=$k
+  for c in ${CHUNKS:-1 2 4}; do bench "bench2_c$c" --set parallel.a2a_chunks=$c; done
+  for k in ${REPEATS:-}; do
+    for c in ${CHUNKS:-1 2 4}; do
+      bench "bench2_c${c}_r$k" --set parallel.a2a_chunks=$c --set parallel.exchange_repeat=$k
+    done
   done
+  if [ -n "${NCCL_TRY:-}" ]; then # the chunked run again with NCCL limited to fewer SMs
+    NCCL_SET="$NCCL_TRY" bench bench2_c2_nccl --set parallel.a2a_chunks=2
+    for k in ${REPEATS:-}; do
+      NCCL_SET="$NCCL_TRY" bench "bench2_c2_r${k}_nccl" --set parallel.a2a_chunks=2 \
+        --set parallel.exchange_repeat=$k
+    done
+  fi
   if [ "${PEER:-1}" = 1 ]; then
     timeout 150 torchrun --nproc_per_node=2 .device-kit/peers/hf_mixtral_bench.py 4 32 8 2048 \
       >"$OUT/peer_ddp.log" 2>&1; echo "peer DDP: exit $?"; grep hf-mixtral "$OUT/peer_ddp.log"

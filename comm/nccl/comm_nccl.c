@@ -27,6 +27,10 @@ struct moe_nccl {
     cudaEvent_t *events, *ready, *start, *arrive;
     int n_events;
     double timeout_s;
+    /* host waits (the count exchanges): events on the compute stream before and after
+     * each, so the time the stream sat idle in it can be read later */
+    cudaEvent_t gap_before[MOE_NCCL_GAPS], gap_after[MOE_NCCL_GAPS];
+    int n_gaps;
 };
 
 static double now_s(void)
@@ -135,6 +139,12 @@ moe_status moe_nccl_create(moe_nccl **out, MPI_Comm groups[3], void *stream, int
         moe_log_at(__FILE__, __LINE__, "cannot allocate the NCCL events");
         st = MOE_ERR_NOMEM;
     }
+    for (int i = 0; i < MOE_NCCL_GAPS && st == MOE_OK; i++)
+        if (cudaEventCreate(&n->gap_before[i]) != cudaSuccess ||
+            cudaEventCreate(&n->gap_after[i]) != cudaSuccess) {
+            moe_log_at(__FILE__, __LINE__, "cudaEventCreate failed");
+            st = MOE_ERR_DEVICE;
+        }
     if (st == MOE_OK &&
         (cudaStreamCreateWithFlags(&n->xstream, cudaStreamNonBlocking) != cudaSuccess ||
          cudaStreamCreateWithFlags(&n->gstream, cudaStreamNonBlocking) != cudaSuccess)) {
@@ -171,6 +181,12 @@ void moe_nccl_destroy(moe_nccl *n)
         for (int k = 0; k < 4; k++)
             if (all[k] && all[k][i])
                 cudaEventDestroy(all[k][i]);
+    }
+    for (int i = 0; i < MOE_NCCL_GAPS; i++) {
+        if (n->gap_before[i])
+            cudaEventDestroy(n->gap_before[i]);
+        if (n->gap_after[i])
+            cudaEventDestroy(n->gap_after[i]);
     }
     if (n->xstream)
         cudaStreamDestroy(n->xstream);
@@ -272,5 +288,33 @@ moe_status moe_nccl_times(moe_nccl *n, int event, double *total_s, double *expos
     const double exposed = elapsed_ms(n->arrive[event], n->events[event]);
     *total_s = 1e-3 * elapsed_ms(n->start[event], n->events[event]);
     *exposed_s = exposed > 0 ? 1e-3 * exposed : 0.0;
+    return MOE_OK;
+}
+
+moe_status moe_nccl_gap_begin(moe_nccl *n, int *slot)
+{
+    *slot = -1;
+    if (n->n_gaps == MOE_NCCL_GAPS) /* full: free the slots by reading them */
+        return MOE_OK;
+    *slot = n->n_gaps++;
+    CUDA_TRY(cudaEventRecord(n->gap_before[*slot], n->stream), "timing a host wait");
+    return MOE_OK;
+}
+
+moe_status moe_nccl_gap_end(moe_nccl *n, int slot)
+{
+    if (slot >= 0)
+        CUDA_TRY(cudaEventRecord(n->gap_after[slot], n->stream), "timing a host wait");
+    return MOE_OK;
+}
+
+moe_status moe_nccl_gaps(moe_nccl *n, double *idle_s)
+{
+    *idle_s = 0;
+    for (int i = 0; i < n->n_gaps; i++) {
+        CUDA_TRY(cudaEventSynchronize(n->gap_after[i]), "timing a host wait");
+        *idle_s += 1e-3 * elapsed_ms(n->gap_before[i], n->gap_after[i]);
+    }
+    n->n_gaps = 0;
     return MOE_OK;
 }

@@ -37,4 +37,13 @@ moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *w
  * having run out of work, waited for it. */
 moe_status moe_nccl_times(moe_nccl *n, int event, double *total_s, double *exposed_s);
 
+/* A wait of the host (the blocking count exchange) between two events on the compute
+ * stream: begin before it, end after it (slot -1 when MOE_NCCL_GAPS are unread: not
+ * timed). moe_nccl_gaps adds the time the stream sat idle between each pair (what the
+ * host's wait cost the GPU: 0 when the stream still had work queued) and frees them. */
+#define MOE_NCCL_GAPS 256
+moe_status moe_nccl_gap_begin(moe_nccl *n, int *slot);
+moe_status moe_nccl_gap_end(moe_nccl *n, int slot);
+moe_status moe_nccl_gaps(moe_nccl *n, double *idle_s);
+
 #endif
