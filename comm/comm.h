@@ -52,6 +52,10 @@ void moe_comm_destroy(moe_comm *c);
 int moe_comm_rank(const moe_comm *c, moe_group g);
 int moe_comm_size(const moe_comm *c, moe_group g);
 
+/* Hosts (shared-memory nodes) the EP group spans: 1 when its token exchanges stay inside
+ * one machine. c NULL: 1. */
+int moe_comm_ep_hosts(const moe_comm *c);
+
 /* Name of the backend ("mpi"). */
 const char *moe_comm_backend(const moe_comm *c);
 
@@ -118,9 +122,10 @@ moe_status moe_comm_sum_int64(moe_comm *c, moe_group g, int64_t *vals, int n);
 typedef struct {
     double exchange_s, exchange_exposed_s;
     double reduction_s, reduction_exposed_s;
-    double counts_s; /* of the exchange: the host's time in the count exchanges (it
-                        includes waiting for the slowest peer). Exposed: on the CPU all of
-                        it; on a GPU the time the compute stream sat idle meanwhile */
+    /* of the exchange: the host's time in the count exchanges (it includes waiting for
+     * the slowest peer), and of its exposed time the part they caused: on the CPU all of
+     * it; on a GPU the time the compute stream sat idle meanwhile */
+    double counts_s, counts_exposed_s;
 } moe_comm_times;
 void moe_comm_take_times(moe_comm *c, moe_comm_times *out);
 

@@ -46,6 +46,7 @@ struct moe_comm {
     struct moe_nccl *nccl; /* GPU runs: device-memory collectives go through NCCL */
     char *is_device;       /* per handle: DEVICE_* */
     int exchange_repeat;   /* moe_comm_set_exchange_repeat */
+    int ep_hosts;          /* hosts the EP group spans */
     moe_comm_times times;  /* since the last moe_comm_take_times */
 };
 
@@ -197,6 +198,25 @@ moe_status moe_comm_create(moe_comm **out, int ep)
         st = MOE_ERR_COMM;
         goto fail;
     }
+    { /* hosts of the EP group: the ranks that lead a shared-memory part of it */
+        MPI_Comm shm = MPI_COMM_NULL;
+        int shm_rank = 0;
+        rc = MPI_Comm_split_type(c->groups[MOE_GROUP_EP], MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL,
+                                 &shm);
+        if (rc == MPI_SUCCESS)
+            rc = MPI_Comm_rank(shm, &shm_rank);
+        int leader = shm_rank == 0;
+        if (rc == MPI_SUCCESS)
+            rc = MPI_Allreduce(&leader, &c->ep_hosts, 1, MPI_INT, MPI_SUM, c->groups[MOE_GROUP_EP]);
+        if (shm != MPI_COMM_NULL)
+            MPI_Comm_free(&shm);
+        if (rc != MPI_SUCCESS) {
+            moe_log_at(__FILE__, __LINE__,
+                       "comm create: finding the hosts of the EP group failed (code %d)", rc);
+            st = MOE_ERR_COMM;
+            goto fail;
+        }
+    }
     for (int g = 0; g < 3; g++) {
         if (MPI_Comm_set_errhandler(c->groups[g], MPI_ERRORS_RETURN) != MPI_SUCCESS ||
             MPI_Comm_rank(c->groups[g], &c->rank[g]) != MPI_SUCCESS ||
@@ -254,6 +274,7 @@ void moe_comm_destroy(moe_comm *c)
 }
 
 int moe_comm_rank(const moe_comm *c, moe_group g) { return c->rank[g]; }
+int moe_comm_ep_hosts(const moe_comm *c) { return c ? c->ep_hosts : 1; }
 int moe_comm_size(const moe_comm *c, moe_group g) { return c->size[g]; }
 const char *moe_comm_backend(const moe_comm *c)
 {
@@ -283,6 +304,7 @@ static moe_status read_device_times(moe_comm *c)
         double idle = 0;
         MOE_CHECK(moe_nccl_gaps(c->nccl, &idle));
         c->times.exchange_exposed_s += idle;
+        c->times.counts_exposed_s += idle;
     }
     for (int h = 0; h < POOL_HANDLES; h++) {
         if (c->is_device[h] != DEVICE_TIMES_DUE)
@@ -501,7 +523,10 @@ moe_status moe_comm_exchange_counts(moe_comm *c, const int64_t *send, int64_t *r
         MOE_CHECK(moe_nccl_gap_end(c->nccl, gap));
     else
 #endif
-        c->times.exchange_exposed_s += took; /* the host computes: all of it is exposed */
+    { /* the host computes: all of it is exposed */
+        c->times.exchange_exposed_s += took;
+        c->times.counts_exposed_s += took;
+    }
     return MOE_OK;
 }
 

@@ -27,7 +27,7 @@ double moe_bench_flops_per_token(const moe_config *cfg)
     return 3.0 * (2.0 * params + L * 2.0 * T * D);
 }
 
-/* n steps; comm (may be NULL) += their communication times, 5 values as moe_step_result */
+/* n steps; comm (may be NULL) += their communication times, 6 values as moe_step_result */
 static moe_status steps(moe_trainer *tr, int n, moe_step_result *last, double *comm)
 {
     for (int i = 0; i < n; i++) {
@@ -39,6 +39,7 @@ static moe_status steps(moe_trainer *tr, int n, moe_step_result *last, double *c
             comm[2] += last->reduction_s;
             comm[3] += last->reduction_exposed_s;
             comm[4] += last->counts_s;
+            comm[5] += last->counts_exposed_s;
         }
     }
     return tr->model->be->sync();
@@ -60,7 +61,7 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
     const long allocs0 = m->be->allocations();
     const double t0 = moe_clock_seconds();
-    double comm[5] = {0};
+    double comm[6] = {0};
     MOE_CHECK(steps(tr, cfg->steps, &r, comm));
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
@@ -83,10 +84,10 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     double mem_max = mem;
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &mem_max, 1));
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < 6; i++)
         comm[i] /= cfg->steps;
     if (tr->comm) /* the slowest rank's */
-        MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, comm, 5));
+        MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, comm, 6));
     if (tr->rank == 0)
         print_report(tr, step_s, ph, comm, rate, mem_max, allocs, &r, warmup, phase_steps, out);
     /* more steps with every kernel timed; rank 0 prints the table */
@@ -145,10 +146,11 @@ static void print_report(const moe_trainer *tr, double step_s, const double *ph,
     const double ctot = comm[0] + comm[2], cexp = comm[1] + comm[3];
     fprintf(out,
             "  communication         %.2f ms per step, %.2f ms exposed (%.1f%% hidden): exchange "
-            "%.2f (exposed %.2f; of it the host's count exchanges %.2f), gradient reduction %.2f "
-            "(exposed %.2f); untimed steps, slowest rank\n",
+            "%.2f (exposed %.2f; of these the count exchanges %.2f, exposed %.2f), gradient "
+            "reduction %.2f (exposed %.2f); untimed steps, slowest rank\n",
             1e3 * ctot, 1e3 * cexp, ctot > 0 ? fmax(0.0, 100.0 * (1.0 - cexp / ctot)) : 100.0,
-            1e3 * comm[0], 1e3 * comm[1], 1e3 * comm[4], 1e3 * comm[2], 1e3 * comm[3]);
+            1e3 * comm[0], 1e3 * comm[1], 1e3 * comm[4], 1e3 * comm[5], 1e3 * comm[2],
+            1e3 * comm[3]);
     fprintf(out, "  allocations           %ld by the backend during the timed steps (rank 0)\n",
             allocs);
     fprintf(out, "  memory                %.2f GiB %s (largest rank)\n", mem_max / 1073741824.0,

@@ -124,7 +124,8 @@ static const key_def keys[] = {
         "steps between re-plans with placement = auto; 0 never re-plans"),
     KEY("parallel", "a2a_chunks", T_STRING, a2a_chunks, NONE, "auto",
         "chunks of sequences a micro-batch runs as, so that one chunk's token exchange "
-        "overlaps another's compute: a divisor of micro_batch, or auto (2 when ep > 1)"),
+        "overlaps another's compute: a divisor of micro_batch, or auto (2 when the EP group "
+        "spans hosts, else 1)"),
     KEY("parallel", "exchange_repeat", T_INT, exchange_repeat, GE(1), "1",
         "benchmark knob: every token exchange is sent this many times (a slower network)"),
 
@@ -1040,11 +1041,13 @@ int moe_config_accum_at(const moe_config *cfg, int step)
     return mb;
 }
 
-int moe_config_chunks(const moe_config *cfg)
+int moe_config_chunks(const moe_config *cfg, int ep_hosts)
 {
     if (strcmp(cfg->a2a_chunks, "auto") == 0) /* a capacity applies per chunk: keep one, so
                                                  that the drops do not depend on ep */
-        return cfg->ep > 1 && cfg->micro_batch % 2 == 0 && cfg->capacity_factor <= 0 ? 2 : 1;
+        return cfg->ep > 1 && ep_hosts > 1 && cfg->micro_batch % 2 == 0 && cfg->capacity_factor <= 0
+                   ? 2
+                   : 1;
     return (int)strtol(cfg->a2a_chunks, NULL, 10);
 }
 

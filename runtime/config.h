@@ -128,9 +128,12 @@ moe_status moe_config_validate(const moe_config *cfg);
 int moe_config_accum_at(const moe_config *cfg, int step);
 
 /* Chunks a micro-batch runs as ([parallel] a2a_chunks): the number given, or for auto 2
- * when tokens are exchanged (ep > 1), micro_batch is even and no capacity drops tokens
- * (a capacity applies per chunk), else 1. Valid after moe_config_validate. */
-int moe_config_chunks(const moe_config *cfg);
+ * when the token exchange crosses hosts (ep_hosts > 1: the EP group spans that many
+ * machines), micro_batch is even and no capacity drops tokens (a capacity applies per
+ * chunk), else 1. Inside one machine (NVLink, PCIe) the exchange is short next to the
+ * experts, and chunks cost more than they hide (docs/results.md). Valid after
+ * moe_config_validate. */
+int moe_config_chunks(const moe_config *cfg, int ep_hosts);
 
 /* Writes the config as INI text (every key, current values) to buf; returns the
  * length it needed (like snprintf). */

@@ -489,7 +489,7 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
     m->F = cfg->expert_hidden;
     m->Fd = cfg->dense_hidden;
     m->Fs = cfg->shared_experts * cfg->expert_hidden;
-    m->C = moe_config_chunks(cfg);
+    m->C = moe_config_chunks(cfg, moe_comm_ep_hosts(comm));
     m->Bc = m->B / m->C;
     m->Nc = m->Bc * m->T;
     /* worst case of dropless routing: every peer sends all its tokens here */

@@ -244,6 +244,7 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     res->reduction_s = ct.reduction_s;
     res->reduction_exposed_s = ct.reduction_exposed_s;
     res->counts_s = ct.counts_s;
+    res->counts_exposed_s = ct.counts_exposed_s;
     const double tokens = (double)S * tr->cfg.seq_len;
     res->ce = sums[0] / tokens;
     res->aux = sums[1] / ((double)tr->world * accum); /* mean over the step's micro-batches */

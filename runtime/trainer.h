@@ -44,7 +44,7 @@ typedef struct {
     /* this rank's communication time in the step (comm.h moe_comm_times): the token
      * exchange and the gradient reduction, each total and exposed */
     double exchange_s, exchange_exposed_s, reduction_s, reduction_exposed_s;
-    double counts_s; /* of the exchange: the count exchanges (moe_comm_times) */
+    double counts_s, counts_exposed_s; /* of the exchange: the count exchanges (moe_comm_times) */
 } moe_step_result;
 
 /* A gradient bucket: the tensors of one backward stage, dense and expert ranges. */

@@ -51,12 +51,12 @@ done
 if grep -q '"dropped":[1-9]' "$WORK/capacity-w1.jsonl"; then pass "capacity mode drops assignments"; else fail "capacity mode dropped nothing"; fi
 
 # chunks ([parallel] a2a_chunks): a micro-batch run as 2, 4 or 8 chunks of sequences
-# (auto gives 2 at ep > 1, so the w2ep2/w4ep* runs above are chunked) against one chunk,
-# also with a dense layer and a shared expert in the same model
+# against one chunk (what auto gives on one host), also with a dense layer and a shared
+# expert in the same model
 run dropless-w1c4 1 1 4 --set parallel.a2a_chunks=4
 run dropless-w2ep2c8 2 2 2 --set parallel.a2a_chunks=8
-run dropless-w4ep4c1 4 4 1 --set parallel.a2a_chunks=1
-for other in w1c4 w2ep2c8 w4ep4c1; do compare dropless-w1 "dropless-$other"; done
+run dropless-w4ep4c2 4 4 1 --set parallel.a2a_chunks=2
+for other in w1c4 w2ep2c8 w4ep4c2; do compare dropless-w1 "dropless-$other"; done
 shared=(--set model.shared_experts=1)
 run shared-w1 1 1 4 "${shared[@]}"
 run shared-w2ep2c4 2 2 2 "${shared[@]}" --set parallel.a2a_chunks=4

@@ -518,17 +518,18 @@ static void test_chunks(void **state)
     moe_config cfg;
     moe_config_defaults(&cfg);
     cfg.micro_batch = 4;
-    assert_int_equal(moe_config_chunks(&cfg), 1); /* auto, ep 1: nothing is exchanged */
+    assert_int_equal(moe_config_chunks(&cfg, 1), 1); /* auto, ep 1: nothing is exchanged */
     cfg.ep = 2;
-    assert_int_equal(moe_config_chunks(&cfg), 2);
+    assert_int_equal(moe_config_chunks(&cfg, 1), 1); /* one host: the exchange is short */
+    assert_int_equal(moe_config_chunks(&cfg, 2), 2); /* across hosts */
     cfg.micro_batch = 3;
-    assert_int_equal(moe_config_chunks(&cfg), 1); /* odd: no two equal chunks */
+    assert_int_equal(moe_config_chunks(&cfg, 2), 1); /* odd: no two equal chunks */
     cfg.micro_batch = 4;
     cfg.capacity_factor = 1.25;
-    assert_int_equal(moe_config_chunks(&cfg), 1); /* a capacity is per chunk: keep one */
+    assert_int_equal(moe_config_chunks(&cfg, 2), 1); /* a capacity is per chunk: keep one */
     assert_int_equal(moe_config_set(&cfg, "parallel.a2a_chunks=4"), MOE_OK);
     assert_int_equal(moe_config_validate(&cfg), MOE_OK);
-    assert_int_equal(moe_config_chunks(&cfg), 4);
+    assert_int_equal(moe_config_chunks(&cfg, 1), 4);
 }
 
 /* ---- grad_accum ---- */
