@@ -22,6 +22,7 @@ typedef struct {
     int dense_layers, shared, K, renorm;
     double capacity_factor;
     int head_rows; /* 0: the model's choice; else LM-head chunks of this many tokens */
+    int chunks;    /* 0: one; else the micro-batch runs as this many chunks (a2a_chunks) */
 } model_case;
 
 static moe_config small_config(const model_case *c)
@@ -45,6 +46,8 @@ static moe_config small_config(const model_case *c)
     cfg.aux_loss_coef = 0.3; /* large, so the aux gradient is visible */
     cfg.z_loss_coef = 0.2;
     cfg.seed = 7;
+    if (c->chunks > 0)
+        snprintf(cfg.a2a_chunks, sizeof cfg.a2a_chunks, "%d", c->chunks);
     return cfg;
 }
 
@@ -53,9 +56,12 @@ static moe_config small_config(const model_case *c)
 static uint64_t routing_fingerprint(const moe_model *m)
 {
     uint64_t h = 0;
-    for (int l = m->cfg.dense_layers; l < m->L; l++)
-        for (int i = 0; i < m->N * m->K; i++)
-            h = moe_mix64(h ^ (uint64_t)(m->acts[l].idx[i] * 7919 + (m->acts[l].slot_row[i] >= 0)));
+    for (int c = 0; c < m->C; c++)
+        for (int l = m->cfg.dense_layers; l < m->L; l++) {
+            const moe_layer_acts *a = &m->chunk[c].acts[l];
+            for (int i = 0; i < m->Nc * m->K; i++)
+                h = moe_mix64(h ^ (uint64_t)(a->idx[i] * 7919 + (a->slot_row[i] >= 0)));
+        }
     return h;
 }
 
@@ -72,6 +78,7 @@ static void check_case(const model_case *c)
     moe_config cfg = small_config(c);
     moe_model *m = NULL;
     assert_int_equal(moe_model_create(&m, &cfg, NULL, NULL), MOE_OK);
+    assert_int_equal(m->C, c->chunks > 0 ? c->chunks : 1);
     if (c->head_rows > 0) { /* smaller chunks than sized for: the buffers are large enough */
         assert_true(c->head_rows <= m->head_rows);
         m->head_rows = c->head_rows;
@@ -132,36 +139,47 @@ static void check_case(const model_case *c)
 static void test_dropless_k2_shared_dense(void **state)
 {
     (void)state;
-    model_case c = {"dropless k2 shared dense", 1, 1, 2, 1, 0, 0};
+    model_case c = {"dropless k2 shared dense", 1, 1, 2, 1, 0, 0, 0};
     check_case(&c);
 }
 
 static void test_dropless_k1(void **state)
 {
     (void)state;
-    model_case c = {"dropless k1", 0, 0, 1, 0, 0, 0};
+    model_case c = {"dropless k1", 0, 0, 1, 0, 0, 0, 0};
     check_case(&c);
 }
 
 static void test_dropless_k3_norenorm(void **state)
 {
     (void)state;
-    model_case c = {"dropless k3 no renorm", 0, 1, 3, 0, 0, 0};
+    model_case c = {"dropless k3 no renorm", 0, 1, 3, 0, 0, 0, 0};
     check_case(&c);
 }
 
 static void test_lm_head_in_chunks(void **state)
 {
     (void)state;
-    model_case c = {"dropless k2, LM head in chunks of 3 tokens", 1, 1, 2, 1, 0, 3};
+    model_case c = {"dropless k2, LM head in chunks of 3 tokens", 1, 1, 2, 1, 0, 3, 0};
     check_case(&c);
 }
 
 static void test_capacity_k2(void **state)
 {
     (void)state;
-    model_case c = {"capacity k2", 0, 0, 2, 1, 0.5, 0};
+    model_case c = {"capacity k2", 0, 0, 2, 1, 0.5, 0, 0};
     check_case(&c);
+}
+
+/* The micro-batch in 2 chunks of 1 sequence: the aux term still uses the counts of the
+ * whole micro-batch, each chunk's gradients add into the same arena. */
+static void test_chunks(void **state)
+{
+    (void)state;
+    model_case c = {"dropless k2 shared dense, 2 chunks", 1, 1, 2, 1, 0, 0, 2};
+    check_case(&c);
+    model_case cap = {"capacity k2, 2 chunks (capacity per chunk)", 0, 0, 2, 1, 0.5, 0, 2};
+    check_case(&cap);
 }
 
 /* The test above would pass if backward did nothing and FD agreed by accident; this
@@ -169,7 +187,7 @@ static void test_capacity_k2(void **state)
 static void test_detects_wrong_gradient(void **state)
 {
     (void)state;
-    model_case c = {"broken", 0, 0, 2, 1, 0, 0};
+    model_case c = {"broken", 0, 0, 2, 1, 0, 0, 0};
     moe_config cfg = small_config(&c);
     moe_model *m = NULL;
     assert_int_equal(moe_model_create(&m, &cfg, NULL, NULL), MOE_OK);
@@ -202,6 +220,7 @@ int main(void)
         cmocka_unit_test(test_dropless_k1),
         cmocka_unit_test(test_dropless_k3_norenorm),
         cmocka_unit_test(test_capacity_k2),
+        cmocka_unit_test(test_chunks),
         cmocka_unit_test(test_lm_head_in_chunks),
         cmocka_unit_test(test_detects_wrong_gradient),
     };
