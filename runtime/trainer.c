@@ -37,6 +37,8 @@ static moe_status build_buckets(moe_trainer *tr)
             *lo = t->offset;
         *hi = t->offset + t->count;
     }
+    if (tr->buckets[0].expert_lo != SIZE_MAX) /* reduce_and_square relies on it */
+        MOE_FAIL(MOE_ERR_INVALID, "the embedding's gradient bucket holds expert tensors");
     for (int b = 0; b < m->L + 2; b++) {
         if (tr->buckets[b].dense_lo == SIZE_MAX)
             tr->buckets[b].dense_lo = tr->buckets[b].dense_hi = 0;
@@ -79,16 +81,46 @@ static void on_grad_ready(void *ctx, int stage)
     moe_model_phase_end(m, t0, MOE_PHASE_REDUCTION);
 }
 
-static moe_status wait_buckets(moe_trainer *tr)
+static moe_status wait_bucket(moe_trainer *tr, int b)
 {
-    for (int b = 0; b < tr->model->L + 2; b++) {
-        for (int h = 0; h < 2; h++) {
-            moe_status st = moe_comm_wait(tr->comm, tr->buckets[b].handles[h]);
-            tr->buckets[b].handles[h] = MOE_COMM_NONE;
-            MOE_CHECK(st);
-        }
+    for (int h = 0; h < 2; h++) {
+        moe_status st = moe_comm_wait(tr->comm, tr->buckets[b].handles[h]);
+        tr->buckets[b].handles[h] = MOE_COMM_NONE;
+        MOE_CHECK(st);
     }
-    return tr->reduce_status;
+    return MOE_OK;
+}
+
+/* Waits for the gradient reductions in the order backward issued them and sums the
+ * squares for the norm into tr->grad_sq: first everything but the embedding's bucket
+ * (reduced last, after the whole backward), while that one's reduction still runs, then
+ * the embedding's. The same sums, in the same order, with or without reductions. The
+ * squaring is timed as the optimizer's. */
+static moe_status reduce_and_square(moe_trainer *tr)
+{
+    moe_model *m = tr->model;
+    const moe_grad_bucket *emb = &tr->buckets[0]; /* stage -1: dense only */
+    for (int b = m->L + 1; b >= 1; b--)
+        MOE_CHECK(wait_bucket(tr, b));
+    MOE_CHECK(tr->reduce_status);
+    double t = moe_model_phase_begin(m);
+    double dense = 0, expert = 0;
+    if (emb->dense_lo > 0)
+        dense += m->be->sum_squares(m->grads, emb->dense_lo);
+    if (m->n_dense > emb->dense_hi)
+        dense += m->be->sum_squares(m->grads + emb->dense_hi, m->n_dense - emb->dense_hi);
+    if (m->n_params > m->n_dense)
+        expert = m->be->sum_squares(m->grads + m->n_dense, m->n_params - m->n_dense);
+    moe_model_phase_end(m, t, MOE_PHASE_OPTIMIZER);
+    MOE_CHECK(wait_bucket(tr, 0));
+    MOE_CHECK(tr->reduce_status);
+    t = moe_model_phase_begin(m);
+    if (emb->dense_hi > emb->dense_lo)
+        dense += m->be->sum_squares(m->grads + emb->dense_lo, emb->dense_hi - emb->dense_lo);
+    moe_model_phase_end(m, t, MOE_PHASE_OPTIMIZER);
+    tr->grad_sq[0] = dense;
+    tr->grad_sq[1] = expert;
+    return MOE_OK;
 }
 
 /* [precision] mode: auto is bf16 on sm_80 and later, fp16 on sm_75, fp32 on the cpu. fp16
@@ -230,12 +262,14 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
         sums[4] += (double)fs.a2a_bytes;
         sums[5] += (double)fs.a2a_bytes_saved;
     }
-    if (tr->comm) {
+    {
         moe_comm_set_context(tr->comm, "gradient reduction", -1);
+        double *ph = m->phase_s, opt0 = ph[MOE_PHASE_OPTIMIZER];
         const double t = moe_model_phase_begin(m);
-        MOE_CHECK(wait_buckets(tr));
-        MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, sums, 6));
-        moe_model_phase_end(m, t, MOE_PHASE_REDUCTION);
+        MOE_CHECK(reduce_and_square(tr));
+        if (tr->comm)
+            MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, sums, 6));
+        moe_model_phase_end(m, t + (ph[MOE_PHASE_OPTIMIZER] - opt0), MOE_PHASE_REDUCTION);
     }
     moe_comm_times ct;
     moe_comm_take_times(tr->comm, &ct);
@@ -257,13 +291,12 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     return MOE_OK;
 }
 
-/* Global gradient norm, each parameter counted once: dense gradients are identical on
- * every rank after the reduction; each expert lives on one rank of every EP group. */
+/* Global gradient norm from tr->grad_sq, each parameter counted once: dense gradients are
+ * identical on every rank after the reduction; each expert lives on one rank of every EP
+ * group. */
 static moe_status global_grad_norm(moe_trainer *tr, double *norm)
 {
-    const moe_model *m = tr->model;
-    double sq[2] = {m->be->sum_squares(m->grads, m->n_dense),
-                    m->be->sum_squares(m->grads + m->n_dense, m->n_params - m->n_dense)};
+    double sq[2] = {tr->grad_sq[0], tr->grad_sq[1]};
     if (tr->comm && moe_comm_size(tr->comm, MOE_GROUP_EP) > 1)
         MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_EP, &sq[1], 1));
     *norm = sqrt(sq[0] + sq[1]);

@@ -65,6 +65,7 @@ typedef struct {
     int reduce_now;           /* the last micro-batch of a step: reduce as stages finish */
     int last_micro;           /* the last micro-batch of a step is running */
     moe_status reduce_status;
+    double grad_sq[2]; /* squares of this rank's dense and expert gradients, for the norm */
     moe_model *model;
     moe_data *data;
     moe_optimizer *opt;
