@@ -153,8 +153,10 @@ typedef struct moe_model {
     int B, T, N, D, H, Hd, V, L, E, El, K, F, Fd, Fs;
     /* A micro-batch of B sequences runs as C chunks of Bc sequences (Nc tokens), layer
      * by layer in turn, so that one chunk's token exchange travels while another
-     * computes ([parallel] a2a_chunks). The per-chunk pointers below (tokens ... xc_size)
-     * show the chunk `cur` (use_chunk in model.c). */
+     * computes ([parallel] a2a_chunks). tokens, targets, x, acts, hf, rstdf, ce_lse,
+     * ce_loss, dres, dh, dyrecv, send_buf, recv_buf, aux_part and xc_size below point
+     * into chunk `cur` (use_chunk in model.c); the other buffers are shared by the
+     * chunks (each used within one stage). */
     int C, Bc, Nc, cur;
     moe_chunk *chunk;           /* C */
     int capacity;               /* per expert per chunk, -1 dropless */
@@ -181,8 +183,7 @@ typedef struct moe_model {
     real *params, *grads;
     moe_view p, g;
 
-    /* activations; in this block and the next, N is a chunk's Nc tokens, and the
-     * pointers from tokens to xc_size show the chunk `cur` */
+    /* activations; in this block and the next, N is a chunk's Nc tokens */
     int32_t *tokens, *targets;       /* (N) */
     int32_t *tokens_h;               /* (2 * B * T) host staging of tokens then targets */
     real **x;                        /* L+1 residual streams (N, D): x[0] embedding, x[L] final */
