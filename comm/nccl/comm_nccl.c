@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "util/clock.h"
+
 /* Streams: the token exchange runs on `xstream`, the gradient reduction on `gstream`,
  * each after an event (`ready`) recorded on the compute stream when the operation is
  * queued; its handle is the event `events[h]` recorded after it. Waiting polls that event
@@ -33,20 +35,13 @@ struct moe_nccl {
     int n_gaps;
 };
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* After a call on a non-blocking communicator answered r: polls until the communicator
  * is no longer in progress, at most timeout_s. MOE_OK when it ended in ncclSuccess. */
 static moe_status settle(ncclComm_t comm, ncclResult_t r, double timeout_s, const char *what)
 {
-    const double deadline = now_s() + timeout_s;
+    const double deadline = moe_clock_seconds() + timeout_s;
     while (r == ncclInProgress) {
-        if (now_s() > deadline) {
+        if (moe_clock_seconds() > deadline) {
             ncclCommAbort(comm);
             MOE_FAIL(MOE_ERR_COMM, "%s: NCCL did not finish within %.0f s (a peer is missing?)",
                      what, timeout_s);
@@ -251,7 +246,7 @@ static double elapsed_ms(cudaEvent_t a, cudaEvent_t b)
 
 moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *what)
 {
-    const double deadline = now_s() + timeout_s;
+    const double deadline = moe_clock_seconds() + timeout_s;
     CUDA_TRY(cudaEventRecord(n->arrive[event], n->stream), "recording a communication event");
     for (;;) {
         cudaError_t q = cudaEventQuery(n->events[event]);
@@ -271,7 +266,7 @@ moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *w
                 MOE_FAIL(MOE_ERR_COMM, "%s: NCCL reported %s", what, ncclGetErrorString(async));
             }
         }
-        if (now_s() > deadline) {
+        if (moe_clock_seconds() > deadline) {
             for (int h = 0; h < 3; h++)
                 ncclCommAbort(n->comm[h]), n->comm[h] = NULL;
             MOE_FAIL(MOE_ERR_COMM, "timeout after %.0f s in the %s (NCCL): a peer did not answer",

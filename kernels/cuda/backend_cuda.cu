@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "util/clock.h"
 
 #define WORKSPACE_BYTES ((size_t)32 << 20)
 #define MAX_LOGGED 16 /* failures logged in full; later ones are counted */
@@ -98,44 +99,33 @@ static size_t grown(size_t have, size_t need)
     return (want + ((size_t)1 << 20) - 1) & ~(((size_t)1 << 20) - 1); /* whole MiB */
 }
 
-void *moe_cuda_scratch(size_t nbytes)
+/* Grows a scratch block (device, or pinned host) to at least nbytes, after a stream
+ * synchronisation: earlier kernels may still use the old block. NULL on failure. */
+static void *grow_block(void **block, size_t *have, size_t nbytes, int pinned)
 {
-    if (nbytes <= g.scratch_bytes && g.scratch)
-        return g.scratch;
-    size_t want = grown(g.scratch_bytes, nbytes);
-    /* earlier kernels may still use the old block */
+    if (nbytes <= *have && *block)
+        return *block;
+    size_t want = grown(*have, nbytes);
     MOE_CUDA_OK(cudaStreamSynchronize(g.stream));
-    if (g.scratch)
-        MOE_CUDA_OK(cudaFree(g.scratch));
-    g.scratch = NULL;
-    g.scratch_bytes = 0;
+    if (*block)
+        MOE_CUDA_OK(pinned ? cudaFreeHost(*block) : cudaFree(*block));
+    *block = NULL;
+    *have = 0;
     g.allocations++;
-    if (!MOE_CUDA_OK(cudaMalloc(&g.scratch, want))) {
-        g.scratch = NULL;
+    if (!MOE_CUDA_OK(pinned ? cudaMallocHost(block, want) : cudaMalloc(block, want))) {
+        *block = NULL;
         return NULL;
     }
-    g.scratch_bytes = want;
-    return g.scratch;
+    *have = want;
+    return *block;
 }
 
-void *moe_cuda_host_scratch(size_t nbytes)
+void *moe_cuda_scratch(size_t nbytes)
 {
-    if (nbytes <= g.host_bytes && g.host)
-        return g.host;
-    size_t want = grown(g.host_bytes, nbytes);
-    MOE_CUDA_OK(cudaStreamSynchronize(g.stream));
-    if (g.host)
-        MOE_CUDA_OK(cudaFreeHost(g.host));
-    g.host = NULL;
-    g.host_bytes = 0;
-    g.allocations++;
-    if (!MOE_CUDA_OK(cudaMallocHost(&g.host, want))) {
-        g.host = NULL;
-        return NULL;
-    }
-    g.host_bytes = want;
-    return g.host;
+    return grow_block(&g.scratch, &g.scratch_bytes, nbytes, 0);
 }
+
+void *moe_cuda_host_scratch(size_t nbytes) { return grow_block(&g.host, &g.host_bytes, nbytes, 1); }
 
 void *moe_cuda_fetch(const void *dev, size_t nbytes)
 {
@@ -325,13 +315,6 @@ void moe_cuda_prof_end(void)
     prof.open = 0;
 }
 
-static double wall_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* on: start (the events are made on first use); off: drain, print the table sorted by
  * time (every name) with the sum against the wall time since the start, and stop. */
 static void cuda_profile(int on, FILE *report)
@@ -343,7 +326,7 @@ static void cuda_profile(int on, FILE *report)
                     return;
         MOE_CUDA_OK(cudaStreamSynchronize(g.stream));
         prof.n_pending = prof.n_names = prof.open = 0;
-        prof.t0 = wall_seconds();
+        prof.t0 = moe_clock_seconds();
         moe_cuda_profiling = 1;
         return;
     }
@@ -352,7 +335,7 @@ static void cuda_profile(int on, FILE *report)
     moe_cuda_profiling = 0;
     prof_drain();
     MOE_CUDA_OK(cudaStreamSynchronize(g.stream));
-    const double wall_ms = 1e3 * (wall_seconds() - prof.t0);
+    const double wall_ms = 1e3 * (moe_clock_seconds() - prof.t0);
     int order[PROF_NAMES];
     double total = 0;
     for (int i = 0; i < prof.n_names; i++) {
