@@ -7,6 +7,11 @@ source "$(dirname "$0")/../lib.sh"
 "$MOE" bench --set train.steps=4 >"$WORK/b1.txt" 2>&1 || fail "bench, one rank"
 mpi 2 "$MOE" bench --set train.steps=3 --set parallel.ep=2 >"$WORK/b2.txt" 2>&1 ||
   fail "bench, two ranks"
+# chunks and the slower-network knob, as the header reports them
+mpi 2 "$MOE" bench --set train.steps=2 --set parallel.ep=2 --set parallel.a2a_chunks=4 \
+  --set parallel.exchange_repeat=3 >"$WORK/b3.txt" 2>&1 || fail "bench, 4 chunks"
+grep -q "world 2, ep 2, 4 chunks per micro-batch, exchange sent 3x" "$WORK/b3.txt" &&
+  pass "bench names 4 chunks and 3 sends" || fail "bench header: $(grep '^bench:' "$WORK/b3.txt")"
 $PY - "$WORK/b1.txt" "$WORK/b2.txt" <<'PY' && pass "bench figures" || fail "bench figures"
 import sys
 def result(path):
@@ -36,6 +41,8 @@ for path, world in ((sys.argv[1], 1), (sys.argv[2], 2)):
         assert r["comm_ms"] == 0 and r["comm_exposed_ms"] == 0, r
     else:
         assert r["exposed_comm_ms"] > 0 and r["comm_ms"] > 0, r
+    # a2a_chunks = auto: one chunk here (the EP group is on one host), exchanges sent once
+    assert ", 1 chunk per micro-batch, exchange sent 1x," in text, text.splitlines()[0]
 print("flops/token", want)
 PY
 finish
