@@ -5,7 +5,7 @@
  * Memory: buffers from alloc live where the backend computes (host for cpu, device for
  * cuda). Host memory is required where ops.h says so: moe_route_plan's offsets and
  * return value, grouped_matmul's offsets, router_aux_partials' counts and psum,
- * moe_pack_dispatch's send_rows, send_assign and send_experts; every value an op returns
+ * moe_pack_dispatch's counts (memory from alloc_host); every value an op returns
  * is on the host (the cuda backend synchronises to return it, which is why the runtime
  * asks for as few as it can: fetch queues a copy that a later return brings along). */
 #ifndef MOE_KERNELS_BACKEND_H

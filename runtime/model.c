@@ -278,7 +278,6 @@ static void carve_chunk(moe_model *m, moe_chunk *ch, carve *c, carve *h)
     ch->send_buf = TAKE(c, char, rows * m->row_bytes);
     ch->recv_buf = TAKE(c, char, rows * m->row_bytes);
     ch->aux_part = TAKE(c, double, router_aux_part_len(m->Nc, m->E));
-    ch->xc_size = TAKE(h, size_t, 4 * (size_t)m->ep);
 }
 
 /* c: memory of the backend (device for cuda); h: host memory for what the host reads.
@@ -320,6 +319,7 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->route_scratch = TAKE(c, int, R * m->K + (size_t)m->E + 1);
     m->lslot_row = TAKE(c, int32_t, R * m->K);
     m->xc_count = TAKE(h, int64_t, 2 * (size_t)m->ep * (1 + (size_t)m->El));
+    m->xc_size = TAKE(h, size_t, 4 * (size_t)m->ep); /* read when an exchange starts */
     m->src_row_token = TAKE(c, int32_t, NK);
     m->src_row_slot = TAKE(c, int32_t, NK);
     m->load = TAKE(h, int64_t, (size_t)m->L * m->E);
@@ -345,7 +345,6 @@ static void use_chunk(moe_model *m, int i)
     m->send_buf = ch->send_buf;
     m->recv_buf = ch->recv_buf;
     m->aux_part = ch->aux_part;
-    m->xc_size = ch->xc_size;
 }
 
 /* The placement tables are the only place that knows which rank holds an expert;

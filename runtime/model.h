@@ -113,7 +113,6 @@ typedef struct {
     double *aux_host; /* the same, fetched into host memory (read after the dispatch counts) */
     int *pack_counts; /* MOE_PACK_COUNTS(ep, El): the dispatch counts, fetched likewise */
     long mark;        /* the backend's queue mark after them */
-    size_t *xc_size;  /* (4*ep): byte counts and displacements */
     int pending;      /* moe_comm_handle of its exchange in flight */
 } moe_chunk;
 
@@ -154,7 +153,7 @@ typedef struct moe_model {
     /* A micro-batch of B sequences runs as C chunks of Bc sequences (Nc tokens), layer
      * by layer in turn, so that one chunk's token exchange travels while another
      * computes ([parallel] a2a_chunks). tokens, targets, x, acts, hf, rstdf, ce_lse,
-     * ce_loss, dres, dh, dyrecv, send_buf, recv_buf, aux_part and xc_size below point
+     * ce_loss, dres, dh, dyrecv, send_buf, recv_buf and aux_part below point
      * into chunk `cur` (use_chunk in model.c); the other buffers are shared by the
      * chunks (each used within one stage). */
     int C, Bc, Nc, cur;
@@ -207,7 +206,8 @@ typedef struct moe_model {
     real *dlogits;                         /* (head_rows, V) */
     int *route_scratch;                    /* (Rmax*K + E + 1) */
     int32_t *lslot_row;                    /* (Rmax*K): expert-side plan scratch */
-    size_t *xc_size;   /* (4*ep): byte counts and displacements of an exchange */
+    size_t *xc_size;   /* (4*ep): byte counts and displacements of the exchange starting
+                          (comm reads them when it starts, so the chunks share them) */
     int64_t *xc_count; /* (2*ep*(1+El)): rows, then per local expert, sent and received */
     int32_t *src_row_token, *src_row_slot; /* (N*K) */
     int64_t *layer_counts; /* (L, E): top-k assignments per expert in this micro-batch */
