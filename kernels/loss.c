@@ -1,6 +1,6 @@
 /* kernels/loss.c: CPU reference of the token cross-entropy loss (per token: logsumexp of
- * the logits minus the target's logit) and its backward. Sums in double; rows in
- * parallel. */
+ * the logits minus the target's logit) and its backward (which overwrites its output, and
+ * may write it over the logits). Sums in double; rows in parallel. */
 #include <math.h>
 
 #include "kernels/ops.h"
@@ -35,11 +35,11 @@ void cross_entropy_backward(real *dlogits, const real *logits, const real *lse,
 #pragma omp parallel for schedule(static) if ((long)N * V > 65536)
     for (int n = 0; n < N; n++) {
         const real *l = logits + (size_t)n * V;
-        real *dl = dlogits + (size_t)n * V;
+        real *dl = dlogits + (size_t)n * V; /* may be l: each value is read, then written */
         double s = lse[n];
         for (int v = 0; v < V; v++) {
             double p = exp(l[v] - s) - (v == targets[n]);
-            dl[v] += (real)(dloss * p);
+            dl[v] = (real)(dloss * p);
         }
     }
 }

@@ -205,8 +205,9 @@ void moe_scatter_grad_rows(real *dx, real *dw, const real *rows, const int32_t *
 /* losses (N) = lse_n - logits[n, targets[n]], lse (N) saved. logits (N,V). */
 void cross_entropy_forward(real *losses, real *lse, const real *logits, const int32_t *targets,
                            int N, int V);
-/* dlogits (N,V) += dloss * (softmax(logits) - onehot(target)); dloss is the same scale
- * for every token (1/(tokens in the global batch)). */
+/* dlogits (N,V) = dloss * (softmax(logits) - onehot(target)), softmax from the saved lse;
+ * dloss is the same scale for every token (1/(tokens in the global batch)). Overwrites
+ * dlogits (it does not accumulate); dlogits may be logits (in place). */
 void cross_entropy_backward(real *dlogits, const real *logits, const real *lse,
                             const int32_t *targets, real dloss, int N, int V);
 

@@ -315,7 +315,6 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->dw = TAKE(c, real, NK);
     m->dprobs = TAKE(c, real, N * m->E);
     m->drlogits = TAKE(c, real, N * m->E);
-    m->dlogits = TAKE(c, real, (size_t)m->head_rows * m->V);
     m->route_scratch = TAKE(c, int, R * m->K + (size_t)m->E + 1);
     m->lslot_row = TAKE(c, int32_t, R * m->K);
     m->xc_count = TAKE(h, int64_t, 2 * (size_t)m->ep * (1 + (size_t)m->El));
@@ -954,6 +953,24 @@ static moe_status layer_forward_chunks(moe_model *m, int l, moe_fwd_stats *stats
     return layer_forward_return(m, l);
 }
 
+void moe_model_fuse_head(moe_model *m, int64_t step_sequences)
+{
+    m->head_sequences = step_sequences;
+}
+
+/* The LM head's backward for rows [r0, r0 + rows) of the current chunk, whose logits are
+ * in m->logits: the gradient of the loss of a step of step_sequences sequences
+ * overwrites them in place, then dh and the head's gradient add theirs. */
+static void head_backward(moe_model *m, int r0, int rows, int64_t step_sequences)
+{
+    const real dloss = (real)(m->loss_scale / ((double)step_sequences * m->T));
+    const real *h = m->hf + (size_t)r0 * m->D;
+    m->be->cross_entropy_backward(m->logits, m->logits, m->ce_lse + r0, m->targets + r0, dloss,
+                                  rows, m->V);
+    m->be->matmul_backward(m->dh + (size_t)r0 * m->D, m->g.lm_head, m->logits, h, m->p.lm_head,
+                           rows, m->D, m->V);
+}
+
 moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats *stats)
 {
     const int N = m->N, D = m->D, T = m->T, Nc = m->Nc;
@@ -986,16 +1003,22 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
         m->be->rmsnorm_forward(m->hf, m->rstdf, m->x[m->L], m->p.final_norm, Nc, D,
                                (real)m->cfg.norm_eps);
         /* LM head and cross-entropy in chunks of head_rows tokens: the logits of the whole
-         * chunk never exist at once */
+         * chunk never exist at once; fused, each chunk's backward follows at once */
+        if (m->head_sequences > 0)
+            m->be->zero(m->dh, sizeof(real) * (size_t)Nc * D);
         for (int r0 = 0; r0 < Nc; r0 += m->head_rows) {
             int rows = Nc - r0 < m->head_rows ? Nc - r0 : m->head_rows;
             m->be->matmul_forward(m->logits, m->hf + (size_t)r0 * D, m->p.lm_head, rows, D, m->V);
             m->be->cross_entropy_forward(m->ce_loss + r0, m->ce_lse + r0, m->logits,
                                          m->targets + r0, rows, m->V);
+            if (m->head_sequences > 0)
+                head_backward(m, r0, rows, m->head_sequences);
         }
         stats->ce_sum += m->be->sum_values(m->ce_loss, (size_t)Nc);
     }
     stats->tokens = N;
+    m->head_done = m->head_sequences;
+    m->head_sequences = 0;
     return m->be->sync();
 }
 
@@ -1165,20 +1188,24 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
 {
     const int Nc = m->Nc, D = m->D;
     const size_t ND = (size_t)Nc * D;
-    real dloss = (real)(m->loss_scale / ((double)step_sequences * m->T));
+    const int64_t fused = m->head_done; /* the forward ran the LM head's backward */
+    m->head_done = 0;
+    if (fused && fused != step_sequences)
+        MOE_FAIL(MOE_ERR_INVALID,
+                 "the forward ran the LM head's backward for %lld sequences, the backward is "
+                 "for %lld",
+                 (long long)fused, (long long)step_sequences);
     for (int i = 0; i < m->C; i++) {
         use_chunk(m, i);
-        m->be->zero(m->dh, sizeof(real) * ND);
-        for (int r0 = 0; r0 < Nc; r0 += m->head_rows) {
-            int rows = Nc - r0 < m->head_rows ? Nc - r0 : m->head_rows;
-            const real *h = m->hf + (size_t)r0 * D;
-            if (rows < Nc || m->C > 1) /* the logits of this one were overwritten */
-                m->be->matmul_forward(m->logits, h, m->p.lm_head, rows, D, m->V);
-            m->be->zero(m->dlogits, sizeof(real) * (size_t)rows * m->V);
-            m->be->cross_entropy_backward(m->dlogits, m->logits, m->ce_lse + r0, m->targets + r0,
-                                          dloss, rows, m->V);
-            m->be->matmul_backward(m->dh + (size_t)r0 * D, m->g.lm_head, m->dlogits, h,
-                                   m->p.lm_head, rows, D, m->V);
+        if (!fused) {
+            m->be->zero(m->dh, sizeof(real) * ND);
+            for (int r0 = 0; r0 < Nc; r0 += m->head_rows) {
+                int rows = Nc - r0 < m->head_rows ? Nc - r0 : m->head_rows;
+                if (rows < Nc || m->C > 1) /* the logits of this one were overwritten */
+                    m->be->matmul_forward(m->logits, m->hf + (size_t)r0 * D, m->p.lm_head, rows, D,
+                                          m->V);
+                head_backward(m, r0, rows, step_sequences);
+            }
         }
         m->be->zero(m->dres, sizeof(real) * ND);
         m->be->rmsnorm_backward(m->dres, m->g.final_norm, m->dh, m->x[m->L], m->p.final_norm,

@@ -160,6 +160,8 @@ typedef struct moe_model {
     moe_chunk *chunk;           /* C */
     int capacity;               /* per expert per chunk, -1 dropless */
     double loss_scale;          /* backward seeds are multiplied by it (fp16 loss scaling); 1 */
+    int64_t head_sequences;     /* > 0: the next forward runs the LM head's backward too */
+    int64_t head_done;          /* the step size it ran for, until the backward that follows */
     size_t max_gemm_operand;    /* elements of the largest activation operand of any GEMM */
     int ep, ep_rank;            /* expert-parallel degree and this rank's place in its EP group */
     int *expert_rank;           /* (L, E): EP rank holding each expert of each layer */
@@ -189,7 +191,8 @@ typedef struct moe_model {
     moe_layer_acts *acts;            /* L */
     real *hf, *rstdf;                /* final norm (N, D), (N) */
     real *logits, *ce_lse, *ce_loss; /* (head_rows, V), (N), (N) */
-    int head_rows; /* tokens per LM-head chunk (the logits never exist for all N at once) */
+    int head_rows; /* tokens per LM-head chunk (the logits never exist for all N at once);
+                      backward writes the logits' gradient over them, in place */
     real *rope_cos, *rope_sin; /* (T, Hd/2), computed once */
 
     /* backward scratch, reused across layers */
@@ -203,7 +206,6 @@ typedef struct moe_model {
     char *send_buf, *recv_buf;             /* packed exchange rows: max(rows) * row_bytes */
     size_t row_bytes;                      /* D reals + K reals + K int32, 8-aligned */
     int Rmax, Mmax;                        /* rows received / expert rows, worst case */
-    real *dlogits;                         /* (head_rows, V) */
     int *route_scratch;                    /* (Rmax*K + E + 1) */
     int32_t *lslot_row;                    /* (Rmax*K): expert-side plan scratch */
     size_t *xc_size;   /* (4*ep): byte counts and displacements of the exchange starting
@@ -274,6 +276,12 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
  * Collective over the EP group (token exchanges). Calls m->grad_ready after each
  * stage when set. */
 moe_status moe_model_backward(moe_model *m, int64_t step_sequences);
+
+/* The next forward also runs the LM head's backward (cross-entropy gradient, dh and the
+ * head's weight gradient) for a step of step_sequences sequences, while each chunk of
+ * logits is still in memory, so the backward need not compute them again. The backward
+ * that follows must be for the same step_sequences. Gradients are identical either way. */
+void moe_model_fuse_head(moe_model *m, int64_t step_sequences);
 
 /* The logits (N, V) of the last forward, recomputed chunk by chunk into host memory. */
 moe_status moe_model_logits(moe_model *m, real *host);

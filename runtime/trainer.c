@@ -245,6 +245,7 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
         /* forward and backward: their wall time less the exchange and reduction in them */
         double *ph = m->phase_s, comm0 = ph[MOE_PHASE_EXCHANGE] + ph[MOE_PHASE_REDUCTION];
         t = moe_model_phase_begin(m);
+        moe_model_fuse_head(m, S); /* the LM head's backward while its logits are at hand */
         MOE_CHECK(moe_model_forward(m, tr->tokens, &fs));
         double comm1 = ph[MOE_PHASE_EXCHANGE] + ph[MOE_PHASE_REDUCTION];
         moe_model_phase_end(m, t + (comm1 - comm0), MOE_PHASE_FORWARD);

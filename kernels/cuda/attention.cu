@@ -15,6 +15,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>
+#include <stdlib.h>
+#include <string.h>
 #include <type_traits>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -766,6 +768,374 @@ static __global__ void __launch_bounds__(FA_THREADS)
     }
 }
 
+/* ---- sm_80 and later: mma.sync m16n8k16, the tiles' products in registers ----------- */
+/* The same blocks, walks, staging and outputs as the wmma kernels above, but the products
+ * are PTX mma.sync.m16n8k16 (fp32 accumulation) fed by ldmatrix, and a tile's scores,
+ * probabilities and dS never leave registers: an m16n8 accumulator holds, in lane l, rows
+ * l / 4 and l / 4 + 8 at columns 2 (l % 4) + {0, 1}, which is, rounded in pairs, the A
+ * operand of the next product. A lane thus owns 2 of its warp's 16 rows, whose statistics
+ * 4 lanes share (two shuffles), and the warp's A operands (Q, dO; K, V in dk/dv) are loaded
+ * once per block. No scratch, so no shared-memory round trip per tile. sm_75 has no 16x8x16
+ * shape: it keeps the wmma kernels (MOE_ATTENTION=wmma selects them on any GPU, so their
+ * tests run on the newer ones too). */
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define FM_SKIP 1
+#else
+#define FM_SKIP 0
+#endif
+
+/* Four 8x8 16-bit matrices from shared memory; lanes 8i..8i+7 give the rows of matrix i.
+ * trans: each lane receives a column pair instead of a row pair. */
+__device__ __forceinline__ void fm_ldsm(unsigned (&r)[4], const void *p)
+{
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void fm_ldsm_t(unsigned (&r)[4], const void *p)
+{
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+/* c (16x8, fp32) += a (16x16) b (16x8). */
+template <class T16>
+static __device__ __forceinline__ void fm_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                              unsigned b1)
+{
+#if !FM_SKIP
+    if constexpr (std::is_same<T16, __half>::value)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+                     "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                     "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+template <class T16> static __device__ __forceinline__ unsigned fm_pack(float a, float b)
+{
+    typename fa_type<T16>::pair p = fa_type<T16>::pack(a, b); /* a in the low half */
+    return *(unsigned *)&p;
+}
+
+/* A operands of a warp's 16 rows (row stride LD, HD wide), one per 16 columns. */
+template <class T16, int HD>
+static __device__ __forceinline__ void fm_load_a(unsigned (&a)[HD / 16][4], const T16 *rows,
+                                                 int lane)
+{
+    const T16 *p = rows + (lane & 15) * (HD + FA_PAD) + (lane >> 4) * 8;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+        fm_ldsm(a[kk], p + kk * 16);
+}
+
+/* s (16 x 64) = A X^T: A the warp's operands, X 64 staged rows (row stride LD). */
+template <class T16, int HD>
+static __device__ __forceinline__ void fm_scores(float (&s)[8][4], const unsigned (&a)[HD / 16][4],
+                                                 const T16 *X, int lane)
+{
+    const T16 *p = X + ((lane & 7) + (lane >> 4) * 8) * (HD + FA_PAD) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            s[n][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+#pragma unroll
+        for (int np = 0; np < 4; np++) { /* column tiles 2np, 2np + 1 */
+            unsigned b[4];
+            fm_ldsm(b, p + np * 16 * (HD + FA_PAD) + kk * 16);
+            fm_mma<T16>(s[2 * np], a[kk], b[0], b[1]);
+            fm_mma<T16>(s[2 * np + 1], a[kk], b[2], b[3]);
+        }
+}
+
+/* acc (16 x HD) += P Y: P (16 x 64) in accumulator layout, Y 64 staged rows x HD. */
+template <class T16, int HD>
+static __device__ __forceinline__ void fm_pv(float (&acc)[HD / 8][4], const float (&p)[8][4],
+                                             const T16 *Y, int lane)
+{
+    const T16 *y = Y + ((lane & 7) + ((lane >> 3) & 1) * 8) * (HD + FA_PAD) + (lane >> 4) * 8;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) { /* rows 16kk .. 16kk + 15 of Y */
+        const unsigned a[4] = {fm_pack<T16>(p[2 * kk][0], p[2 * kk][1]),
+                               fm_pack<T16>(p[2 * kk][2], p[2 * kk][3]),
+                               fm_pack<T16>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                               fm_pack<T16>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+        for (int dp = 0; dp < HD / 16; dp++) {
+            unsigned b[4];
+            fm_ldsm_t(b, y + kk * 16 * (HD + FA_PAD) + dp * 16);
+            fm_mma<T16>(acc[2 * dp], a, b[0], b[1]);
+            fm_mma<T16>(acc[2 * dp + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+/* g[row] += mul * acc for the lane's 2 rows (row0 + lane / 4, + 8) below T, columns < Hd. */
+template <int HD>
+static __device__ __forceinline__ void fm_add_rows(real *g, size_t ld, int row0, int T, int Hd,
+                                                   float mul, const float (&acc)[HD / 8][4],
+                                                   int lane)
+{
+    if (!g)
+        return;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row0 + (lane >> 2) + 8 * r;
+        if (row >= T)
+            continue;
+        real *dst = g + (size_t)row * ld + 2 * (lane & 3);
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) {
+            if (8 * n + 2 * (lane & 3) >= Hd)
+                continue;
+            float2 *d = (float2 *)(dst + 8 * n), x = *d;
+            x.x += mul * acc[n][2 * r];
+            x.y += mul * acc[n][2 * r + 1];
+            *d = x;
+        }
+    }
+}
+
+static size_t fm_forward_smem(int HD) { return sizeof(uint16_t) * 3 * FA_ROWS * (HD + FA_PAD); }
+static size_t fm_backward_smem(int HD)
+{
+    return sizeof(uint16_t) * 4 * FA_ROWS * (HD + FA_PAD) + sizeof(float) * 2 * FA_ROWS;
+}
+
+/* As flash_forward_kernel. */
+template <class T16, int HD>
+static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
+    fm_forward_kernel(real *out, real *lse, const real *q, const real *k, const real *v, int T,
+                      int H, int Hd, float sl2)
+{
+    if constexpr (FM_SKIP) {
+        __trap();
+    } else {
+        constexpr int LD = HD + FA_PAD;
+        extern __shared__ __align__(128) unsigned char fa_sm[];
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
+        T16 *Qs = (T16 *)fa_sm, *Ks = Qs + FA_ROWS * LD, *Vs = Ks + FA_ROWS * LD;
+        const int bh = blockIdx.x, b = bh / H, h = bh % H;
+        const int q0 = (gridDim.y - 1 - blockIdx.y) * FA_ROWS, first = q0 + 16 * warp;
+        const int row[2] = {first + (lane >> 2), first + (lane >> 2) + 8}; /* the lane's queries */
+        const size_t ld = (size_t)H * Hd, base = (size_t)b * T * ld + (size_t)h * Hd;
+        fa_stage<T16, HD>(Qs, q + base, ld, q0, T, Hd);
+        __syncthreads();
+        unsigned qa[HD / 16][4];
+        fm_load_a<T16, HD>(qa, Qs + 16 * warp * LD, lane);
+        float o[HD / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                o[n][e] = 0.f;
+        const int kend = min(T, q0 + FA_ROWS);
+        for (int j0 = 0; j0 < kend; j0 += FA_ROWS) {
+            __syncthreads(); /* the previous tile is used up */
+            fa_stage<T16, HD>(Ks, k + base, ld, j0, T, Hd);
+            fa_stage<T16, HD>(Vs, v + base, ld, j0, T, Hd);
+            __syncthreads();
+            if (j0 > first + 15)
+                continue; /* warp-uniform: every key of the tile is after the warp's rows */
+            float s[8][4];
+            fm_scores<T16, HD>(s, qa, Ks, lane);
+            /* key j0 <= q0 <= row is always in, so mx and mnew are finite */
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int j = j0 + 8 * n + 2 * quad + (e & 1), r = e >> 1;
+                    s[n][e] = j <= row[r] && j < T ? s[n][e] * sl2 : -INFINITY;
+                    mx[r] = fmaxf(mx[r], s[n][e]);
+                }
+            float corr[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx[r], 2));
+                const float mnew = fmaxf(m[r], mx[r]);
+                corr[r] = exp2f(m[r] - mnew); /* 0 on the first tile */
+                m[r] = mnew;
+            }
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    s[n][e] = exp2f(s[n][e] - m[e >> 1]); /* masked: exp2(-inf) = 0 */
+                    sum[e >> 1] += s[n][e];
+                }
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+                l[r] = l[r] * corr[r] + sum[r]; /* the lane's share; summed over 4 at the end */
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    o[n][e] *= corr[e >> 1];
+            fm_pv<T16, HD>(o, s, Vs, lane);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            l[r] += __shfl_xor_sync(MOE_CUDA_FULL_MASK, l[r], 1);
+            l[r] += __shfl_xor_sync(MOE_CUDA_FULL_MASK, l[r], 2);
+            if (row[r] >= T)
+                continue;
+            const float inv = 1.f / l[r];
+            real *orow = out + base + (size_t)row[r] * ld + 2 * quad;
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++)
+                if (8 * n + 2 * quad < Hd)
+                    *(float2 *)(orow + 8 * n) =
+                        make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+            if (quad == 0)
+                lse[(size_t)bh * T + row[r]] = (m[r] + log2f(l[r])) * FA_LN2;
+        }
+    }
+}
+
+/* As flash_dq_kernel. */
+template <class T16, int HD>
+static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
+    fm_dq_kernel(real *dq, const real *dout, const real *lse, const float *dsum, const real *q,
+                 const real *k, const real *v, int T, int H, int Hd, float scale, float sl2)
+{
+    if constexpr (FM_SKIP) {
+        __trap();
+    } else {
+        constexpr int LD = HD + FA_PAD;
+        extern __shared__ __align__(128) unsigned char fa_sm[];
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
+        T16 *Qs = (T16 *)fa_sm, *Gs = Qs + FA_ROWS * LD, *Ks = Gs + FA_ROWS * LD,
+            *Vs = Ks + FA_ROWS * LD;
+        const int bh = blockIdx.x, b = bh / H, h = bh % H;
+        const int q0 = (gridDim.y - 1 - blockIdx.y) * FA_ROWS, first = q0 + 16 * warp;
+        const int row[2] = {first + (lane >> 2), first + (lane >> 2) + 8};
+        const size_t ld = (size_t)H * Hd, base = (size_t)b * T * ld + (size_t)h * Hd;
+        fa_stage<T16, HD>(Qs, q + base, ld, q0, T, Hd);
+        fa_stage<T16, HD>(Gs, dout + base, ld, q0, T, Hd);
+        float lse2[2], Di[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            lse2[r] = row[r] < T ? lse[(size_t)bh * T + row[r]] * FA_LOG2E : 0.f;
+            Di[r] = row[r] < T ? dsum[(size_t)bh * T + row[r]] : 0.f;
+        }
+        __syncthreads();
+        unsigned qa[HD / 16][4], ga[HD / 16][4];
+        fm_load_a<T16, HD>(qa, Qs + 16 * warp * LD, lane);
+        fm_load_a<T16, HD>(ga, Gs + 16 * warp * LD, lane);
+        float acc[HD / 8][4];
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                acc[n][e] = 0.f;
+        const int kend = min(T, q0 + FA_ROWS);
+        for (int j0 = 0; j0 < kend; j0 += FA_ROWS) {
+            __syncthreads();
+            fa_stage<T16, HD>(Ks, k + base, ld, j0, T, Hd);
+            fa_stage<T16, HD>(Vs, v + base, ld, j0, T, Hd);
+            __syncthreads();
+            if (j0 > first + 15)
+                continue; /* warp-uniform */
+            float p[8][4], dp[8][4];
+            fm_scores<T16, HD>(p, qa, Ks, lane);
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int j = j0 + 8 * n + 2 * quad + (e & 1), r = e >> 1;
+                    p[n][e] = j <= row[r] && row[r] < T ? exp2f(p[n][e] * sl2 - lse2[r]) : 0.f;
+                }
+            fm_scores<T16, HD>(dp, ga, Vs, lane); /* dP = dO V^T */
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    p[n][e] *= dp[n][e] - Di[e >> 1]; /* dS */
+            fm_pv<T16, HD>(acc, p, Ks, lane);         /* dQ += dS K */
+        }
+        fm_add_rows<HD>(dq + base, ld, first, T, Hd, scale, acc, lane);
+    }
+}
+
+/* As flash_dkv_kernel: a warp's 16 keys against each query tile, S^T = K Q^T. */
+template <class T16, int HD>
+static __global__ void __launch_bounds__(FA_THREADS, 2)
+    fm_dkv_kernel(real *dk, real *dv, const real *dout, const real *lse, const float *dsum,
+                  const real *q, const real *k, const real *v, int T, int H, int Hd, float scale,
+                  float sl2)
+{
+    if constexpr (FM_SKIP) {
+        __trap();
+    } else {
+        constexpr int LD = HD + FA_PAD;
+        extern __shared__ __align__(128) unsigned char fa_sm[];
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
+        T16 *Ks = (T16 *)fa_sm, *Vs = Ks + FA_ROWS * LD, *Qs = Vs + FA_ROWS * LD,
+            *Gs = Qs + FA_ROWS * LD;
+        float *ls = (float *)(Gs + FA_ROWS * LD), *Ds = ls + FA_ROWS; /* lse * log2e, Di */
+        const int bh = blockIdx.x, b = bh / H, h = bh % H;
+        const int j0 = blockIdx.y * FA_ROWS, first = j0 + 16 * warp;
+        const int key[2] = {first + (lane >> 2), first + (lane >> 2) + 8}; /* the lane's keys */
+        const size_t ld = (size_t)H * Hd, base = (size_t)b * T * ld + (size_t)h * Hd;
+        fa_stage<T16, HD>(Ks, k + base, ld, j0, T, Hd);
+        fa_stage<T16, HD>(Vs, v + base, ld, j0, T, Hd);
+        __syncthreads();
+        unsigned ka[HD / 16][4], va[HD / 16][4];
+        fm_load_a<T16, HD>(ka, Ks + 16 * warp * LD, lane);
+        fm_load_a<T16, HD>(va, Vs + 16 * warp * LD, lane);
+        float dka[HD / 8][4], dva[HD / 8][4];
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                dka[n][e] = dva[n][e] = 0.f;
+        for (int i0 = j0; i0 < T; i0 += FA_ROWS) {
+            __syncthreads();
+            fa_stage<T16, HD>(Qs, q + base, ld, i0, T, Hd);
+            fa_stage<T16, HD>(Gs, dout + base, ld, i0, T, Hd);
+            if (threadIdx.x < FA_ROWS) {
+                const int i = i0 + threadIdx.x;
+                ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * FA_LOG2E : 0.f;
+                Ds[threadIdx.x] = i < T ? dsum[(size_t)bh * T + i] : 0.f;
+            }
+            __syncthreads();
+            float p[8][4], dp[8][4];
+            fm_scores<T16, HD>(p, ka, Qs, lane); /* S^T: keys x queries */
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int col = 8 * n + 2 * quad + (e & 1), i = i0 + col, j = key[e >> 1];
+                    p[n][e] = i >= j && i < T && j < T ? exp2f(p[n][e] * sl2 - ls[col]) : 0.f;
+                }
+            fm_scores<T16, HD>(dp, va, Gs, lane); /* dP^T = V dO^T */
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    dp[n][e] = p[n][e] * (dp[n][e] - Ds[8 * n + 2 * quad + (e & 1)]); /* dS^T */
+            fm_pv<T16, HD>(dva, p, Gs, lane);  /* dV += P^T dO */
+            fm_pv<T16, HD>(dka, dp, Qs, lane); /* dK += dS^T Q */
+        }
+        fm_add_rows<HD>(dv ? dv + base : NULL, ld, first, T, Hd, 1.f, dva, lane);
+        fm_add_rows<HD>(dk ? dk + base : NULL, ld, first, T, Hd, scale, dka, lane);
+    }
+}
+
 /* ---- dispatch ---- */
 
 /* The device's compute capability and opt-in shared memory per block, asked once (the
@@ -816,13 +1186,23 @@ static int fa_smem(const void *kernel, size_t smem)
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
 }
 
-template <class T16, int HD>
+/* The kernel family for this device: 1 for the mma.sync kernels (sm_80 and later), 0 for
+ * wmma; MOE_ATTENTION=wmma in the environment picks wmma anywhere. */
+static int fm_family(void)
+{
+    int cc, smem_max;
+    fa_device(&cc, &smem_max);
+    const char *e = getenv("MOE_ATTENTION");
+    return cc >= 80 && !(e && strcmp(e, "wmma") == 0);
+}
+
+template <class T16, int HD, int FM>
 static void flash_forward_run(real *out, real *lse, const real *q, const real *k, const real *v,
                               int B, int T, int H, int Hd)
 {
     void (*kernel)(real *, real *, const real *, const real *, const real *, int, int, int, float) =
-        flash_forward_kernel<T16, HD>;
-    const size_t smem = fa_forward_smem(HD);
+        FM ? fm_forward_kernel<T16, HD> : flash_forward_kernel<T16, HD>;
+    const size_t smem = FM ? fm_forward_smem(HD) : fa_forward_smem(HD);
     if (!fa_smem((const void *)kernel, smem))
         return;
     const dim3 grid((unsigned)(B * H), (unsigned)((T + FA_ROWS - 1) / FA_ROWS));
@@ -830,17 +1210,18 @@ static void flash_forward_run(real *out, real *lse, const real *q, const real *k
                     (float)(1.4426950408889634 / sqrt((double)Hd)));
 }
 
-template <class T16, int HD>
+template <class T16, int HD, int FM>
 static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                                const float *dsum, const real *q, const real *k, const real *v,
                                int B, int T, int H, int Hd)
 {
     void (*kdq)(real *, const real *, const real *, const float *, const real *, const real *,
-                const real *, int, int, int, float, float) = flash_dq_kernel<T16, HD>;
+                const real *, int, int, int, float, float) =
+        FM ? fm_dq_kernel<T16, HD> : flash_dq_kernel<T16, HD>;
     void (*kdkv)(real *, real *, const real *, const real *, const float *, const real *,
                  const real *, const real *, int, int, int, float, float) =
-        flash_dkv_kernel<T16, HD>;
-    const size_t smem = fa_backward_smem(HD);
+        FM ? fm_dkv_kernel<T16, HD> : flash_dkv_kernel<T16, HD>;
+    const size_t smem = FM ? fm_backward_smem(HD) : fa_backward_smem(HD);
     const float scale = (float)(1.0 / sqrt((double)Hd));
     const float sl2 = (float)(1.4426950408889634 / sqrt((double)Hd));
     const dim3 grid((unsigned)(B * H), (unsigned)((T + FA_ROWS - 1) / FA_ROWS));
@@ -852,22 +1233,51 @@ static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, c
                         scale, sl2);
 }
 
+/* The instance of family FM for precision p and padded head dim HD. */
+template <int FM>
+static void flash_forward_pick(moe_precision p, int HD, real *out, real *lse, const real *q,
+                               const real *k, const real *v, int B, int T, int H, int Hd)
+{
+    if (p == MOE_PREC_BF16 && HD == 64)
+        flash_forward_run<__nv_bfloat16, 64, FM>(out, lse, q, k, v, B, T, H, Hd);
+    else if (p == MOE_PREC_BF16)
+        flash_forward_run<__nv_bfloat16, 128, FM>(out, lse, q, k, v, B, T, H, Hd);
+    else if (HD == 64)
+        flash_forward_run<__half, 64, FM>(out, lse, q, k, v, B, T, H, Hd);
+    else
+        flash_forward_run<__half, 128, FM>(out, lse, q, k, v, B, T, H, Hd);
+}
+
+template <int FM>
+static void flash_backward_pick(moe_precision p, int HD, real *dq, real *dk, real *dv,
+                                const real *dout, const real *lse, const float *dsum, const real *q,
+                                const real *k, const real *v, int B, int T, int H, int Hd)
+{
+    if (p == MOE_PREC_BF16 && HD == 64)
+        flash_backward_run<__nv_bfloat16, 64, FM>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H,
+                                                  Hd);
+    else if (p == MOE_PREC_BF16)
+        flash_backward_run<__nv_bfloat16, 128, FM>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H,
+                                                   Hd);
+    else if (HD == 64)
+        flash_backward_run<__half, 64, FM>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
+    else
+        flash_backward_run<__half, 128, FM>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
+}
+
 static int flash_forward(real *out, real *lse, const real *q, const real *k, const real *v, int B,
                          int T, int H, int Hd)
 {
-    const int HD = Hd <= 64 ? 64 : 128;
+    const int HD = Hd <= 64 ? 64 : 128, fm = fm_family();
     const void *ptrs[4] = {out, q, k, v};
-    const moe_precision p = fa_precision(Hd, fa_forward_smem(HD), ptrs, 4);
+    const moe_precision p =
+        fa_precision(Hd, fm ? fm_forward_smem(HD) : fa_forward_smem(HD), ptrs, 4);
     if (p == MOE_PREC_FP32)
         return 0;
-    if (p == MOE_PREC_BF16 && HD == 64)
-        flash_forward_run<__nv_bfloat16, 64>(out, lse, q, k, v, B, T, H, Hd);
-    else if (p == MOE_PREC_BF16)
-        flash_forward_run<__nv_bfloat16, 128>(out, lse, q, k, v, B, T, H, Hd);
-    else if (HD == 64)
-        flash_forward_run<__half, 64>(out, lse, q, k, v, B, T, H, Hd);
+    if (fm)
+        flash_forward_pick<1>(p, HD, out, lse, q, k, v, B, T, H, Hd);
     else
-        flash_forward_run<__half, 128>(out, lse, q, k, v, B, T, H, Hd);
+        flash_forward_pick<0>(p, HD, out, lse, q, k, v, B, T, H, Hd);
     return 1;
 }
 
@@ -875,18 +1285,15 @@ static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const 
                           const float *dsum, const real *q, const real *k, const real *v, int B,
                           int T, int H, int Hd)
 {
-    const int HD = Hd <= 64 ? 64 : 128;
+    const int HD = Hd <= 64 ? 64 : 128, fm = fm_family();
     const void *ptrs[7] = {dq, dk, dv, dout, q, k, v};
-    const moe_precision p = fa_precision(Hd, fa_backward_smem(HD), ptrs, 7);
+    const moe_precision p =
+        fa_precision(Hd, fm ? fm_backward_smem(HD) : fa_backward_smem(HD), ptrs, 7);
     if (p == MOE_PREC_FP32)
         return 0;
-    if (p == MOE_PREC_BF16 && HD == 64)
-        flash_backward_run<__nv_bfloat16, 64>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
-    else if (p == MOE_PREC_BF16)
-        flash_backward_run<__nv_bfloat16, 128>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
-    else if (HD == 64)
-        flash_backward_run<__half, 64>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
+    if (fm)
+        flash_backward_pick<1>(p, HD, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
     else
-        flash_backward_run<__half, 128>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
+        flash_backward_pick<0>(p, HD, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
     return 1;
 }

@@ -1,44 +1,117 @@
 /* kernels/cuda/loss.cu: token cross-entropy (lse of the logits minus the target's logit)
- * and its backward. Forward: one block per row, max in float, exponentials summed in
- * double with a fixed-order block reduction. Backward: one thread per logit. The
- * exponentials are in double in fp32 mode (as the CPU reference), in float in the 16-bit
- * modes (within 1e-6; memory-bound where double is slow, the T4). */
+ * and its backward.
+ *
+ * Forward: one block per row, which reads the row once: each thread keeps a running max m
+ * (float) and the sum s of exp(x - m) in double, rescaled when m grows; the threads' (m, s)
+ * are then merged in a fixed order (warp butterfly, then the warps in order), so the bits
+ * do not depend on scheduling. Backward: overwrites dlogits (which may be the logits:
+ * each value is read, then written, by one thread); a 2D grid (x: the row, y: the
+ * row's columns), so no thread divides to find its row. Both load float4 when V % 4 == 0
+ * and the rows are 16-byte aligned, floats otherwise.
+ *
+ * The exponentials are in double in fp32 mode (as the CPU reference), in float in the
+ * 16-bit modes (within 1e-6; memory-bound where double is slow, the T4). */
 #include "kernels/cuda/cuda_common.cuh"
 
-static __device__ float block_max(float v)
+static inline int aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+/* exp(x - m) in F; a -inf value adds nothing (also when m is still -inf). */
+template <typename F> static __device__ __forceinline__ double ce_exp(float x, float m)
 {
-    __shared__ float part[MOE_CUDA_THREADS / 32];
+    return x == -INFINITY ? 0.0 : (double)exp((F)x - (F)m);
+}
+
+/* Raises the running max m to x when x is larger, rescaling the sum s to the new max. */
+template <typename F> static __device__ __forceinline__ void ce_raise(float &m, double &s, float x)
+{
+    if (x > m) {
+        s *= (double)exp((F)m - (F)x); /* 0 while m is -inf (s is 0 then too) */
+        m = x;
+    }
+}
+
+/* (m, s) becomes the max and sum of both (m, s) and (m2, s2). */
+template <typename F>
+static __device__ __forceinline__ void ce_merge(float &m, double &s, float m2, double s2)
+{
+    const float mx = fmaxf(m, m2);
+    if (mx == -INFINITY)
+        return; /* neither has seen a value (or only -inf): s and s2 are 0 */
+    s = s * (double)exp((F)m - (F)mx) + s2 * (double)exp((F)m2 - (F)mx);
+    m = mx;
+}
+
+/* Merges the (m, s) of a block of MOE_CUDA_THREADS threads in a fixed order; thread 0
+ * gets the result. Called once per kernel (its shared arrays are not guarded for reuse). */
+template <typename F> static __device__ void ce_block_merge(float &m, double &s)
+{
+    __shared__ float part_m[MOE_CUDA_THREADS / 32];
+    __shared__ double part_s[MOE_CUDA_THREADS / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = moe_warp_max(v);
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(MOE_CUDA_FULL_MASK, m, o);
+        const double s2 = __shfl_xor_sync(MOE_CUDA_FULL_MASK, s, o);
+        ce_merge<F>(m, s, m2, s2);
+    }
+    if (lane == 0) {
+        part_m[warp] = m;
+        part_s[warp] = s;
+    }
     __syncthreads();
-    if (lane == 0)
-        part[warp] = v;
-    __syncthreads();
-    float m = part[0];
-    for (int w = 1; w < MOE_CUDA_THREADS / 32; w++)
-        m = fmaxf(m, part[w]);
-    return m;
+    if (threadIdx.x == 0) {
+        m = part_m[0];
+        s = part_s[0];
+        for (int w = 1; w < MOE_CUDA_THREADS / 32; w++)
+            ce_merge<F>(m, s, part_m[w], part_s[w]);
+    }
+}
+
+/* One row of the forward (block n = blockIdx.x); V4: the row is read as float4. */
+template <typename F, bool V4>
+static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, const real *logits,
+                                                      const int32_t *targets, int V)
+{
+    const int n = blockIdx.x;
+    const real *l = logits + (size_t)n * V;
+    float m = -INFINITY;
+    double s = 0.0;
+    if (V4) {
+        const float4 *l4 = (const float4 *)l;
+        for (int c = threadIdx.x; c < V / 4; c += blockDim.x) {
+            const float4 x = l4[c];
+            ce_raise<F>(m, s, fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
+            s += ce_exp<F>(x.x, m);
+            s += ce_exp<F>(x.y, m);
+            s += ce_exp<F>(x.z, m);
+            s += ce_exp<F>(x.w, m);
+        }
+    } else {
+        for (int v = threadIdx.x; v < V; v += blockDim.x) {
+            const float x = l[v];
+            ce_raise<F>(m, s, x);
+            s += ce_exp<F>(x, m);
+        }
+    }
+    ce_block_merge<F>(m, s);
+    if (threadIdx.x == 0) {
+        const double r = (double)m + log(s);
+        lse[n] = (real)r;
+        losses[n] = (real)(r - l[targets[n]]);
+    }
 }
 
 template <typename F>
 static __global__ void cross_entropy_forward_kernel(real *losses, real *lse, const real *logits,
                                                     const int32_t *targets, int V)
 {
-    const int n = blockIdx.x;
-    const real *l = logits + (size_t)n * V;
-    float m = -INFINITY;
-    for (int v = threadIdx.x; v < V; v += blockDim.x)
-        m = fmaxf(m, l[v]);
-    m = block_max(m);
-    double sum = 0.0;
-    for (int v = threadIdx.x; v < V; v += blockDim.x)
-        sum += exp((F)l[v] - (F)m);
-    sum = moe_block_sum_d(sum);
-    if (threadIdx.x == 0) {
-        const double s = (double)m + log(sum);
-        lse[n] = (real)s;
-        losses[n] = (real)(s - l[targets[n]]);
-    }
+    ce_forward_row<F, false>(losses, lse, logits, targets, V);
+}
+
+template <typename F>
+static __global__ void cross_entropy_forward_v4(real *losses, real *lse, const real *logits,
+                                                const int32_t *targets, int V)
+{
+    ce_forward_row<F, true>(losses, lse, logits, targets, V);
 }
 
 extern "C" void cuda_cross_entropy_forward(real *losses, real *lse, const real *logits,
@@ -46,27 +119,73 @@ extern "C" void cuda_cross_entropy_forward(real *losses, real *lse, const real *
 {
     if (N <= 0 || V <= 0)
         return;
-    if (cuda_gemm_precision() == MOE_PREC_FP32)
-        MOE_CUDA_LAUNCH(cross_entropy_forward_kernel<double>, N, MOE_CUDA_THREADS, 0, losses, lse,
-                        logits, targets, V);
-    else
-        MOE_CUDA_LAUNCH(cross_entropy_forward_kernel<float>, N, MOE_CUDA_THREADS, 0, losses, lse,
-                        logits, targets, V);
+    const int v4 = V % 4 == 0 && aligned16(logits);
+    if (cuda_gemm_precision() == MOE_PREC_FP32) {
+        if (v4)
+            MOE_CUDA_LAUNCH(cross_entropy_forward_v4<double>, N, MOE_CUDA_THREADS, 0, losses, lse,
+                            logits, targets, V);
+        else
+            MOE_CUDA_LAUNCH(cross_entropy_forward_kernel<double>, N, MOE_CUDA_THREADS, 0, losses,
+                            lse, logits, targets, V);
+    } else {
+        if (v4)
+            MOE_CUDA_LAUNCH(cross_entropy_forward_v4<float>, N, MOE_CUDA_THREADS, 0, losses, lse,
+                            logits, targets, V);
+        else
+            MOE_CUDA_LAUNCH(cross_entropy_forward_kernel<float>, N, MOE_CUDA_THREADS, 0, losses,
+                            lse, logits, targets, V);
+    }
 }
 
-/* dlogits += dloss * (exp(logit - lse) - onehot(target)). */
+/* dloss * (exp(x - s) - hit) for one logit x of a row of lse s. */
+template <typename F>
+static __device__ __forceinline__ real ce_grad(real x, F s, int hit, real dloss)
+{
+    return (real)(dloss * (exp((F)x - s) - (F)hit));
+}
+
+/* dlogits = dloss * (exp(logit - lse) - onehot(target)) over one row (blockIdx.x), its
+ * columns (float4 groups when V4) spread over the blocks of blockIdx.y. No __restrict__:
+ * dlogits may be logits. */
+template <typename F, bool V4>
+static __device__ __forceinline__ void ce_backward_row(real *dlogits, const real *logits,
+                                                       const real *lse, const int32_t *targets,
+                                                       real dloss, int V)
+{
+    const int n = blockIdx.x;
+    const size_t row = (size_t)n * V;
+    const F s = (F)lse[n];
+    const int t = targets[n];
+    const int first = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
+    if (V4) {
+        const float4 *l4 = (const float4 *)(logits + row);
+        float4 *d4 = (float4 *)(dlogits + row);
+        for (int c = first; c < V / 4; c += stride) {
+            const float4 x = l4[c];
+            const int v = 4 * c;
+            d4[c] = make_float4(
+                ce_grad<F>(x.x, s, v == t, dloss), ce_grad<F>(x.y, s, v + 1 == t, dloss),
+                ce_grad<F>(x.z, s, v + 2 == t, dloss), ce_grad<F>(x.w, s, v + 3 == t, dloss));
+        }
+    } else {
+        for (int v = first; v < V; v += stride)
+            dlogits[row + v] = ce_grad<F>(logits[row + v], s, v == t, dloss);
+    }
+}
+
 template <typename F>
 static __global__ void cross_entropy_backward_kernel(real *dlogits, const real *logits,
                                                      const real *lse, const int32_t *targets,
-                                                     real dloss, int N, int V)
+                                                     real dloss, int V)
 {
-    MOE_CUDA_GRID_STRIDE(e, (size_t)N * V)
-    {
-        const size_t n = e / V;
-        const int v = (int)(e % V);
-        const F p = exp((F)logits[e] - (F)lse[n]) - (F)(v == targets[n]);
-        dlogits[e] += (real)(dloss * p);
-    }
+    ce_backward_row<F, false>(dlogits, logits, lse, targets, dloss, V);
+}
+
+template <typename F>
+static __global__ void cross_entropy_backward_v4(real *dlogits, const real *logits, const real *lse,
+                                                 const int32_t *targets, real dloss, int V)
+{
+    ce_backward_row<F, true>(dlogits, logits, lse, targets, dloss, V);
 }
 
 extern "C" void cuda_cross_entropy_backward(real *dlogits, const real *logits, const real *lse,
@@ -74,11 +193,23 @@ extern "C" void cuda_cross_entropy_backward(real *dlogits, const real *logits, c
 {
     if (N <= 0 || V <= 0)
         return;
-    const unsigned blocks = moe_cuda_blocks((size_t)N * V, MOE_CUDA_THREADS);
-    if (cuda_gemm_precision() == MOE_PREC_FP32)
-        MOE_CUDA_LAUNCH(cross_entropy_backward_kernel<double>, blocks, MOE_CUDA_THREADS, 0, dlogits,
-                        logits, lse, targets, dloss, N, V);
-    else
-        MOE_CUDA_LAUNCH(cross_entropy_backward_kernel<float>, blocks, MOE_CUDA_THREADS, 0, dlogits,
-                        logits, lse, targets, dloss, N, V);
+    const int v4 = V % 4 == 0 && aligned16(logits) && aligned16(dlogits);
+    const int cols = v4 ? V / 4 : V; /* items per row */
+    const unsigned per_row = (unsigned)((cols + MOE_CUDA_THREADS - 1) / MOE_CUDA_THREADS);
+    const dim3 grid((unsigned)N, per_row < 65535 ? per_row : 65535); /* grid.y <= 65535 */
+    if (cuda_gemm_precision() == MOE_PREC_FP32) {
+        if (v4)
+            MOE_CUDA_LAUNCH(cross_entropy_backward_v4<double>, grid, MOE_CUDA_THREADS, 0, dlogits,
+                            logits, lse, targets, dloss, V);
+        else
+            MOE_CUDA_LAUNCH(cross_entropy_backward_kernel<double>, grid, MOE_CUDA_THREADS, 0,
+                            dlogits, logits, lse, targets, dloss, V);
+    } else {
+        if (v4)
+            MOE_CUDA_LAUNCH(cross_entropy_backward_v4<float>, grid, MOE_CUDA_THREADS, 0, dlogits,
+                            logits, lse, targets, dloss, V);
+        else
+            MOE_CUDA_LAUNCH(cross_entropy_backward_kernel<float>, grid, MOE_CUDA_THREADS, 0,
+                            dlogits, logits, lse, targets, dloss, V);
+    }
 }

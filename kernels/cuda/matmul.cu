@@ -35,30 +35,43 @@ static cudaDataType_t operand_type(void)
     return prec == MOE_PREC_BF16 ? CUDA_R_16BF : prec == MOE_PREC_FP16 ? CUDA_R_16F : CUDA_R_32F;
 }
 
-__global__ void round_kernel(uint16_t *dst, const float *src, size_t n, int bf16)
+/* One float to its 16-bit pattern (bf16 or fp16), rounded to nearest even. */
+static __device__ __forceinline__ uint16_t round16(float x, int bf16)
 {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        if (bf16) {
-            __nv_bfloat16 v = __float2bfloat16(src[i]);
-            dst[i] = *(uint16_t *)&v;
-        } else {
-            __half v = __float2half(src[i]);
-            dst[i] = *(uint16_t *)&v;
-        }
+    return bf16 ? __bfloat16_as_ushort(__float2bfloat16(x)) : __half_as_ushort(__float2half(x));
+}
+
+/* dst[i] = src[i] rounded, one element per thread: any alignment and any n. */
+static __global__ void round_kernel(uint16_t *dst, const float *src, size_t n, int bf16)
+{
+    MOE_CUDA_GRID_STRIDE(i, n) { dst[i] = round16(src[i], bf16); }
+}
+
+/* The same over n4 groups of 4 elements: one 16-byte load and one 8-byte store each
+ * (element 0 in the low half of each word: little-endian). */
+static __global__ void round4_kernel(uint2 *dst, const float4 *src, size_t n4, int bf16)
+{
+    MOE_CUDA_GRID_STRIDE(i, n4)
+    {
+        const float4 v = src[i];
+        dst[i] = make_uint2(round16(v.x, bf16) | (uint32_t)round16(v.y, bf16) << 16,
+                            round16(v.z, bf16) | (uint32_t)round16(v.w, bf16) << 16);
     }
 }
 
+/* Rounds n fp32 values into dst: vectorized where src is 16-byte and dst 8-byte aligned
+ * and n % 4 == 0 (the runtime's buffers), else one element per thread. */
 static void round_into(uint16_t *dst, const real *src, size_t n)
 {
     if (n == 0)
         return;
-    size_t blocks = (n + 255) / 256;
-    if (blocks > 65535)
-        blocks = 65535;
-    round_kernel<<<(unsigned)blocks, 256, 0, moe_cuda_stream()>>>(dst, src, n,
-                                                                  prec == MOE_PREC_BF16);
-    MOE_CUDA_OK(cudaGetLastError());
+    const int bf16 = prec == MOE_PREC_BF16;
+    if (n % 4 == 0 && (uintptr_t)src % 16 == 0 && (uintptr_t)dst % 8 == 0)
+        MOE_CUDA_LAUNCH(round4_kernel, moe_cuda_blocks(n / 4, MOE_CUDA_THREADS), MOE_CUDA_THREADS,
+                        0, (uint2 *)dst, (const float4 *)src, n / 4, bf16);
+    else
+        MOE_CUDA_LAUNCH(round_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
+                        dst, src, n, bf16);
 }
 
 static int grouped_ready(void);

@@ -4,6 +4,8 @@
  * the rotation is bit-identical to it. */
 #include "kernels/cuda/cuda_common.cuh"
 
+static_assert(sizeof(real) == sizeof(float), "the float4 form reads real as float");
+
 static __global__ void rope_tables_kernel(real *cos_t, real *sin_t, int T, int Hd, double theta)
 {
     const int half = Hd / 2;
@@ -25,32 +27,84 @@ extern "C" void cuda_rope_tables(real *cos_t, real *sin_t, int T, int Hd, double
                     MOE_CUDA_THREADS, 0, cos_t, sin_t, T, Hd, theta);
 }
 
-/* x1' = x1 c - x2 s', x2' = x2 c + x1 s' with s' = dir * s: one thread per pair. */
-static __global__ void rope_rotate_kernel(real *x, const real *cos_t, const real *sin_t, int T,
-                                          int H, int Hd, size_t pairs, real dir)
+/* x1' = x1 c - x2 s', x2' = x2 c + x1 s' with s' = dir * s, for V consecutive pairs
+ * (i .. i+V-1, i + Hd/2 .. i + Hd/2 + V-1) of one head: V = 4 reads them with float4
+ * (x, cos_t and sin_t 16-byte aligned, Hd/2 % 4 == 0), V = 1 one float each. */
+template <int V> struct rope_vec {
+    float v[V];
+};
+
+template <int V> static __device__ __forceinline__ rope_vec<V> rope_load(const real *p)
 {
-    const int half = Hd / 2;
-    MOE_CUDA_GRID_STRIDE(e, pairs)
-    {
-        const size_t rh = e / half; /* row * H + head */
-        const int i = (int)(e % half);
-        const int t = (int)((rh / H) % T);
-        real *x1 = x + rh * Hd + i, *x2 = x1 + half;
-        const real c = cos_t[(size_t)t * half + i], sn = dir * sin_t[(size_t)t * half + i];
-        const real a = *x1, b = *x2;
-        *x1 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sn));
-        *x2 = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sn));
+    rope_vec<V> r;
+    if constexpr (V == 4) {
+        const float4 t = *(const float4 *)p;
+        r.v[0] = t.x, r.v[1] = t.y, r.v[2] = t.z, r.v[3] = t.w;
+    } else {
+        r.v[0] = *p;
+    }
+    return r;
+}
+
+template <int V> static __device__ __forceinline__ void rope_store(real *p, const rope_vec<V> &r)
+{
+    if constexpr (V == 4)
+        *(float4 *)p = make_float4(r.v[0], r.v[1], r.v[2], r.v[3]);
+    else
+        *p = r.v[0];
+}
+
+/* Block (tx, ty): ty rows of x (B*T rows of H heads of Hd) per block, tx threads over the
+ * H * (Hd/2)/V groups of a row, so the only divisions are 32-bit ones per group. */
+template <int V>
+static __global__ void rope_rotate_kernel(real *x, const real *cos_t, const real *sin_t, int rows,
+                                          int T, int H, int Hd, real dir)
+{
+    const int half = Hd / 2, groups = half / V;
+    const int row = blockIdx.x * blockDim.y + threadIdx.y;
+    if (row >= rows)
+        return;
+    const int t = row % T;
+    const real *ct = cos_t + (size_t)t * half, *st = sin_t + (size_t)t * half;
+    for (int j = threadIdx.x; j < H * groups; j += blockDim.x) {
+        const int head = j / groups, i = (j - head * groups) * V;
+        real *x1 = x + ((size_t)row * H + head) * Hd + i, *x2 = x1 + half;
+        const rope_vec<V> c = rope_load<V>(ct + i), s = rope_load<V>(st + i);
+        rope_vec<V> a = rope_load<V>(x1), b = rope_load<V>(x2);
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+            const real sn = dir * s.v[k], ak = a.v[k], bk = b.v[k];
+            a.v[k] = __fsub_rn(__fmul_rn(ak, c.v[k]), __fmul_rn(bk, sn));
+            b.v[k] = __fadd_rn(__fmul_rn(bk, c.v[k]), __fmul_rn(ak, sn));
+        }
+        rope_store<V>(x1, a);
+        rope_store<V>(x2, b);
     }
 }
+
+template <int V>
+static void rope_launch(real *x, const real *cos_t, const real *sin_t, int rows, int T, int H,
+                        int Hd, real dir)
+{
+    const int per_row = H * (Hd / 2 / V); /* groups of a row */
+    const int tx = per_row >= MOE_CUDA_THREADS ? MOE_CUDA_THREADS : (per_row + 31) / 32 * 32;
+    const int ty = MOE_CUDA_THREADS / tx;
+    MOE_CUDA_LAUNCH(rope_rotate_kernel<V>, (rows + ty - 1) / ty, dim3(tx, ty), 0, x, cos_t, sin_t,
+                    rows, T, H, Hd, dir);
+}
+
+static bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
 
 static void rope_rotate(real *x, const real *cos_t, const real *sin_t, int B, int T, int H, int Hd,
                         real dir)
 {
-    const size_t pairs = (size_t)B * T * H * (Hd / 2);
-    if (pairs == 0)
+    const int rows = B * T, half = Hd / 2;
+    if (rows <= 0 || H <= 0 || half <= 0)
         return;
-    MOE_CUDA_LAUNCH(rope_rotate_kernel, moe_cuda_blocks(pairs, MOE_CUDA_THREADS), MOE_CUDA_THREADS,
-                    0, x, cos_t, sin_t, T, H, Hd, pairs, dir);
+    if (half % 4 == 0 && aligned16(x) && aligned16(cos_t) && aligned16(sin_t))
+        rope_launch<4>(x, cos_t, sin_t, rows, T, H, Hd, dir);
+    else
+        rope_launch<1>(x, cos_t, sin_t, rows, T, H, Hd, dir);
 }
 
 extern "C" void cuda_rope_forward(real *x, const real *cos_t, const real *sin_t, int B, int T,

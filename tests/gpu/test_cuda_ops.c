@@ -861,27 +861,66 @@ static void test_exchange(int N, int E, int K, int P, int D, int capacity, const
 
 /* ---- loss ---------------------------------------------------------------------------- */
 
-static void test_cross_entropy(int N, int V, const char *name)
+/* A device copy of n floats, `off` floats into its block (off 1: not 16-byte aligned). */
+static float *devf_at(const float *h, size_t n, int off)
 {
+    float *d = (float *)dmem(sizeof(float) * (n + (size_t)off)) + off;
+    gpu->copy(d, h, sizeof(float) * n, MOE_COPY_H2D);
+    return d;
+}
+
+/* Forward and backward in fp32 mode (double exponentials) and in fp16 mode (float ones),
+ * the logits `loff` and dlogits `goff` floats past 16-byte alignment (a 1 takes the float
+ * path where V % 4 == 0 would load float4). neg_inf: row 0 is -inf but at its target,
+ * and in the other rows every fifth logit but the target is -inf. The backward overwrites
+ * (dlogits poisoned on both sides); its in-place form (dlogits == logits) must give the
+ * bits of the out-of-place one. */
+static void test_cross_entropy(int N, int V, int loff, int goff, int neg_inf, const char *name)
+{
+    static char label[160];
     const size_t NV = (size_t)N * V;
-    float *logits = frand(NV, -4, 4), *dlog_ = DEVF(logits, NV);
+    float *logits = frand(NV, -4, 4);
     int32_t *tg = irand(N, 0, V), *dtg = DEVI(tg, N);
-
-    begin("cross_entropy_forward", name);
-    float *loss = fnan(N), *lse = fnan(N), *dloss = DEVF(loss, N), *dlse = DEVF(lse, N);
-    cpu->cross_entropy_forward(loss, lse, logits, tg, N, V);
-    gpu->cross_entropy_forward(dloss, dlse, dlog_, dtg, N, V);
-    gpu_done();
-    check_f("losses", HOSTF(dloss, N), loss, N, 1, TIGHT);
-    check_f("lse", HOSTF(dlse, N), lse, N, 1, TIGHT);
-
-    begin("cross_entropy_backward", name);
-    float *g = frand(NV, -1, 1), *dg = DEVF(g, NV);
+    for (int n = 0; neg_inf && n < N; n++)
+        for (int v = 0; v < V; v++)
+            if (v != tg[n] && (n == 0 || v % 5 == 1))
+                logits[(size_t)n * V + v] = -INFINITY;
+    float *dlog_ = devf_at(logits, NV, loff);
     const float scale = 1.0f / (2.0f * (float)N);
+    float *loss = fnan(N), *lse = fnan(N), *g = fnan(NV);
+    cpu->cross_entropy_forward(loss, lse, logits, tg, N, V);
     cpu->cross_entropy_backward(g, logits, lse, tg, scale, N, V);
-    gpu->cross_entropy_backward(dg, dlog_, DEVF(lse, N), dtg, scale, N, V);
-    gpu_done();
-    check_f("dlogits", HOSTF(dg, NV), g, NV, V, TIGHT);
+    float *dlse_ref = DEVF(lse, N);
+
+    for (int mode = 0; mode < 2; mode++) {
+        const int fp32 = mode == 0;
+        snprintf(label, sizeof label, "%s, %s", name, fp32 ? "fp32" : "fp16 (float exp)");
+        begin("cross_entropy_forward", label);
+        if (!fp32 && gpu->set_precision(MOE_PREC_FP16, NULL, 0, 0) != MOE_OK) {
+            fail_now("set_precision fp16");
+            break;
+        }
+        /* fp32 mode: double exponentials as the reference, one rounding; fp16 mode: float
+         * exponentials (a few ulp each) of x - lse rounded in float */
+        const double rtol = fp32 ? 1e-6 : 2e-5;
+        float *dloss = DEVF(fnan(N), N), *dlse = DEVF(fnan(N), N);
+        gpu->cross_entropy_forward(dloss, dlse, dlog_, dtg, N, V);
+        gpu_done();
+        check_f("losses", HOSTF(dloss, N), loss, N, 1, fp32 ? 1e-6 : 1e-5, rtol);
+        check_f("lse", HOSTF(dlse, N), lse, N, 1, fp32 ? 1e-6 : 1e-5, rtol);
+
+        begin("cross_entropy_backward", label);
+        float *dg = devf_at(fnan(NV), NV, goff);
+        gpu->cross_entropy_backward(dg, dlog_, dlse_ref, dtg, scale, N, V);
+        float *dip = devf_at(logits, NV, loff);
+        gpu->cross_entropy_backward(dip, dip, dlse_ref, dtg, scale, N, V);
+        gpu_done();
+        const float *got = HOSTF(dg, NV);
+        check_f("dlogits", got, g, NV, V, 1e-6 * scale, rtol); /* values are O(scale) */
+        check_f("dlogits in place", HOSTF(dip, NV), got, NV, V, EXACT);
+    }
+    if (gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0) != MOE_OK)
+        fail_now("set_precision fp32");
     free_all();
 }
 
@@ -1085,10 +1124,16 @@ int main(void)
     test_exchange(1, 4, 2, 2, 5, -1, "one token");
     test_exchange(9, 4, 2, 2, 5, 0, "everything dropped");
 
-    test_cross_entropy(7, 13, "N=7 V=13");
-    test_cross_entropy(1, 5, "one token");
-    test_cross_entropy(512, 256, "tiny");
-    test_cross_entropy(3, 50257, "V=50257");
+    test_cross_entropy(7, 13, 0, 0, 0, "N=7 V=13");
+    test_cross_entropy(1, 5, 0, 0, 0, "one token");
+    test_cross_entropy(512, 256, 0, 0, 0, "tiny (float4)");
+    test_cross_entropy(3, 50257, 0, 0, 0, "V=50257");
+    test_cross_entropy(5, 32768, 0, 0, 0, "V=32768 (float4, 32 blocks a row)");
+    test_cross_entropy(9, 4, 0, 0, 0, "V=4 (one float4 a row)");
+    test_cross_entropy(33, 256, 1, 1, 0, "V=256 unaligned (float path)");
+    test_cross_entropy(33, 256, 0, 1, 0, "V=256, dlogits unaligned");
+    test_cross_entropy(6, 1000, 0, 0, 1, "-inf logits (float4)");
+    test_cross_entropy(6, 999, 0, 0, 1, "-inf logits");
 
     test_reductions(1, "n=1");
     test_reductions(1000, "n=1000");

@@ -222,8 +222,8 @@ static void check_attention(moe_precision p, const char *mode, double bound, int
 }
 
 /* The attention shapes of one precision: a tail tile (T = 200), one token, Hd = 128, a
- * padded head dim (Hd = 32) with dk NULL, and Hd = 40 (not a multiple of 16: fp32
- * kernels in every mode). */
+ * padded head dim (Hd = 32) with dk NULL, Hd = 40 (not a multiple of 16: fp32 kernels in
+ * every mode), and T = 700. */
 static void check_attention_mode(moe_precision p, const char *mode, double bound)
 {
     check_attention(p, mode, bound, 2, 200, 3, 64, 0);
@@ -231,6 +231,7 @@ static void check_attention_mode(moe_precision p, const char *mode, double bound
     check_attention(p, mode, bound, 2, 200, 3, 128, 0);
     check_attention(p, mode, bound, 1, 77, 2, 32, 1);
     check_attention(p, mode, bound, 1, 70, 2, 40, 0);
+    check_attention(p, mode, bound, 1, 700, 2, 64, 0); /* 11 tiles: long causal walks */
 }
 
 int main(void)
@@ -250,6 +251,11 @@ int main(void)
     if (cc >= 80) {
         check_mode(MOE_PREC_BF16, "bf16", 1e-2);
         check_attention_mode(MOE_PREC_BF16, "bf16", 1e-2);
+        /* the wmma kernels of sm_75, which sm_80 and later replace by mma.sync */
+        setenv("MOE_ATTENTION", "wmma", 1);
+        check_attention_mode(MOE_PREC_FP16, "fp16 wmma", 5e-3);
+        check_attention_mode(MOE_PREC_BF16, "bf16 wmma", 1e-2);
+        unsetenv("MOE_ATTENTION");
     } else {
         moe_status st = gpu->set_precision(MOE_PREC_BF16, NULL, 0, 0);
         report("bf16 refused below sm_80", "bf16", st == MOE_ERR_INVALID ? 0.0 : 1.0, 0.0);

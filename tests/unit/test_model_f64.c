@@ -11,6 +11,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "runtime/config.h"
@@ -102,6 +103,23 @@ static void check_case(const model_case *c)
         assert_true(fs.dropped > 0); /* the case must really drop assignments */
     memset(m->grads, 0, sizeof(double) * m->n_params);
     assert_int_equal(moe_model_backward(m, S), MOE_OK);
+
+    /* the LM head's backward run inside the forward (as the trainer does) gives the same
+     * gradients, bit for bit */
+    double *unfused = malloc(sizeof(double) * m->n_params);
+    assert_non_null(unfused);
+    memcpy(unfused, m->grads, sizeof(double) * m->n_params);
+    memset(m->grads, 0, sizeof(double) * m->n_params);
+    moe_model_fuse_head(m, S);
+    step_loss(m, tokens, S, &fs);
+    assert_int_equal(moe_model_backward(m, S), MOE_OK);
+    size_t differ = 0;
+    for (size_t i = 0; i < m->n_params; i++)
+        differ += m->grads[i] != unfused[i];
+    printf("  %s: LM head fused into the forward: %zu of %zu gradients differ\n", c->name, differ,
+           m->n_params);
+    assert_int_equal(differ, 0);
+    free(unfused);
 
     int bad = 0, checked = 0;
     const double eps = 1e-5;
@@ -210,6 +228,10 @@ static void test_detects_wrong_gradient(void **state)
     assert_true(isfinite(l0));
     assert_true(fabs(m->grads[j] - fd) <= 1e-8 + 1e-5 * fabs(fd));
     assert_false(fabs(m->grads[j] * 1.001 - fd) <= 1e-8 + 1e-5 * fabs(fd));
+    /* a backward for another step size than the fused forward's is refused */
+    moe_model_fuse_head(m, 2);
+    step_loss(m, tokens, 2, &fs);
+    assert_int_equal(moe_model_backward(m, 3), MOE_ERR_INVALID);
     moe_model_destroy(m);
 }
 

@@ -1,8 +1,9 @@
 /* tests/unit/test_ops.c: properties of the float CPU reference (moe_core) with expected
  * values worked out by hand here, not by the code under test: the routing plan (order,
  * capacity drops, ties, groups), router top-k, attention causality, rope's convention,
- * cross-entropy, AdamW, all_finite, matmul against a naive loop, small forwards, and
- * bitwise determinism across thread counts. Gradients are checked in test_ops_f64.c. */
+ * cross-entropy (and its backward's overwrite, in place too), AdamW, all_finite, matmul against a
+ * naive loop, small forwards, and bitwise determinism across thread counts. Gradients are checked
+ * in test_ops_f64.c. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -402,6 +403,48 @@ static void test_cross_entropy_forward(void **state)
     assert_true(fabs(losses[2] - log(5.0)) < 1e-6); /* uniform logits: log V */
 }
 
+/* The backward overwrites dlogits (pre-filled with nonzero values) with dloss * (softmax -
+ * onehot), the softmax taken here directly (exp / sum of exp, not through lse); the
+ * in-place form (dlogits == logits) gives the same bits. N*V of the second shape is above
+ * the reference's threshold for threads. */
+static void check_cross_entropy_backward(int N, int V)
+{
+    const size_t NV = (size_t)N * V;
+    real *logits = alloc_fill(NV, 30), *dl = alloc_fill(NV, 31);
+    for (size_t i = 0; i < NV; i++)
+        logits[i] *= 4; /* in [-4, 4] */
+    int32_t *targets = malloc(sizeof(int32_t) * N);
+    real *losses = malloc(sizeof(real) * N), *lse = malloc(sizeof(real) * N);
+    double *want = malloc(sizeof(double) * NV);
+    assert_true(targets && losses && lse && want);
+    for (int n = 0; n < N; n++)
+        targets[n] = (int32_t)(moe_rng_u64(7, 32, n) % (uint64_t)V);
+    const real dloss = 0.37f;
+    for (int n = 0; n < N; n++) {
+        const real *l = logits + (size_t)n * V;
+        double s = 0.0;
+        for (int v = 0; v < V; v++)
+            s += exp((double)l[v]);
+        for (int v = 0; v < V; v++)
+            want[(size_t)n * V + v] = dloss * (exp((double)l[v]) / s - (v == targets[n]));
+    }
+    cross_entropy_forward(losses, lse, logits, targets, N, V);
+    cross_entropy_backward(dl, logits, lse, targets, dloss, N, V);
+    assert_true(close_to("dlogits", dl, want, NV, 1e-7, 1e-5));
+
+    real *inplace = copy_of(logits, NV);
+    cross_entropy_backward(inplace, inplace, lse, targets, dloss, N, V);
+    assert_memory_equal(inplace, dl, NV * sizeof(real));
+    free(logits), free(dl), free(targets), free(losses), free(lse), free(want), free(inplace);
+}
+
+static void test_cross_entropy_backward(void **state)
+{
+    (void)state;
+    check_cross_entropy_backward(5, 37);
+    check_cross_entropy_backward(64, 1031);
+}
+
 /* The multi-tensor step equals the per-tensor step on each segment, with its own weight
  * decay; a gradient scale of 0.5 (exact in float) equals halving the gradients first. */
 static void test_adamw_update_multi(void **state)
@@ -678,6 +721,7 @@ int main(void)
         cmocka_unit_test(test_attention_t1),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_cross_entropy_forward),
+        cmocka_unit_test(test_cross_entropy_backward),
         cmocka_unit_test(test_adamw_update),
         cmocka_unit_test(test_adamw_update_multi),
         cmocka_unit_test(test_all_finite),
