@@ -579,7 +579,11 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
      * counts; the host copies back at most the router's partials */
     {
         const size_t items = (size_t)m->Rmax * m->K + (size_t)m->Nc * m->K + (size_t)m->Nc;
-        const size_t dev = 64 * items + ((size_t)16 << 20);
+        const size_t ops = 64 * items + ((size_t)16 << 20);
+        /* attention's backward on sm_80+: 16-bit copies of q, k, v, dout after its row sums */
+        const size_t att = 4 * sizeof(uint16_t) * (size_t)m->Nc * m->D +
+                           sizeof(float) * (size_t)m->Nc * m->H + 256;
+        const size_t dev = ops > att ? ops : att;
         const size_t host = sizeof(double) * router_aux_part_len(m->Nc, m->E) + ((size_t)1 << 20);
         MOE_CHECK_GOTO(st, be->reserve(dev, host));
     }

@@ -27,7 +27,8 @@ static int flash_forward(real *out, real *lse, const real *q, const real *k, con
                          int T, int H, int Hd);
 static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                           const float *dsum, const real *q, const real *k, const real *v, int B,
-                          int T, int H, int Hd);
+                          int T, int H, int Hd, uint16_t *c16);
+static size_t flash_backward_copies(int B, int T, int H, int Hd);
 
 #define ATT_WARPS 8 /* queries (forward, dq) or keys (dk, dv) per block */
 #define ATT_TILE 32 /* keys (or queries) per shared tile: one per lane */
@@ -287,14 +288,17 @@ extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real
 {
     if (B <= 0 || T <= 0 || H <= 0 || Hd <= 0 || (!dq && !dk && !dv) || !head_dim_ok(Hd))
         return;
-    const size_t rows = (size_t)B * H * T;
-    float *dsum = (float *)moe_cuda_scratch(sizeof(float) * rows);
-    if (!dsum)
+    const size_t rows = (size_t)B * H * T, dsum_bytes = (sizeof(float) * rows + 255) / 256 * 256;
+    const size_t copies = flash_backward_copies(B, T, H, Hd); /* after dsum, in the scratch */
+    char *scratch = (char *)moe_cuda_scratch(dsum_bytes + sizeof(uint16_t) * copies);
+    if (!scratch)
         return;
+    float *dsum = (float *)scratch;
+    uint16_t *c16 = copies ? (uint16_t *)(scratch + dsum_bytes) : NULL;
     const float scale = (float)(1.0 / sqrt((double)Hd));
     MOE_CUDA_LAUNCH(attention_dsum_kernel, (unsigned)((rows + ATT_WARPS - 1) / ATT_WARPS),
                     ATT_THREADS, 0, dsum, dout, out, B, T, H, Hd);
-    if (flash_backward(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd))
+    if (flash_backward(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16))
         return;
     const dim3 grid((T + ATT_WARPS - 1) / ATT_WARPS, H, B);
     const size_t tile = (size_t)ATT_TILE * (Hd + 1), rowsmem = (size_t)ATT_WARPS * Hd;
@@ -775,9 +779,11 @@ static __global__ void __launch_bounds__(FA_THREADS)
  * l / 4 and l / 4 + 8 at columns 2 (l % 4) + {0, 1}, which is, rounded in pairs, the A
  * operand of the next product. A lane thus owns 2 of its warp's 16 rows, whose statistics
  * 4 lanes share (two shuffles), and the warp's A operands (Q, dO; K, V in dk/dv) are loaded
- * once per block. No scratch, so no shared-memory round trip per tile. sm_75 has no 16x8x16
- * shape: it keeps the wmma kernels (MOE_ATTENTION=wmma selects them on any GPU, so their
- * tests run on the newer ones too). */
+ * once per block. No scratch, so no shared-memory round trip per tile. The kernels read
+ * 16-bit copies of q, k, v (and dout) made by one rounding pass each in the backend's
+ * scratch, so tiles arrive by cp.async, the next tile's copy running while the current one
+ * is used (two buffers). sm_75 has no 16x8x16 shape (nor cp.async): it keeps the wmma
+ * kernels (MOE_ATTENTION=wmma selects them on any GPU, so their tests run there too). */
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define FM_SKIP 1
@@ -908,17 +914,56 @@ static __device__ __forceinline__ void fm_add_rows(real *g, size_t ld, int row0,
     }
 }
 
-static size_t fm_forward_smem(int HD) { return sizeof(uint16_t) * 3 * FA_ROWS * (HD + FA_PAD); }
-static size_t fm_backward_smem(int HD)
+/* Rows [r0, r0 + 64) of a 16-bit (sequence, head) slice (row stride ld, Hd columns) into
+ * shared memory (row stride HD + FA_PAD) by cp.async of 16 bytes, zero past T and past Hd;
+ * the caller commits the group. */
+template <class T16, int HD>
+static __device__ __forceinline__ void fm_stage(T16 *dst, const T16 *src, size_t ld, int r0, int T,
+                                                int Hd)
 {
-    return sizeof(uint16_t) * 4 * FA_ROWS * (HD + FA_PAD) + sizeof(float) * 2 * FA_ROWS;
+#if !FM_SKIP
+    constexpr int C8 = HD / 8;
+    for (int e = threadIdx.x; e < FA_ROWS * C8; e += FA_THREADS) {
+        const int r = e / C8, c = (e % C8) * 8, row = r0 + r;
+        const int in = row < T && c < Hd;
+        const T16 *s = in ? src + (size_t)row * ld + c : src; /* zero-filled: 0 bytes read */
+        const unsigned d = (unsigned)__cvta_generic_to_shared(dst + r * (HD + FA_PAD) + c);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(s),
+                     "r"(in ? 16 : 0));
+    }
+#endif
 }
 
-/* As flash_forward_kernel. */
+static __device__ __forceinline__ void fm_commit(void)
+{
+#if !FM_SKIP
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+/* Waits for every committed cp.async of this thread (the caller then synchronises). */
+static __device__ __forceinline__ void fm_wait_all(void)
+{
+#if !FM_SKIP
+    asm volatile("cp.async.wait_group 0;\n" ::);
+#endif
+}
+
+/* Shared memory: forward Q + 2 x (K, V); backward 2 fixed tiles + 2 x 2 walked tiles (and
+ * 2 x 2 x 64 row statistics in dk/dv). */
+static size_t fm_tile_bytes(int HD) { return sizeof(uint16_t) * FA_ROWS * (HD + FA_PAD); }
+static size_t fm_forward_smem(int HD) { return 5 * fm_tile_bytes(HD); }
+static size_t fm_backward_smem(int HD)
+{
+    return 6 * fm_tile_bytes(HD) + sizeof(float) * 4 * FA_ROWS;
+}
+
+/* As flash_forward_kernel, from 16-bit copies of q, k, v; the next key tile is copied in
+ * while the current one is used. */
 template <class T16, int HD>
 static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
-    fm_forward_kernel(real *out, real *lse, const real *q, const real *k, const real *v, int T,
-                      int H, int Hd, float sl2)
+    fm_forward_kernel(real *out, real *lse, const T16 *q, const T16 *k, const T16 *v, int T, int H,
+                      int Hd, float sl2)
 {
     if constexpr (FM_SKIP) {
         __trap();
@@ -926,12 +971,16 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
         constexpr int LD = HD + FA_PAD;
         extern __shared__ __align__(128) unsigned char fa_sm[];
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
-        T16 *Qs = (T16 *)fa_sm, *Ks = Qs + FA_ROWS * LD, *Vs = Ks + FA_ROWS * LD;
+        T16 *Qs = (T16 *)fa_sm, *KV = Qs + FA_ROWS * LD; /* KV: K0, V0, K1, V1 */
         const int bh = blockIdx.x, b = bh / H, h = bh % H;
         const int q0 = (gridDim.y - 1 - blockIdx.y) * FA_ROWS, first = q0 + 16 * warp;
         const int row[2] = {first + (lane >> 2), first + (lane >> 2) + 8}; /* the lane's queries */
         const size_t ld = (size_t)H * Hd, base = (size_t)b * T * ld + (size_t)h * Hd;
-        fa_stage<T16, HD>(Qs, q + base, ld, q0, T, Hd);
+        fm_stage<T16, HD>(Qs, q + base, ld, q0, T, Hd);
+        fm_stage<T16, HD>(KV, k + base, ld, 0, T, Hd);
+        fm_stage<T16, HD>(KV + FA_ROWS * LD, v + base, ld, 0, T, Hd);
+        fm_commit();
+        fm_wait_all();
         __syncthreads();
         unsigned qa[HD / 16][4];
         fm_load_a<T16, HD>(qa, Qs + 16 * warp * LD, lane);
@@ -942,50 +991,55 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
             for (int e = 0; e < 4; e++)
                 o[n][e] = 0.f;
         const int kend = min(T, q0 + FA_ROWS);
-        for (int j0 = 0; j0 < kend; j0 += FA_ROWS) {
-            __syncthreads(); /* the previous tile is used up */
-            fa_stage<T16, HD>(Ks, k + base, ld, j0, T, Hd);
-            fa_stage<T16, HD>(Vs, v + base, ld, j0, T, Hd);
-            __syncthreads();
-            if (j0 > first + 15)
-                continue; /* warp-uniform: every key of the tile is after the warp's rows */
-            float s[8][4];
-            fm_scores<T16, HD>(s, qa, Ks, lane);
-            /* key j0 <= q0 <= row is always in, so mx and mnew are finite */
-            float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-            for (int n = 0; n < 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int j = j0 + 8 * n + 2 * quad + (e & 1), r = e >> 1;
-                    s[n][e] = j <= row[r] && j < T ? s[n][e] * sl2 : -INFINITY;
-                    mx[r] = fmaxf(mx[r], s[n][e]);
-                }
-            float corr[2], sum[2] = {0.f, 0.f};
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx[r], 2));
-                const float mnew = fmaxf(m[r], mx[r]);
-                corr[r] = exp2f(m[r] - mnew); /* 0 on the first tile */
-                m[r] = mnew;
+        for (int j0 = 0, t = 0; j0 < kend; j0 += FA_ROWS, t ^= 1) {
+            const T16 *Ks = KV + 2 * t * FA_ROWS * LD, *Vs = Ks + FA_ROWS * LD;
+            if (j0 + FA_ROWS < kend) { /* the next tile into the other buffer */
+                T16 *nk = KV + 2 * (t ^ 1) * FA_ROWS * LD;
+                fm_stage<T16, HD>(nk, k + base, ld, j0 + FA_ROWS, T, Hd);
+                fm_stage<T16, HD>(nk + FA_ROWS * LD, v + base, ld, j0 + FA_ROWS, T, Hd);
+                fm_commit();
             }
+            if (j0 <= first + 15) { /* warp-uniform: else every key is after the warp's rows */
+                float s[8][4];
+                fm_scores<T16, HD>(s, qa, Ks, lane);
+                /* key j0 <= q0 <= row is always in, so mx and mnew are finite */
+                float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int n = 0; n < 8; n++)
+                for (int n = 0; n < 8; n++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    s[n][e] = exp2f(s[n][e] - m[e >> 1]); /* masked: exp2(-inf) = 0 */
-                    sum[e >> 1] += s[n][e];
+                    for (int e = 0; e < 4; e++) {
+                        const int j = j0 + 8 * n + 2 * quad + (e & 1), r = e >> 1;
+                        s[n][e] = j <= row[r] && j < T ? s[n][e] * sl2 : -INFINITY;
+                        mx[r] = fmaxf(mx[r], s[n][e]);
+                    }
+                float corr[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx[r], 1));
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx[r], 2));
+                    const float mnew = fmaxf(m[r], mx[r]);
+                    corr[r] = exp2f(m[r] - mnew); /* 0 on the first tile */
+                    m[r] = mnew;
                 }
 #pragma unroll
-            for (int r = 0; r < 2; r++)
-                l[r] = l[r] * corr[r] + sum[r]; /* the lane's share; summed over 4 at the end */
+                for (int n = 0; n < 8; n++)
 #pragma unroll
-            for (int n = 0; n < HD / 8; n++)
+                    for (int e = 0; e < 4; e++) {
+                        s[n][e] = exp2f(s[n][e] - m[e >> 1]); /* masked: exp2(-inf) = 0 */
+                        sum[e >> 1] += s[n][e];
+                    }
 #pragma unroll
-                for (int e = 0; e < 4; e++)
-                    o[n][e] *= corr[e >> 1];
-            fm_pv<T16, HD>(o, s, Vs, lane);
+                for (int r = 0; r < 2; r++)
+                    l[r] = l[r] * corr[r] + sum[r]; /* the lane's share; summed over 4 at the end */
+#pragma unroll
+                for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        o[n][e] *= corr[e >> 1];
+                fm_pv<T16, HD>(o, s, Vs, lane);
+            }
+            fm_wait_all();
+            __syncthreads(); /* this tile is used up, the next one is in */
         }
 #pragma unroll
         for (int r = 0; r < 2; r++) {
@@ -1006,11 +1060,11 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
     }
 }
 
-/* As flash_dq_kernel. */
+/* As flash_dq_kernel, from 16-bit copies of q, k, v, dout; K and V tiles double-buffered. */
 template <class T16, int HD>
 static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
-    fm_dq_kernel(real *dq, const real *dout, const real *lse, const float *dsum, const real *q,
-                 const real *k, const real *v, int T, int H, int Hd, float scale, float sl2)
+    fm_dq_kernel(real *dq, const T16 *dout, const real *lse, const float *dsum, const T16 *q,
+                 const T16 *k, const T16 *v, int T, int H, int Hd, float scale, float sl2)
 {
     if constexpr (FM_SKIP) {
         __trap();
@@ -1018,20 +1072,23 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
         constexpr int LD = HD + FA_PAD;
         extern __shared__ __align__(128) unsigned char fa_sm[];
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
-        T16 *Qs = (T16 *)fa_sm, *Gs = Qs + FA_ROWS * LD, *Ks = Gs + FA_ROWS * LD,
-            *Vs = Ks + FA_ROWS * LD;
+        T16 *Qs = (T16 *)fa_sm, *Gs = Qs + FA_ROWS * LD, *KV = Gs + FA_ROWS * LD;
         const int bh = blockIdx.x, b = bh / H, h = bh % H;
         const int q0 = (gridDim.y - 1 - blockIdx.y) * FA_ROWS, first = q0 + 16 * warp;
         const int row[2] = {first + (lane >> 2), first + (lane >> 2) + 8};
         const size_t ld = (size_t)H * Hd, base = (size_t)b * T * ld + (size_t)h * Hd;
-        fa_stage<T16, HD>(Qs, q + base, ld, q0, T, Hd);
-        fa_stage<T16, HD>(Gs, dout + base, ld, q0, T, Hd);
+        fm_stage<T16, HD>(Qs, q + base, ld, q0, T, Hd);
+        fm_stage<T16, HD>(Gs, dout + base, ld, q0, T, Hd);
+        fm_stage<T16, HD>(KV, k + base, ld, 0, T, Hd);
+        fm_stage<T16, HD>(KV + FA_ROWS * LD, v + base, ld, 0, T, Hd);
+        fm_commit();
         float lse2[2], Di[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             lse2[r] = row[r] < T ? lse[(size_t)bh * T + row[r]] * FA_LOG2E : 0.f;
             Di[r] = row[r] < T ? dsum[(size_t)bh * T + row[r]] : 0.f;
         }
+        fm_wait_all();
         __syncthreads();
         unsigned qa[HD / 16][4], ga[HD / 16][4];
         fm_load_a<T16, HD>(qa, Qs + 16 * warp * LD, lane);
@@ -1043,39 +1100,45 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
             for (int e = 0; e < 4; e++)
                 acc[n][e] = 0.f;
         const int kend = min(T, q0 + FA_ROWS);
-        for (int j0 = 0; j0 < kend; j0 += FA_ROWS) {
+        for (int j0 = 0, t = 0; j0 < kend; j0 += FA_ROWS, t ^= 1) {
+            const T16 *Ks = KV + 2 * t * FA_ROWS * LD, *Vs = Ks + FA_ROWS * LD;
+            if (j0 + FA_ROWS < kend) {
+                T16 *nk = KV + 2 * (t ^ 1) * FA_ROWS * LD;
+                fm_stage<T16, HD>(nk, k + base, ld, j0 + FA_ROWS, T, Hd);
+                fm_stage<T16, HD>(nk + FA_ROWS * LD, v + base, ld, j0 + FA_ROWS, T, Hd);
+                fm_commit();
+            }
+            if (j0 <= first + 15) { /* warp-uniform */
+                float p[8][4], dp[8][4];
+                fm_scores<T16, HD>(p, qa, Ks, lane);
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int j = j0 + 8 * n + 2 * quad + (e & 1), r = e >> 1;
+                        p[n][e] = j <= row[r] && row[r] < T ? exp2f(p[n][e] * sl2 - lse2[r]) : 0.f;
+                    }
+                fm_scores<T16, HD>(dp, ga, Vs, lane); /* dP = dO V^T */
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        p[n][e] *= dp[n][e] - Di[e >> 1]; /* dS */
+                fm_pv<T16, HD>(acc, p, Ks, lane);         /* dQ += dS K */
+            }
+            fm_wait_all();
             __syncthreads();
-            fa_stage<T16, HD>(Ks, k + base, ld, j0, T, Hd);
-            fa_stage<T16, HD>(Vs, v + base, ld, j0, T, Hd);
-            __syncthreads();
-            if (j0 > first + 15)
-                continue; /* warp-uniform */
-            float p[8][4], dp[8][4];
-            fm_scores<T16, HD>(p, qa, Ks, lane);
-#pragma unroll
-            for (int n = 0; n < 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int j = j0 + 8 * n + 2 * quad + (e & 1), r = e >> 1;
-                    p[n][e] = j <= row[r] && row[r] < T ? exp2f(p[n][e] * sl2 - lse2[r]) : 0.f;
-                }
-            fm_scores<T16, HD>(dp, ga, Vs, lane); /* dP = dO V^T */
-#pragma unroll
-            for (int n = 0; n < 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    p[n][e] *= dp[n][e] - Di[e >> 1]; /* dS */
-            fm_pv<T16, HD>(acc, p, Ks, lane);         /* dQ += dS K */
         }
         fm_add_rows<HD>(dq + base, ld, first, T, Hd, scale, acc, lane);
     }
 }
 
-/* As flash_dkv_kernel: a warp's 16 keys against each query tile, S^T = K Q^T. */
+/* As flash_dkv_kernel, from 16-bit copies: a warp's 16 keys against each query tile,
+ * S^T = K Q^T; the Q, dO tiles and their row statistics double-buffered. */
 template <class T16, int HD>
 static __global__ void __launch_bounds__(FA_THREADS, 2)
-    fm_dkv_kernel(real *dk, real *dv, const real *dout, const real *lse, const float *dsum,
-                  const real *q, const real *k, const real *v, int T, int H, int Hd, float scale,
+    fm_dkv_kernel(real *dk, real *dv, const T16 *dout, const real *lse, const float *dsum,
+                  const T16 *q, const T16 *k, const T16 *v, int T, int H, int Hd, float scale,
                   float sl2)
 {
     if constexpr (FM_SKIP) {
@@ -1084,15 +1147,23 @@ static __global__ void __launch_bounds__(FA_THREADS, 2)
         constexpr int LD = HD + FA_PAD;
         extern __shared__ __align__(128) unsigned char fa_sm[];
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
-        T16 *Ks = (T16 *)fa_sm, *Vs = Ks + FA_ROWS * LD, *Qs = Vs + FA_ROWS * LD,
-            *Gs = Qs + FA_ROWS * LD;
-        float *ls = (float *)(Gs + FA_ROWS * LD), *Ds = ls + FA_ROWS; /* lse * log2e, Di */
+        T16 *Ks = (T16 *)fa_sm, *Vs = Ks + FA_ROWS * LD, *QG = Vs + FA_ROWS * LD; /* Q0 G0 Q1 G1 */
+        float *st = (float *)(QG + 4 * FA_ROWS * LD); /* per buffer: lse * log2e (64), Di (64) */
         const int bh = blockIdx.x, b = bh / H, h = bh % H;
         const int j0 = blockIdx.y * FA_ROWS, first = j0 + 16 * warp;
         const int key[2] = {first + (lane >> 2), first + (lane >> 2) + 8}; /* the lane's keys */
         const size_t ld = (size_t)H * Hd, base = (size_t)b * T * ld + (size_t)h * Hd;
-        fa_stage<T16, HD>(Ks, k + base, ld, j0, T, Hd);
-        fa_stage<T16, HD>(Vs, v + base, ld, j0, T, Hd);
+        fm_stage<T16, HD>(Ks, k + base, ld, j0, T, Hd);
+        fm_stage<T16, HD>(Vs, v + base, ld, j0, T, Hd);
+        fm_stage<T16, HD>(QG, q + base, ld, j0, T, Hd);
+        fm_stage<T16, HD>(QG + FA_ROWS * LD, dout + base, ld, j0, T, Hd);
+        fm_commit();
+        if (threadIdx.x < FA_ROWS) {
+            const int i = j0 + threadIdx.x;
+            st[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * FA_LOG2E : 0.f;
+            st[FA_ROWS + threadIdx.x] = i < T ? dsum[(size_t)bh * T + i] : 0.f;
+        }
+        fm_wait_all();
         __syncthreads();
         unsigned ka[HD / 16][4], va[HD / 16][4];
         fm_load_a<T16, HD>(ka, Ks + 16 * warp * LD, lane);
@@ -1103,16 +1174,23 @@ static __global__ void __launch_bounds__(FA_THREADS, 2)
 #pragma unroll
             for (int e = 0; e < 4; e++)
                 dka[n][e] = dva[n][e] = 0.f;
-        for (int i0 = j0; i0 < T; i0 += FA_ROWS) {
-            __syncthreads();
-            fa_stage<T16, HD>(Qs, q + base, ld, i0, T, Hd);
-            fa_stage<T16, HD>(Gs, dout + base, ld, i0, T, Hd);
-            if (threadIdx.x < FA_ROWS) {
-                const int i = i0 + threadIdx.x;
-                ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * FA_LOG2E : 0.f;
-                Ds[threadIdx.x] = i < T ? dsum[(size_t)bh * T + i] : 0.f;
+        for (int i0 = j0, t = 0; i0 < T; i0 += FA_ROWS, t ^= 1) {
+            const T16 *Qs = QG + 2 * t * FA_ROWS * LD, *Gs = Qs + FA_ROWS * LD;
+            const float *ls = st + 2 * t * FA_ROWS, *Ds = ls + FA_ROWS;
+            if (i0 + FA_ROWS < T) { /* the next query tile into the other buffer */
+                const int n0 = i0 + FA_ROWS;
+                T16 *nq = QG + 2 * (t ^ 1) * FA_ROWS * LD;
+                fm_stage<T16, HD>(nq, q + base, ld, n0, T, Hd);
+                fm_stage<T16, HD>(nq + FA_ROWS * LD, dout + base, ld, n0, T, Hd);
+                fm_commit();
+                if (threadIdx.x < FA_ROWS) {
+                    float *ns = st + 2 * (t ^ 1) * FA_ROWS;
+                    const int i = n0 + threadIdx.x;
+                    ns[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * FA_LOG2E : 0.f;
+                    ns[FA_ROWS + threadIdx.x] = i < T ? dsum[(size_t)bh * T + i] : 0.f;
+                }
             }
-            __syncthreads();
+            /* i0 >= j0 and first <= j0 + 48: the tile always has queries i >= a warp key */
             float p[8][4], dp[8][4];
             fm_scores<T16, HD>(p, ka, Qs, lane); /* S^T: keys x queries */
 #pragma unroll
@@ -1130,6 +1208,8 @@ static __global__ void __launch_bounds__(FA_THREADS, 2)
                     dp[n][e] = p[n][e] * (dp[n][e] - Ds[8 * n + 2 * quad + (e & 1)]); /* dS^T */
             fm_pv<T16, HD>(dva, p, Gs, lane);  /* dV += P^T dO */
             fm_pv<T16, HD>(dka, dp, Qs, lane); /* dK += dS^T Q */
+            fm_wait_all();
+            __syncthreads();
         }
         fm_add_rows<HD>(dv ? dv + base : NULL, ld, first, T, Hd, 1.f, dva, lane);
         fm_add_rows<HD>(dk ? dk + base : NULL, ld, first, T, Hd, scale, dka, lane);
@@ -1200,69 +1280,104 @@ template <class T16, int HD, int FM>
 static void flash_forward_run(real *out, real *lse, const real *q, const real *k, const real *v,
                               int B, int T, int H, int Hd)
 {
-    void (*kernel)(real *, real *, const real *, const real *, const real *, int, int, int, float) =
-        FM ? fm_forward_kernel<T16, HD> : flash_forward_kernel<T16, HD>;
-    const size_t smem = FM ? fm_forward_smem(HD) : fa_forward_smem(HD);
-    if (!fa_smem((const void *)kernel, smem))
-        return;
     const dim3 grid((unsigned)(B * H), (unsigned)((T + FA_ROWS - 1) / FA_ROWS));
-    MOE_CUDA_LAUNCH(kernel, grid, FA_THREADS, smem, out, lse, q, k, v, T, H, Hd,
-                    (float)(1.4426950408889634 / sqrt((double)Hd)));
+    const float sl2 = (float)(1.4426950408889634 / sqrt((double)Hd));
+    if constexpr (FM) { /* from 16-bit copies of q, k, v in the scratch */
+        void (*kernel)(real *, real *, const T16 *, const T16 *, const T16 *, int, int, int,
+                       float) = fm_forward_kernel<T16, HD>;
+        const size_t n = (size_t)B * T * H * Hd, smem = fm_forward_smem(HD);
+        uint16_t *c = (uint16_t *)moe_cuda_scratch(sizeof(uint16_t) * 3 * n);
+        if (!c || !fa_smem((const void *)kernel, smem))
+            return;
+        cuda_round_operand(c, q, n);
+        cuda_round_operand(c + n, k, n);
+        cuda_round_operand(c + 2 * n, v, n);
+        MOE_CUDA_LAUNCH(kernel, grid, FA_THREADS, smem, out, lse, (const T16 *)c,
+                        (const T16 *)(c + n), (const T16 *)(c + 2 * n), T, H, Hd, sl2);
+    } else {
+        void (*kernel)(real *, real *, const real *, const real *, const real *, int, int, int,
+                       float) = flash_forward_kernel<T16, HD>;
+        const size_t smem = fa_forward_smem(HD);
+        if (!fa_smem((const void *)kernel, smem))
+            return;
+        MOE_CUDA_LAUNCH(kernel, grid, FA_THREADS, smem, out, lse, q, k, v, T, H, Hd, sl2);
+    }
 }
 
+/* c16: room for 4 x B*T*H*Hd 16-bit values (the FM kernels' copies of q, k, v, dout). */
 template <class T16, int HD, int FM>
 static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                                const float *dsum, const real *q, const real *k, const real *v,
-                               int B, int T, int H, int Hd)
+                               int B, int T, int H, int Hd, uint16_t *c16)
 {
-    void (*kdq)(real *, const real *, const real *, const float *, const real *, const real *,
-                const real *, int, int, int, float, float) =
-        FM ? fm_dq_kernel<T16, HD> : flash_dq_kernel<T16, HD>;
-    void (*kdkv)(real *, real *, const real *, const real *, const float *, const real *,
-                 const real *, const real *, int, int, int, float, float) =
-        FM ? fm_dkv_kernel<T16, HD> : flash_dkv_kernel<T16, HD>;
-    const size_t smem = FM ? fm_backward_smem(HD) : fa_backward_smem(HD);
     const float scale = (float)(1.0 / sqrt((double)Hd));
     const float sl2 = (float)(1.4426950408889634 / sqrt((double)Hd));
     const dim3 grid((unsigned)(B * H), (unsigned)((T + FA_ROWS - 1) / FA_ROWS));
-    if (dq && fa_smem((const void *)kdq, smem))
-        MOE_CUDA_LAUNCH(kdq, grid, FA_THREADS, smem, dq, dout, lse, dsum, q, k, v, T, H, Hd, scale,
-                        sl2);
-    if ((dk || dv) && fa_smem((const void *)kdkv, smem))
-        MOE_CUDA_LAUNCH(kdkv, grid, FA_THREADS, smem, dk, dv, dout, lse, dsum, q, k, v, T, H, Hd,
-                        scale, sl2);
+    if constexpr (FM) {
+        void (*kdq)(real *, const T16 *, const real *, const float *, const T16 *, const T16 *,
+                    const T16 *, int, int, int, float, float) = fm_dq_kernel<T16, HD>;
+        void (*kdkv)(real *, real *, const T16 *, const real *, const float *, const T16 *,
+                     const T16 *, const T16 *, int, int, int, float, float) =
+            fm_dkv_kernel<T16, HD>;
+        const size_t n = (size_t)B * T * H * Hd, smem = fm_backward_smem(HD);
+        if (!fa_smem((const void *)kdq, smem) || !fa_smem((const void *)kdkv, smem))
+            return;
+        const T16 *q16 = (const T16 *)c16, *k16 = q16 + n, *v16 = k16 + n, *g16 = v16 + n;
+        cuda_round_operand(c16, q, n);
+        cuda_round_operand(c16 + n, k, n);
+        cuda_round_operand(c16 + 2 * n, v, n);
+        cuda_round_operand(c16 + 3 * n, dout, n);
+        if (dq)
+            MOE_CUDA_LAUNCH(kdq, grid, FA_THREADS, smem, dq, g16, lse, dsum, q16, k16, v16, T, H,
+                            Hd, scale, sl2);
+        if (dk || dv)
+            MOE_CUDA_LAUNCH(kdkv, grid, FA_THREADS, smem, dk, dv, g16, lse, dsum, q16, k16, v16, T,
+                            H, Hd, scale, sl2);
+    } else {
+        void (*kdq)(real *, const real *, const real *, const float *, const real *, const real *,
+                    const real *, int, int, int, float, float) = flash_dq_kernel<T16, HD>;
+        void (*kdkv)(real *, real *, const real *, const real *, const float *, const real *,
+                     const real *, const real *, int, int, int, float, float) =
+            flash_dkv_kernel<T16, HD>;
+        const size_t smem = fa_backward_smem(HD);
+        if (dq && fa_smem((const void *)kdq, smem))
+            MOE_CUDA_LAUNCH(kdq, grid, FA_THREADS, smem, dq, dout, lse, dsum, q, k, v, T, H, Hd,
+                            scale, sl2);
+        if ((dk || dv) && fa_smem((const void *)kdkv, smem))
+            MOE_CUDA_LAUNCH(kdkv, grid, FA_THREADS, smem, dk, dv, dout, lse, dsum, q, k, v, T, H,
+                            Hd, scale, sl2);
+    }
 }
 
-/* The instance of family FM for precision p and padded head dim HD. */
-template <int FM>
-static void flash_forward_pick(moe_precision p, int HD, real *out, real *lse, const real *q,
+/* The instance for precision p, padded head dim HD and kernel family fm. */
+static void flash_forward_pick(moe_precision p, int HD, int fm, real *out, real *lse, const real *q,
                                const real *k, const real *v, int B, int T, int H, int Hd)
 {
-    if (p == MOE_PREC_BF16 && HD == 64)
-        flash_forward_run<__nv_bfloat16, 64, FM>(out, lse, q, k, v, B, T, H, Hd);
-    else if (p == MOE_PREC_BF16)
-        flash_forward_run<__nv_bfloat16, 128, FM>(out, lse, q, k, v, B, T, H, Hd);
-    else if (HD == 64)
-        flash_forward_run<__half, 64, FM>(out, lse, q, k, v, B, T, H, Hd);
+    typedef __nv_bfloat16 bf;
+    if (p == MOE_PREC_BF16)
+        (HD == 64 ? (fm ? flash_forward_run<bf, 64, 1> : flash_forward_run<bf, 64, 0>)
+                  : (fm ? flash_forward_run<bf, 128, 1> : flash_forward_run<bf, 128, 0>))(
+            out, lse, q, k, v, B, T, H, Hd);
     else
-        flash_forward_run<__half, 128, FM>(out, lse, q, k, v, B, T, H, Hd);
+        (HD == 64 ? (fm ? flash_forward_run<__half, 64, 1> : flash_forward_run<__half, 64, 0>)
+                  : (fm ? flash_forward_run<__half, 128, 1> : flash_forward_run<__half, 128, 0>))(
+            out, lse, q, k, v, B, T, H, Hd);
 }
 
-template <int FM>
-static void flash_backward_pick(moe_precision p, int HD, real *dq, real *dk, real *dv,
+static void flash_backward_pick(moe_precision p, int HD, int fm, real *dq, real *dk, real *dv,
                                 const real *dout, const real *lse, const float *dsum, const real *q,
-                                const real *k, const real *v, int B, int T, int H, int Hd)
+                                const real *k, const real *v, int B, int T, int H, int Hd,
+                                uint16_t *c16)
 {
-    if (p == MOE_PREC_BF16 && HD == 64)
-        flash_backward_run<__nv_bfloat16, 64, FM>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H,
-                                                  Hd);
-    else if (p == MOE_PREC_BF16)
-        flash_backward_run<__nv_bfloat16, 128, FM>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H,
-                                                   Hd);
-    else if (HD == 64)
-        flash_backward_run<__half, 64, FM>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
+    typedef __nv_bfloat16 bf;
+    if (p == MOE_PREC_BF16)
+        (HD == 64 ? (fm ? flash_backward_run<bf, 64, 1> : flash_backward_run<bf, 64, 0>)
+                  : (fm ? flash_backward_run<bf, 128, 1> : flash_backward_run<bf, 128, 0>))(
+            dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16);
     else
-        flash_backward_run<__half, 128, FM>(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
+        (HD == 64 ? (fm ? flash_backward_run<__half, 64, 1> : flash_backward_run<__half, 64, 0>)
+                  : (fm ? flash_backward_run<__half, 128, 1> : flash_backward_run<__half, 128, 0>))(
+            dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16);
 }
 
 static int flash_forward(real *out, real *lse, const real *q, const real *k, const real *v, int B,
@@ -1274,26 +1389,27 @@ static int flash_forward(real *out, real *lse, const real *q, const real *k, con
         fa_precision(Hd, fm ? fm_forward_smem(HD) : fa_forward_smem(HD), ptrs, 4);
     if (p == MOE_PREC_FP32)
         return 0;
-    if (fm)
-        flash_forward_pick<1>(p, HD, out, lse, q, k, v, B, T, H, Hd);
-    else
-        flash_forward_pick<0>(p, HD, out, lse, q, k, v, B, T, H, Hd);
+    flash_forward_pick(p, HD, fm, out, lse, q, k, v, B, T, H, Hd);
     return 1;
+}
+
+/* The 16-bit values flash_backward needs room for in c16: 4 copies for the mma.sync
+ * kernels, else none. */
+static size_t flash_backward_copies(int B, int T, int H, int Hd)
+{
+    return cuda_gemm_precision() != MOE_PREC_FP32 && fm_family() ? 4 * (size_t)B * T * H * Hd : 0;
 }
 
 static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                           const float *dsum, const real *q, const real *k, const real *v, int B,
-                          int T, int H, int Hd)
+                          int T, int H, int Hd, uint16_t *c16)
 {
     const int HD = Hd <= 64 ? 64 : 128, fm = fm_family();
     const void *ptrs[7] = {dq, dk, dv, dout, q, k, v};
     const moe_precision p =
         fa_precision(Hd, fm ? fm_backward_smem(HD) : fa_backward_smem(HD), ptrs, 7);
-    if (p == MOE_PREC_FP32)
+    if (p == MOE_PREC_FP32 || (fm && !c16))
         return 0;
-    if (fm)
-        flash_backward_pick<1>(p, HD, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
-    else
-        flash_backward_pick<0>(p, HD, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd);
+    flash_backward_pick(p, HD, fm, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16);
     return 1;
 }

@@ -51,6 +51,9 @@ int moe_cuda_lt_check_at(cublasStatus_t st, const char *file, int line, const ch
  * float ones (GPUs for fp16, the T4, run double at 1/32 of float). */
 extern "C" moe_precision cuda_gemm_precision(void);
 
+/* Rounds n fp32 values into dst in that precision (bf16 or fp16; not in fp32 mode). */
+extern "C" void cuda_round_operand(uint16_t *dst, const real *src, size_t n);
+
 /* The backend's cuBLASLt handle and its persistent workspace (matmul.cu). */
 cublasLtHandle_t moe_cuda_lt(void);
 void *moe_cuda_workspace(size_t *nbytes);

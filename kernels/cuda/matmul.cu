@@ -74,6 +74,12 @@ static void round_into(uint16_t *dst, const real *src, size_t n)
                         dst, src, n, bf16);
 }
 
+/* The same for other kernels (attention's 16-bit copies of its operands). */
+extern "C" void cuda_round_operand(uint16_t *dst, const real *src, size_t n)
+{
+    round_into(dst, src, n);
+}
+
 static int grouped_ready(void);
 
 extern "C" moe_status cuda_gemm_set_precision(moe_precision p, const real *params, size_t n,
