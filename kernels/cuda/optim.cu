@@ -11,13 +11,28 @@
 
 #define SUM_MAX_BLOCKS 1024
 
-template <int SQUARE> static __global__ void sum_partial(double *part, const real *x, size_t n)
+/* V4: x is 16-byte aligned; groups of 4 by float4, the last n % 4 by block 0. */
+template <int SQUARE, int V4>
+static __global__ void sum_partial(double *part, const real *x, size_t n)
 {
     double s = 0.0;
-    MOE_CUDA_GRID_STRIDE(i, n)
-    {
-        const double v = x[i];
-        s += SQUARE ? v * v : v;
+    if (V4) {
+        MOE_CUDA_GRID_STRIDE(c, n / 4)
+        {
+            const float4 q = ((const float4 *)x)[c];
+            const double a = q.x, b = q.y, d = q.z, e = q.w;
+            s += SQUARE ? a * a + b * b + d * d + e * e : a + b + d + e;
+        }
+        if (blockIdx.x == 0 && threadIdx.x < n % 4) {
+            const double v = x[n / 4 * 4 + threadIdx.x];
+            s += SQUARE ? v * v : v;
+        }
+    } else {
+        MOE_CUDA_GRID_STRIDE(i, n)
+        {
+            const double v = x[i];
+            s += SQUARE ? v * v : v;
+        }
     }
     s = moe_block_sum_d(s);
     if (threadIdx.x == 0)
@@ -44,7 +59,10 @@ template <int SQUARE> static double sum_of(const real *x, size_t n)
     double *part = (double *)moe_cuda_scratch(sizeof(double) * (blocks + 1));
     if (!part)
         return 0.0;
-    MOE_CUDA_LAUNCH(sum_partial<SQUARE>, blocks, MOE_CUDA_THREADS, 0, part + 1, x, n);
+    if ((uintptr_t)x % 16 == 0)
+        MOE_CUDA_LAUNCH((sum_partial<SQUARE, 1>), blocks, MOE_CUDA_THREADS, 0, part + 1, x, n);
+    else
+        MOE_CUDA_LAUNCH((sum_partial<SQUARE, 0>), blocks, MOE_CUDA_THREADS, 0, part + 1, x, n);
     MOE_CUDA_LAUNCH(sum_final, 1, MOE_CUDA_THREADS, 0, part, part + 1, (int)blocks);
     const double *host = (const double *)moe_cuda_fetch(part, sizeof(double));
     return host ? *host : 0.0;
@@ -123,12 +141,61 @@ extern "C" void cuda_adamw_update(real *p, const real *g, real *m, real *v, size
 /* Multi-tensor AdamW: one pass over the arena. The segment offsets and weight decays are
  * staged in shared memory; a thread's elements only grow (grid stride), so its segment
  * is found once by binary search and then only walks forward. As adamw_kernel
- * otherwise. */
+ * otherwise. V4: each thread step takes 4 consecutive elements (float4 loads and stores,
+ * 4 shadow values in one 8-byte store; the caller checks the alignment), the last n % 4
+ * one by one; the arithmetic per element is the same. */
+struct adamw_args {
+    double b1, b2, step, sqrt_bc2, lr, eps, scale;
+};
+
+/* Element i: the new p (returned), m and v, from the segment's weight decay wdi. */
+static __device__ __forceinline__ real adamw_elem(real pi, real gr, real &m, real &v, real wdi,
+                                                  const adamw_args &a)
+{
+    const double decay = 1.0 - a.lr * (double)wdi;
+    const double gi = a.scale == 1.0 ? (double)gr : __dmul_rn((double)gr, a.scale);
+    const double mi = __dadd_rn(__dmul_rn(a.b1, m), __dmul_rn(1.0 - a.b1, gi));
+    const double vi = __dadd_rn(__dmul_rn(a.b2, v), __dmul_rn(__dmul_rn(1.0 - a.b2, gi), gi));
+    m = (real)mi;
+    v = (real)vi;
+    const double denom = __dadd_rn(__ddiv_rn(sqrt(vi), a.sqrt_bc2), a.eps);
+    return (real)__dsub_rn(__dmul_rn((double)pi, decay), __ddiv_rn(__dmul_rn(a.step, mi), denom));
+}
+
+static __device__ __forceinline__ uint16_t adamw_round16(real x, int bf16)
+{ /* as matmul.cu's round_kernel */
+    if (bf16) {
+        const __nv_bfloat16 h = __float2bfloat16(x);
+        return *(const uint16_t *)&h;
+    }
+    const __half h = __float2half(x);
+    return *(const uint16_t *)&h;
+}
+
+/* The segment of element i, walking forward from seg (-1: not found yet). */
+static __device__ __forceinline__ int adamw_seg(int seg, size_t i, const int64_t *seg_lo,
+                                                int n_segs)
+{
+    if (seg < 0) {
+        int lo = 0, hi = n_segs - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            if ((int64_t)i >= seg_lo[mid])
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        return lo;
+    }
+    while (seg + 1 < n_segs && (int64_t)i >= seg_lo[seg + 1])
+        seg++;
+    return seg;
+}
+
+template <int V4>
 static __global__ void adamw_multi_kernel(real *p, const real *g, real *m, real *v,
                                           const int64_t *offsets, const real *wd, int n_segs,
-                                          size_t n, double b1, double b2, double step,
-                                          double sqrt_bc2, double lr, double eps, double scale,
-                                          uint16_t *shadow, int bf16)
+                                          size_t n, adamw_args a, uint16_t *shadow, int bf16)
 {
     extern __shared__ int64_t seg_lo[]; /* n_segs offsets, then n_segs decays (as real) */
     real *seg_wd = (real *)(seg_lo + n_segs);
@@ -138,40 +205,38 @@ static __global__ void adamw_multi_kernel(real *p, const real *g, real *m, real 
     }
     __syncthreads();
     int seg = -1;
-    MOE_CUDA_GRID_STRIDE(i, n)
-    {
-        if (seg < 0) {
-            int lo = 0, hi = n_segs - 1;
-            while (lo < hi) {
-                int mid = (lo + hi + 1) / 2;
-                if ((int64_t)i >= seg_lo[mid])
-                    lo = mid;
-                else
-                    hi = mid - 1;
+    if (V4) {
+        MOE_CUDA_GRID_STRIDE(c, n / 4)
+        {
+            float4 pv = ((const float4 *)p)[c], gv = ((const float4 *)g)[c];
+            float4 mv = ((const float4 *)m)[c], vv = ((const float4 *)v)[c];
+            float *pe = &pv.x, *ge = &gv.x, *me = &mv.x, *ve = &vv.x;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                seg = adamw_seg(seg, 4 * c + e, seg_lo, n_segs);
+                pe[e] = adamw_elem(pe[e], ge[e], me[e], ve[e], seg_wd[seg], a);
             }
-            seg = lo;
+            ((float4 *)p)[c] = pv;
+            ((float4 *)m)[c] = mv;
+            ((float4 *)v)[c] = vv;
+            if (shadow)
+                ((uint2 *)shadow)[c] = make_uint2(
+                    adamw_round16(pv.x, bf16) | (uint32_t)adamw_round16(pv.y, bf16) << 16,
+                    adamw_round16(pv.z, bf16) | (uint32_t)adamw_round16(pv.w, bf16) << 16);
         }
-        while (seg + 1 < n_segs && (int64_t)i >= seg_lo[seg + 1])
-            seg++;
-        const double decay = 1.0 - lr * (double)seg_wd[seg];
-        const double gi = scale == 1.0 ? (double)g[i] : __dmul_rn((double)g[i], scale);
-        const double mi = __dadd_rn(__dmul_rn(b1, m[i]), __dmul_rn(1.0 - b1, gi));
-        const double vi = __dadd_rn(__dmul_rn(b2, v[i]), __dmul_rn(__dmul_rn(1.0 - b2, gi), gi));
-        m[i] = (real)mi;
-        v[i] = (real)vi;
-        const double denom = __dadd_rn(__ddiv_rn(sqrt(vi), sqrt_bc2), eps);
-        const real pi =
-            (real)__dsub_rn(__dmul_rn((double)p[i], decay), __ddiv_rn(__dmul_rn(step, mi), denom));
+        if (blockIdx.x != 0 || threadIdx.x >= n % 4)
+            return;
+        seg = -1; /* the tail: one element per thread of block 0 */
+    }
+    const size_t first =
+        V4 ? n / 4 * 4 + threadIdx.x : blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const size_t stride = V4 ? n : (size_t)gridDim.x * blockDim.x;
+    for (size_t i = first; i < n; i += stride) {
+        seg = adamw_seg(seg, i, seg_lo, n_segs);
+        const real pi = adamw_elem(p[i], g[i], m[i], v[i], seg_wd[seg], a);
         p[i] = pi;
-        if (shadow) { /* as matmul.cu's round_kernel */
-            if (bf16) {
-                const __nv_bfloat16 h = __float2bfloat16(pi);
-                shadow[i] = *(const uint16_t *)&h;
-            } else {
-                const __half h = __float2half(pi);
-                shadow[i] = *(const uint16_t *)&h;
-            }
-        }
+        if (shadow)
+            shadow[i] = adamw_round16(pi, bf16);
     }
 }
 
@@ -194,7 +259,15 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, real *m, real *v
                       smem);
         return;
     }
-    MOE_CUDA_LAUNCH(adamw_multi_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS,
-                    smem, p, g, m, v, offsets, wd, n_segs, n, b1, b2, step, sqrt_bc2, (double)lr,
-                    (double)eps, (double)grad_scale, shadow, bf16);
+    const adamw_args a = {b1, b2, step, sqrt_bc2, (double)lr, (double)eps, (double)grad_scale};
+    const int v4 = ((uintptr_t)p | (uintptr_t)g | (uintptr_t)m | (uintptr_t)v) % 16 == 0 &&
+                   (uintptr_t)shadow % 8 == 0;
+    if (v4)
+        MOE_CUDA_LAUNCH(adamw_multi_kernel<1>, moe_cuda_blocks(n / 4 + 1, MOE_CUDA_THREADS),
+                        MOE_CUDA_THREADS, smem, p, g, m, v, offsets, wd, n_segs, n, a, shadow,
+                        bf16);
+    else
+        MOE_CUDA_LAUNCH(adamw_multi_kernel<0>, moe_cuda_blocks(n, MOE_CUDA_THREADS),
+                        MOE_CUDA_THREADS, smem, p, g, m, v, offsets, wd, n_segs, n, a, shadow,
+                        bf16);
 }

@@ -1146,6 +1146,7 @@ int main(void)
 
     test_adamw_multi(1000, 3, "3 segments");
     test_adamw_multi(7, 1, "tiny");
+    test_adamw_multi(100003, 2, "4-element groups, a 3-element tail");
     test_adamw(1, 1, "n=1 t=1");
     test_adamw(1001, 7, "n=1001 t=7");
 
