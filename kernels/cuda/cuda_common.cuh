@@ -165,6 +165,32 @@ static __device__ __forceinline__ float moe_warp_max(float v)
     return v;
 }
 
+/* V consecutive floats: V = 4 moves them as one float4 (the address 16-byte aligned),
+ * V = 1 as one float (kernels vectorized where their rows allow it, scalar elsewhere). */
+template <int V> struct moe_fvec {
+    float v[V];
+};
+
+template <int V> static __device__ __forceinline__ moe_fvec<V> moe_load_v(const real *p)
+{
+    moe_fvec<V> r;
+    if constexpr (V == 4) {
+        const float4 t = *(const float4 *)p;
+        r.v[0] = t.x, r.v[1] = t.y, r.v[2] = t.z, r.v[3] = t.w;
+    } else {
+        r.v[0] = *p;
+    }
+    return r;
+}
+
+template <int V> static __device__ __forceinline__ void moe_store_v(real *p, const moe_fvec<V> &r)
+{
+    if constexpr (V == 4)
+        *(float4 *)p = make_float4(r.v[0], r.v[1], r.v[2], r.v[3]);
+    else
+        *p = r.v[0];
+}
+
 /* Sum over a block of MOE_CUDA_THREADS threads in a fixed order (so the bits do not depend
  * on scheduling); every thread gets the result. Contains __syncthreads(). */
 static __device__ __forceinline__ double moe_block_sum_d(double v)

@@ -12,34 +12,11 @@
 
 static_assert(sizeof(real) == sizeof(float), "the float4 forms read real as float");
 
-/* V consecutive elements: V = 4 moves them as one float4 (16-byte aligned), V = 1 as one
- * float. Every kernel below takes V: 4 where D % 4 == 0 and the pointers are 16-byte
- * aligned (the runtime's rows), else 1; the arithmetic per element is the same. */
-template <int V> struct fvec {
-    float v[V];
-};
-
-template <int V> static __device__ __forceinline__ fvec<V> load_v(const real *p)
-{
-    fvec<V> r;
-    if constexpr (V == 4) {
-        const float4 t = *(const float4 *)p;
-        r.v[0] = t.x, r.v[1] = t.y, r.v[2] = t.z, r.v[3] = t.w;
-    } else {
-        r.v[0] = *p;
-    }
-    return r;
-}
-
-template <int V> static __device__ __forceinline__ void store_v(real *p, const fvec<V> &r)
-{
-    if constexpr (V == 4)
-        *(float4 *)p = make_float4(r.v[0], r.v[1], r.v[2], r.v[3]);
-    else
-        *p = r.v[0];
-}
-
-/* Groups of V elements per thread the row blocks aim at: enough loads in flight per
+/* Every kernel below takes V (moe_fvec, cuda_common.cuh): 4 where D % 4 == 0 and the
+ * pointers are 16-byte aligned (the runtime's rows), else 1; the arithmetic per element is
+ * the same.
+ *
+ * Groups of V elements per thread the row blocks aim at: enough loads in flight per
  * thread to cover the memory latency, few enough rows in flight that the second pass over
  * a row hits the cache (measured on an H200 at D = 1024: fwd 2, dx 4 best, within a few
  * percent). */
@@ -84,7 +61,7 @@ static __global__ void rmsnorm_forward_kernel(real *out, real *rstd, const real 
     if (live) {
 #pragma unroll 4
         for (int d = threadIdx.x * V; d < D; d += blockDim.x * V) {
-            const fvec<V> xv = load_v<V>(xr + d);
+            const moe_fvec<V> xv = moe_load_v<V>(xr + d);
 #pragma unroll
             for (int k = 0; k < V; k++)
                 ss += (double)xv.v[k] * xv.v[k];
@@ -96,12 +73,12 @@ static __global__ void rmsnorm_forward_kernel(real *out, real *rstd, const real 
     const double r = 1.0 / sqrt(ss / D + (double)eps);
 #pragma unroll 4
     for (int d = threadIdx.x * V; d < D; d += blockDim.x * V) {
-        const fvec<V> xv = load_v<V>(xr + d), w = load_v<V>(weight + d);
-        fvec<V> ov;
+        const moe_fvec<V> xv = moe_load_v<V>(xr + d), w = moe_load_v<V>(weight + d);
+        moe_fvec<V> ov;
 #pragma unroll
         for (int k = 0; k < V; k++)
             ov.v[k] = (real)(xv.v[k] * r * w.v[k]);
-        store_v<V>(o + d, ov);
+        moe_store_v<V>(o + d, ov);
     }
     if (threadIdx.x == 0)
         rstd[row] = (real)r;
@@ -139,8 +116,8 @@ static __global__ void rmsnorm_backward_dx_kernel(real *dx, const real *dout, co
     if (live) {
 #pragma unroll 4
         for (int d = threadIdx.x * V; d < D; d += blockDim.x * V) {
-            const fvec<V> w = load_v<V>(weight + d), gv = load_v<V>(g + d);
-            const fvec<V> xv = load_v<V>(xr + d);
+            const moe_fvec<V> w = moe_load_v<V>(weight + d), gv = moe_load_v<V>(g + d);
+            const moe_fvec<V> xv = moe_load_v<V>(xr + d);
 #pragma unroll
             for (int k = 0; k < V; k++)
                 dot += (double)w.v[k] * gv.v[k] * xv.v[k];
@@ -153,12 +130,13 @@ static __global__ void rmsnorm_backward_dx_kernel(real *dx, const real *dout, co
     const double c = r * r * dot / D;
 #pragma unroll 4
     for (int d = threadIdx.x * V; d < D; d += blockDim.x * V) {
-        const fvec<V> w = load_v<V>(weight + d), gv = load_v<V>(g + d), xv = load_v<V>(xr + d);
-        fvec<V> dv = load_v<V>(dxr + d);
+        const moe_fvec<V> w = moe_load_v<V>(weight + d), gv = moe_load_v<V>(g + d),
+                          xv = moe_load_v<V>(xr + d);
+        moe_fvec<V> dv = moe_load_v<V>(dxr + d);
 #pragma unroll
         for (int k = 0; k < V; k++)
             dv.v[k] += (real)(r * ((double)w.v[k] * gv.v[k] - xv.v[k] * c));
-        store_v<V>(dxr + d, dv);
+        moe_store_v<V>(dxr + d, dv);
     }
 }
 
@@ -178,8 +156,8 @@ static __global__ void rmsnorm_dweight_partial(double *part, const real *dout, c
         s[k] = 0.0;
     if (d < D) /* V = 4: D % 4 == 0, so the whole group is inside */
         for (int n = lo + threadIdx.y; n < hi; n += DW_LANES) {
-            const fvec<V> gv = load_v<V>(dout + (size_t)n * D + d);
-            const fvec<V> xv = load_v<V>(x + (size_t)n * D + d);
+            const moe_fvec<V> gv = moe_load_v<V>(dout + (size_t)n * D + d);
+            const moe_fvec<V> xv = moe_load_v<V>(x + (size_t)n * D + d);
             const double r = rstd[n];
 #pragma unroll
             for (int k = 0; k < V; k++)

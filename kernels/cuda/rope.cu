@@ -29,32 +29,9 @@ extern "C" void cuda_rope_tables(real *cos_t, real *sin_t, int T, int Hd, double
 
 /* x1' = x1 c - x2 s', x2' = x2 c + x1 s' with s' = dir * s, for V consecutive pairs
  * (i .. i+V-1, i + Hd/2 .. i + Hd/2 + V-1) of one head: V = 4 reads them with float4
- * (x, cos_t and sin_t 16-byte aligned, Hd/2 % 4 == 0), V = 1 one float each. */
-template <int V> struct rope_vec {
-    float v[V];
-};
-
-template <int V> static __device__ __forceinline__ rope_vec<V> rope_load(const real *p)
-{
-    rope_vec<V> r;
-    if constexpr (V == 4) {
-        const float4 t = *(const float4 *)p;
-        r.v[0] = t.x, r.v[1] = t.y, r.v[2] = t.z, r.v[3] = t.w;
-    } else {
-        r.v[0] = *p;
-    }
-    return r;
-}
-
-template <int V> static __device__ __forceinline__ void rope_store(real *p, const rope_vec<V> &r)
-{
-    if constexpr (V == 4)
-        *(float4 *)p = make_float4(r.v[0], r.v[1], r.v[2], r.v[3]);
-    else
-        *p = r.v[0];
-}
-
-/* Block (tx, ty): ty rows of x (B*T rows of H heads of Hd) per block, tx threads over the
+ * (x, cos_t and sin_t 16-byte aligned, Hd/2 % 4 == 0), V = 1 one float each (moe_fvec,
+ * cuda_common.cuh).
+ * Block (tx, ty): ty rows of x (B*T rows of H heads of Hd) per block, tx threads over the
  * H * (Hd/2)/V groups of a row, so the only divisions are 32-bit ones per group. */
 template <int V>
 static __global__ void rope_rotate_kernel(real *x, const real *cos_t, const real *sin_t, int rows,
@@ -69,16 +46,16 @@ static __global__ void rope_rotate_kernel(real *x, const real *cos_t, const real
     for (int j = threadIdx.x; j < H * groups; j += blockDim.x) {
         const int head = j / groups, i = (j - head * groups) * V;
         real *x1 = x + ((size_t)row * H + head) * Hd + i, *x2 = x1 + half;
-        const rope_vec<V> c = rope_load<V>(ct + i), s = rope_load<V>(st + i);
-        rope_vec<V> a = rope_load<V>(x1), b = rope_load<V>(x2);
+        const moe_fvec<V> c = moe_load_v<V>(ct + i), s = moe_load_v<V>(st + i);
+        moe_fvec<V> a = moe_load_v<V>(x1), b = moe_load_v<V>(x2);
 #pragma unroll
         for (int k = 0; k < V; k++) {
             const real sn = dir * s.v[k], ak = a.v[k], bk = b.v[k];
             a.v[k] = __fsub_rn(__fmul_rn(ak, c.v[k]), __fmul_rn(bk, sn));
             b.v[k] = __fadd_rn(__fmul_rn(bk, c.v[k]), __fmul_rn(ak, sn));
         }
-        rope_store<V>(x1, a);
-        rope_store<V>(x2, b);
+        moe_store_v<V>(x1, a);
+        moe_store_v<V>(x2, b);
     }
 }
 
