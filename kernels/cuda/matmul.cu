@@ -18,6 +18,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cublas_v2.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -334,14 +335,36 @@ static int plan_resize(gemm_plan *p, int n, int k)
 }
 
 /* Column-major C (m,n) = op(A) op(B) (+ C when accumulate); C is contiguous (ldc = m). */
-static void gemm(int ta, int tb, int m, int n, int k, const void *A, int lda, const void *B,
-                 int ldb, real *C, int ldc, int accumulate)
+/* The grouped GEMMs that run one by one are spread over lanes: lane 0 is the backend's
+ * stream with its workspace, lanes 1 .. SIDE_LANES side streams, each with its own
+ * workspace of the same size (made with the grouped handle, so nothing is allocated in a
+ * step). The problems of one call write disjoint outputs, so they may run at once; small
+ * ones (an expert's 1024 rows) leave SMs idle in their last wave otherwise. */
+#define SIDE_LANES 3
+static cudaStream_t side_stream[SIDE_LANES];
+static void *side_ws[SIDE_LANES];
+static cudaEvent_t fork_ev, join_ev[SIDE_LANES];
+static int lanes = 1; /* used: 1 + SIDE_LANES unless MOE_GEMM_STREAMS says fewer */
+
+static cudaStream_t lane_stream(int lane)
+{
+    return lane ? side_stream[lane - 1] : moe_cuda_stream();
+}
+
+static void *lane_workspace(int lane, size_t *nbytes)
+{
+    void *ws = moe_cuda_workspace(nbytes);
+    return lane ? side_ws[lane - 1] : ws;
+}
+
+static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A, int lda,
+                    const void *B, int ldb, real *C, int ldc, int accumulate)
 {
     if (m <= 0 || n <= 0 || !A || !B)
         return;
     if (k <= 0) { /* an empty sum */
         if (!accumulate)
-            MOE_CUDA_OK(cudaMemsetAsync(C, 0, sizeof(real) * (size_t)m * n, moe_cuda_stream()));
+            MOE_CUDA_OK(cudaMemsetAsync(C, 0, sizeof(real) * (size_t)m * n, lane_stream(lane)));
         return;
     }
     gemm_key key;
@@ -361,7 +384,7 @@ static void gemm(int ta, int tb, int m, int n, int k, const void *A, int lda, co
     key.operand_type = (int)operand_type();
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     size_t ws_bytes = 0;
-    void *ws = moe_cuda_workspace(&ws_bytes);
+    void *ws = lane_workspace(lane, &ws_bytes);
     for (int exact = 0; exact < 2; exact++) {
         if (exact) { /* the bucket's algorithm was refused for this shape */
             key.exact = 1;
@@ -376,7 +399,7 @@ static void gemm(int ta, int tb, int m, int n, int k, const void *A, int lda, co
         MOE_CUDA_PROF_BEGIN("cublasLt GEMM");
         const cublasStatus_t st =
             cublasLtMatmul(moe_cuda_lt(), p->op, &alpha, A, p->la, B, p->lb, &beta, C, p->lc, C,
-                           p->lc, &p->algo, ws, ws_bytes, moe_cuda_stream());
+                           p->lc, &p->algo, ws, ws_bytes, lane_stream(lane));
         MOE_CUDA_PROF_END();
         if (st == CUBLAS_STATUS_SUCCESS)
             return;
@@ -385,6 +408,12 @@ static void gemm(int ta, int tb, int m, int n, int k, const void *A, int lda, co
             return;
         }
     }
+}
+
+static void gemm(int ta, int tb, int m, int n, int k, const void *A, int lda, const void *B,
+                 int ldb, real *C, int ldc, int accumulate)
+{
+    gemm_on(0, ta, tb, m, n, k, A, lda, B, ldb, C, ldc, accumulate);
 }
 
 /* out (N,O) = x (N,I) W^T: out^T = op_T(W stored I x O) x^T. The operands are already in
@@ -475,6 +504,17 @@ static int grouped_ready(void)
         blas = NULL;
         return 0;
     }
+    const char *env = getenv("MOE_GEMM_STREAMS"); /* 1 .. 1 + SIDE_LANES; a benchmark knob */
+    int want = env ? atoi(env) : 1 + SIDE_LANES;
+    want = want < 1 ? 1 : want > 1 + SIDE_LANES ? 1 + SIDE_LANES : want;
+    if (!MOE_CUDA_OK(cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming)))
+        return 0;
+    for (int i = 0; i < want - 1; i++)
+        if (!MOE_CUDA_OK(cudaStreamCreateWithFlags(&side_stream[i], cudaStreamNonBlocking)) ||
+            !MOE_CUDA_OK(cudaEventCreateWithFlags(&join_ev[i], cudaEventDisableTiming)) ||
+            !MOE_CUDA_OK(cudaMalloc(&side_ws[i], ws_bytes)))
+            return 0;
+    lanes = want;
     return 1;
 }
 
@@ -513,11 +553,27 @@ static void grouped_flush(grouped_batch *g)
         }
         grouped_refused[prec_slot()] = 1; /* this precision: one GEMM per group from now */
     }
+    /* one by one, over the lanes in turn: the side streams start after what the backend's
+     * stream holds (fork) and the backend's stream goes on after all of them (join) */
+    const int use = n < lanes ? n : lanes;
+    if (use > 1) {
+        MOE_CUDA_PROF_BEGIN("cuBLASLt GEMMs on several streams"); /* the inner ones nest */
+        MOE_CUDA_OK(cudaEventRecord(fork_ev, moe_cuda_stream()));
+        for (int l = 1; l < use; l++)
+            MOE_CUDA_OK(cudaStreamWaitEvent(side_stream[l - 1], fork_ev, 0));
+    }
     for (int i = 0; i < n; i++) {
-        gemm(g->ta[i] == CUBLAS_OP_T, g->tb[i] == CUBLAS_OP_T, g->m[i], g->nn[i], g->k[i],
-             g->ptr.p[i], g->lda[i], g->ptr.p[GROUPED_MAX + i], g->ldb[i],
-             (real *)g->ptr.p[2 * GROUPED_MAX + i], g->ldc[i], g->beta[i] != 0.0f);
+        gemm_on(i % use, g->ta[i] == CUBLAS_OP_T, g->tb[i] == CUBLAS_OP_T, g->m[i], g->nn[i],
+                g->k[i], g->ptr.p[i], g->lda[i], g->ptr.p[GROUPED_MAX + i], g->ldb[i],
+                (real *)g->ptr.p[2 * GROUPED_MAX + i], g->ldc[i], g->beta[i] != 0.0f);
         n_single++;
+    }
+    if (use > 1) {
+        for (int l = 1; l < use; l++) {
+            MOE_CUDA_OK(cudaEventRecord(join_ev[l - 1], side_stream[l - 1]));
+            MOE_CUDA_OK(cudaStreamWaitEvent(moe_cuda_stream(), join_ev[l - 1], 0));
+        }
+        MOE_CUDA_PROF_END();
     }
 }
 
