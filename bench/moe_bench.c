@@ -1035,16 +1035,7 @@ static void run_counts(void)
 static double set_exchange(const void *src, const int *srows, void *dst, const int *rrows,
                            size_t row_nbytes)
 {
-    size_t *sc = a2.xc, *sd = sc + world, *rc = sd + world, *rd = rc + world;
-    size_t so = 0, ro = 0;
-    for (int p = 0; p < world; p++) {
-        sc[p] = (size_t)srows[p] * row_nbytes;
-        sd[p] = so;
-        so += sc[p];
-        rc[p] = (size_t)rrows[p] * row_nbytes;
-        rd[p] = ro;
-        ro += rc[p];
-    }
+    const size_t so = moe_comm_row_layout(world, srows, rrows, row_nbytes, a2.xc);
     a2.src = src;
     a2.dst = dst;
     return (double)so;

@@ -86,6 +86,26 @@ moe_status moe_comm_exchange_start(moe_comm *c, const void *send, const size_t *
                                    const size_t *recv_displs, moe_comm_handle after,
                                    moe_comm_handle *done);
 
+/* The counts and displacements of an exchange of whole rows of row_nbytes, packed by peer
+ * in order on both sides: xc (4 * peers) becomes send counts, send displacements, receive
+ * counts, receive displacements, as moe_comm_exchange_start takes them. Returns the bytes
+ * sent. */
+static inline size_t moe_comm_row_layout(int peers, const int *send_rows, const int *recv_rows,
+                                         size_t row_nbytes, size_t *xc)
+{
+    size_t *sc = xc, *sd = sc + peers, *rc = sd + peers, *rd = rc + peers;
+    size_t so = 0, ro = 0;
+    for (int p = 0; p < peers; p++) {
+        sc[p] = (size_t)send_rows[p] * row_nbytes;
+        sd[p] = so;
+        so += sc[p];
+        rc[p] = (size_t)recv_rows[p] * row_nbytes;
+        rd[p] = ro;
+        ro += rc[p];
+    }
+    return so;
+}
+
 /* The same for host buffers, always through MPI (e.g. expert weights staged on the host
  * when re-planning), also on GPU runs. */
 moe_status moe_comm_exchange_host_start(moe_comm *c, const void *send, const size_t *send_counts,

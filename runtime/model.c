@@ -714,15 +714,7 @@ static moe_status exchange_start(moe_model *m, const void *send, const int *send
         return MOE_OK;
     }
     size_t *sc = m->xc_size, *sd = sc + m->ep, *rc = sd + m->ep, *rd = rc + m->ep;
-    size_t so = 0, ro = 0;
-    for (int p = 0; p < m->ep; p++) {
-        sc[p] = (size_t)send_rows[p] * row_nbytes;
-        sd[p] = so;
-        so += sc[p];
-        rc[p] = (size_t)recv_rows[p] * row_nbytes;
-        rd[p] = ro;
-        ro += rc[p];
-    }
+    moe_comm_row_layout(m->ep, send_rows, recv_rows, row_nbytes, m->xc_size);
     return moe_comm_exchange_start(m->comm, send, sc, sd, recv, rc, rd, MOE_COMM_NONE,
                                    &ch->pending);
 }
