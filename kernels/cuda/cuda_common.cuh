@@ -76,6 +76,9 @@ void moe_cuda_fetch_async(void *host, const void *dev, size_t nbytes);
 #define MOE_CUDA_THREADS 256
 #define MOE_CUDA_FULL_MASK 0xffffffffu
 
+/* Is p 16-byte aligned (a float4 may be read there)? NULL is. */
+static inline int moe_aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
+
 /* Blocks for a grid-stride loop over n items (n > 0): enough to cover n, capped (the loop
  * covers the rest). */
 static inline unsigned moe_cuda_blocks(size_t n, unsigned threads)

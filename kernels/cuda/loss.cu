@@ -13,8 +13,6 @@
  * 16-bit modes (within 1e-6; memory-bound where double is slow, the T4). */
 #include "kernels/cuda/cuda_common.cuh"
 
-static inline int aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
-
 /* exp(x - m) in F; a -inf value adds nothing (also when m is still -inf). */
 template <typename F> static __device__ __forceinline__ double ce_exp(float x, float m)
 {
@@ -119,7 +117,7 @@ extern "C" void cuda_cross_entropy_forward(real *losses, real *lse, const real *
 {
     if (N <= 0 || V <= 0)
         return;
-    const int v4 = V % 4 == 0 && aligned16(logits);
+    const int v4 = V % 4 == 0 && moe_aligned16(logits);
     if (cuda_gemm_precision() == MOE_PREC_FP32) {
         if (v4)
             MOE_CUDA_LAUNCH(cross_entropy_forward_v4<double>, N, MOE_CUDA_THREADS, 0, losses, lse,
@@ -193,7 +191,7 @@ extern "C" void cuda_cross_entropy_backward(real *dlogits, const real *logits, c
 {
     if (N <= 0 || V <= 0)
         return;
-    const int v4 = V % 4 == 0 && aligned16(logits) && aligned16(dlogits);
+    const int v4 = V % 4 == 0 && moe_aligned16(logits) && moe_aligned16(dlogits);
     const int cols = v4 ? V / 4 : V; /* items per row */
     const unsigned per_row = (unsigned)((cols + MOE_CUDA_THREADS - 1) / MOE_CUDA_THREADS);
     const dim3 grid((unsigned)N, per_row < 65535 ? per_row : 65535); /* grid.y <= 65535 */

@@ -59,7 +59,7 @@ template <int SQUARE> static double sum_of(const real *x, size_t n)
     double *part = (double *)moe_cuda_scratch(sizeof(double) * (blocks + 1));
     if (!part)
         return 0.0;
-    if ((uintptr_t)x % 16 == 0)
+    if (moe_aligned16(x))
         MOE_CUDA_LAUNCH((sum_partial<SQUARE, 1>), blocks, MOE_CUDA_THREADS, 0, part + 1, x, n);
     else
         MOE_CUDA_LAUNCH((sum_partial<SQUARE, 0>), blocks, MOE_CUDA_THREADS, 0, part + 1, x, n);

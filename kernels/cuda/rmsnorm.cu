@@ -84,14 +84,12 @@ static __global__ void rmsnorm_forward_kernel(real *out, real *rstd, const real 
         rstd[row] = (real)r;
 }
 
-static bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; } /* NULL is */
-
 extern "C" void cuda_rmsnorm_forward(real *out, real *rstd, const real *x, const real *weight,
                                      int N, int D, real eps)
 {
     if (N <= 0 || D <= 0)
         return;
-    if (D % 4 == 0 && aligned16(out) && aligned16(x) && aligned16(weight)) {
+    if (D % 4 == 0 && moe_aligned16(out) && moe_aligned16(x) && moe_aligned16(weight)) {
         const dim3 block = row_block(D / 4, FWD_GROUPS);
         MOE_CUDA_LAUNCH(rmsnorm_forward_kernel<4>, (N + block.y - 1) / block.y, block, 0, out, rstd,
                         x, weight, N, D, eps);
@@ -204,8 +202,8 @@ extern "C" void cuda_rmsnorm_backward(real *dx, real *dweight, const real *dout,
     if (N <= 0 || D <= 0)
         return;
     /* x and dout feed both kernels: the float4 forms need them aligned */
-    const bool vec = D % 4 == 0 && aligned16(dout) && aligned16(x);
-    if (dx && vec && aligned16(dx) && aligned16(weight)) {
+    const bool vec = D % 4 == 0 && moe_aligned16(dout) && moe_aligned16(x);
+    if (dx && vec && moe_aligned16(dx) && moe_aligned16(weight)) {
         const dim3 rows = row_block(D / 4, DX_GROUPS);
         MOE_CUDA_LAUNCH(rmsnorm_backward_dx_kernel<4>, (N + rows.y - 1) / rows.y, rows, 0, dx, dout,
                         x, weight, rstd, N, D);

@@ -70,15 +70,13 @@ static void rope_launch(real *x, const real *cos_t, const real *sin_t, int rows,
                     rows, T, H, Hd, dir);
 }
 
-static bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
-
 static void rope_rotate(real *x, const real *cos_t, const real *sin_t, int B, int T, int H, int Hd,
                         real dir)
 {
     const int rows = B * T, half = Hd / 2;
     if (rows <= 0 || H <= 0 || half <= 0)
         return;
-    if (half % 4 == 0 && aligned16(x) && aligned16(cos_t) && aligned16(sin_t))
+    if (half % 4 == 0 && moe_aligned16(x) && moe_aligned16(cos_t) && moe_aligned16(sin_t))
         rope_launch<4>(x, cos_t, sin_t, rows, T, H, Hd, dir);
     else
         rope_launch<1>(x, cos_t, sin_t, rows, T, H, Hd, dir);

@@ -53,14 +53,12 @@ static __global__ void swiglu_forward4_kernel(float4 *h, const float4 *a, const 
     }
 }
 
-static bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; } /* NULL is */
-
 extern "C" void cuda_swiglu_forward(real *h, const real *a, const real *b, size_t n)
 {
     if (n == 0)
         return;
     const bool fp32 = cuda_gemm_precision() == MOE_PREC_FP32;
-    if (n % 4 == 0 && aligned16(h) && aligned16(a) && aligned16(b)) {
+    if (n % 4 == 0 && moe_aligned16(h) && moe_aligned16(a) && moe_aligned16(b)) {
         const unsigned blocks = moe_cuda_blocks(n / 4, MOE_CUDA_THREADS);
         float4 *h4 = (float4 *)h;
         const float4 *a4 = (const float4 *)a, *b4 = (const float4 *)b;
@@ -130,8 +128,8 @@ extern "C" void cuda_swiglu_backward(real *da, real *db, const real *dh, const r
     if (n == 0 || (!da && !db))
         return;
     const bool fp32 = cuda_gemm_precision() == MOE_PREC_FP32;
-    if (n % 4 == 0 && aligned16(da) && aligned16(db) && aligned16(dh) && aligned16(a) &&
-        aligned16(b)) {
+    if (n % 4 == 0 && moe_aligned16(da) && moe_aligned16(db) && moe_aligned16(dh) &&
+        moe_aligned16(a) && moe_aligned16(b)) {
         const unsigned blocks = moe_cuda_blocks(n / 4, MOE_CUDA_THREADS);
         float4 *da4 = (float4 *)da, *db4 = (float4 *)db;
         const float4 *dh4 = (const float4 *)dh, *a4 = (const float4 *)a, *b4 = (const float4 *)b;
