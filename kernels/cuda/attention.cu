@@ -782,8 +782,9 @@ static __global__ void __launch_bounds__(FA_THREADS)
  * once per block. No scratch, so no shared-memory round trip per tile. The kernels read
  * 16-bit copies of q, k, v (and dout) made by one rounding pass each in the backend's
  * scratch, so tiles arrive by cp.async, the next tile's copy running while the current one
- * is used (two buffers). sm_75 has no 16x8x16 shape (nor cp.async): it keeps the wmma
- * kernels (MOE_ATTENTION=wmma selects them on any GPU, so their tests run there too). */
+ * is used (two buffers; fm_prefetch_kv for the forward's and dq's key tiles). sm_75 has
+ * no 16x8x16 shape (nor cp.async): it keeps the wmma kernels (MOE_ATTENTION=wmma selects
+ * them on any GPU, so their tests run there too). */
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define FM_SKIP 1
@@ -949,6 +950,20 @@ static __device__ __forceinline__ void fm_wait_all(void)
 #endif
 }
 
+/* The key tiles of the forward and dq, double-buffered in KV (K0, V0, K1, V1): rows
+ * [j, j + 64) of k and v into buffer buf by cp.async, committed as one group together
+ * with this thread's uncommitted copies (in the prologue, the Q and dO tiles). The caller
+ * waits (fm_wait_all) and synchronises before the tile is read. */
+template <class T16, int HD>
+static __device__ __forceinline__ void fm_prefetch_kv(T16 *KV, int buf, const T16 *k, const T16 *v,
+                                                      size_t ld, int j, int T, int Hd)
+{
+    T16 *Ks = KV + 2 * buf * FA_ROWS * (HD + FA_PAD);
+    fm_stage<T16, HD>(Ks, k, ld, j, T, Hd);
+    fm_stage<T16, HD>(Ks + FA_ROWS * (HD + FA_PAD), v, ld, j, T, Hd);
+    fm_commit();
+}
+
 /* Shared memory: forward Q + 2 x (K, V); backward 2 fixed tiles + 2 x 2 walked tiles (and
  * 2 x 2 x 64 row statistics in dk/dv). */
 static size_t fm_tile_bytes(int HD) { return sizeof(uint16_t) * FA_ROWS * (HD + FA_PAD); }
@@ -977,9 +992,7 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
         const int row[2] = {first + (lane >> 2), first + (lane >> 2) + 8}; /* the lane's queries */
         const size_t ld = (size_t)H * Hd, base = (size_t)b * T * ld + (size_t)h * Hd;
         fm_stage<T16, HD>(Qs, q + base, ld, q0, T, Hd);
-        fm_stage<T16, HD>(KV, k + base, ld, 0, T, Hd);
-        fm_stage<T16, HD>(KV + FA_ROWS * LD, v + base, ld, 0, T, Hd);
-        fm_commit();
+        fm_prefetch_kv<T16, HD>(KV, 0, k + base, v + base, ld, 0, T, Hd);
         fm_wait_all();
         __syncthreads();
         unsigned qa[HD / 16][4];
@@ -993,12 +1006,8 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
         const int kend = min(T, q0 + FA_ROWS);
         for (int j0 = 0, t = 0; j0 < kend; j0 += FA_ROWS, t ^= 1) {
             const T16 *Ks = KV + 2 * t * FA_ROWS * LD, *Vs = Ks + FA_ROWS * LD;
-            if (j0 + FA_ROWS < kend) { /* the next tile into the other buffer */
-                T16 *nk = KV + 2 * (t ^ 1) * FA_ROWS * LD;
-                fm_stage<T16, HD>(nk, k + base, ld, j0 + FA_ROWS, T, Hd);
-                fm_stage<T16, HD>(nk + FA_ROWS * LD, v + base, ld, j0 + FA_ROWS, T, Hd);
-                fm_commit();
-            }
+            if (j0 + FA_ROWS < kend) /* the next tile into the other buffer */
+                fm_prefetch_kv<T16, HD>(KV, t ^ 1, k + base, v + base, ld, j0 + FA_ROWS, T, Hd);
             if (j0 <= first + 15) { /* warp-uniform: else every key is after the warp's rows */
                 float s[8][4];
                 fm_scores<T16, HD>(s, qa, Ks, lane);
@@ -1079,9 +1088,7 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
         const size_t ld = (size_t)H * Hd, base = (size_t)b * T * ld + (size_t)h * Hd;
         fm_stage<T16, HD>(Qs, q + base, ld, q0, T, Hd);
         fm_stage<T16, HD>(Gs, dout + base, ld, q0, T, Hd);
-        fm_stage<T16, HD>(KV, k + base, ld, 0, T, Hd);
-        fm_stage<T16, HD>(KV + FA_ROWS * LD, v + base, ld, 0, T, Hd);
-        fm_commit();
+        fm_prefetch_kv<T16, HD>(KV, 0, k + base, v + base, ld, 0, T, Hd);
         float lse2[2], Di[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
@@ -1102,12 +1109,8 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
         const int kend = min(T, q0 + FA_ROWS);
         for (int j0 = 0, t = 0; j0 < kend; j0 += FA_ROWS, t ^= 1) {
             const T16 *Ks = KV + 2 * t * FA_ROWS * LD, *Vs = Ks + FA_ROWS * LD;
-            if (j0 + FA_ROWS < kend) {
-                T16 *nk = KV + 2 * (t ^ 1) * FA_ROWS * LD;
-                fm_stage<T16, HD>(nk, k + base, ld, j0 + FA_ROWS, T, Hd);
-                fm_stage<T16, HD>(nk + FA_ROWS * LD, v + base, ld, j0 + FA_ROWS, T, Hd);
-                fm_commit();
-            }
+            if (j0 + FA_ROWS < kend)
+                fm_prefetch_kv<T16, HD>(KV, t ^ 1, k + base, v + base, ld, j0 + FA_ROWS, T, Hd);
             if (j0 <= first + 15) { /* warp-uniform */
                 float p[8][4], dp[8][4];
                 fm_scores<T16, HD>(p, qa, Ks, lane);
@@ -1393,18 +1396,24 @@ static int flash_forward(real *out, real *lse, const real *q, const real *k, con
     return 1;
 }
 
+/* Whether the backward's tensor-core path, if taken, runs the mma.sync kernels: a 16-bit
+ * precision on the mma.sync family. flash_backward picks its kernels by this and
+ * flash_backward_copies sizes c16 by it, so the two cannot disagree (the copies get room
+ * even when fa_precision then sends the op to the fp32 kernels). */
+static int fm_backward_used(void) { return cuda_gemm_precision() != MOE_PREC_FP32 && fm_family(); }
+
 /* The 16-bit values flash_backward needs room for in c16: 4 copies for the mma.sync
  * kernels, else none. */
 static size_t flash_backward_copies(int B, int T, int H, int Hd)
 {
-    return cuda_gemm_precision() != MOE_PREC_FP32 && fm_family() ? 4 * (size_t)B * T * H * Hd : 0;
+    return fm_backward_used() ? 4 * (size_t)B * T * H * Hd : 0;
 }
 
 static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                           const float *dsum, const real *q, const real *k, const real *v, int B,
                           int T, int H, int Hd, uint16_t *c16)
 {
-    const int HD = Hd <= 64 ? 64 : 128, fm = fm_family();
+    const int HD = Hd <= 64 ? 64 : 128, fm = fm_backward_used();
     const void *ptrs[7] = {dq, dk, dv, dout, q, k, v};
     const moe_precision p =
         fa_precision(Hd, fm ? fm_backward_smem(HD) : fa_backward_smem(HD), ptrs, 7);
