@@ -442,7 +442,8 @@ static struct {
     int32_t *idx, *row_token, *row_slot, *slot_row;
     int *scratch, *offsets; /* offsets: host */
     int64_t *segs;
-    double *aux; /* router aux-loss partials */
+    double *aux;     /* router aux-loss partials */
+    double *norm_sq; /* the gradient norm's two sums of squares */
     size_t n;
     int n_segs, rows;
 } bf;
@@ -919,11 +920,14 @@ static size_t arena_layout(int64_t *offs, real *wd, int *n_segs)
 
 static void run_adamw(void)
 {
+    /* sums of squares 1 + 1 under a loss scale of 2, no clipping: gradients times 0.5 */
     gpu->adamw_update_multi(bf.x, bf.dout, bf.m1, bf.m2, bf.n, bf.segs, bf.wd, bf.n_segs,
-                            (real)1e-4, (real)0.9, (real)0.95, (real)1e-8, (real)0.5, 10);
+                            (real)1e-4, (real)0.9, (real)0.95, (real)1e-8, bf.norm_sq, 0.0, 2.0,
+                            10);
 }
 
-static void run_grad_norm(void) { (void)gpu->sum_squares(bf.dout, bf.n); }
+/* as the trainer: the sum of squares stays on the device */
+static void run_grad_norm(void) { gpu->sum_into(bf.norm_sq, bf.dout, bf.n, 1); }
 
 static void bench_optimizer(int adamw)
 {
@@ -936,6 +940,8 @@ static void bench_optimizer(int adamw)
         die("out of host memory");
     const size_t n = bf.n = arena_layout(offs, wd, &bf.n_segs);
     bf.dout = dfill(n, 1e-3, 0); /* gradients */
+    const double sq[2] = {1.0, 1.0};
+    bf.norm_sq = dupload(sq, sizeof sq);
     double bytes;
     if (adamw) {
         bf.x = dfill(n, 0.02, 0); /* parameters */
@@ -1017,7 +1023,8 @@ static void run_pack(void)
     gpu->moe_pack_dispatch(a2.rows, a2.send_token, a2.counts, a2.x, a2.idx, a2.wts, a2.slot_row,
                            a2.erank, a2.elocal, N_, opt.D, opt.K, world, opt.E / world,
                            a2.row_bytes);
-    MOE_CK(gpu->queue_wait(gpu->queue_mark())); /* the counts, as the runtime waits for them */
+    MOE_CK(gpu->queue_wait(gpu->queue_mark(), NULL,
+                           NULL)); /* the counts, as the runtime waits for them */
     for (int p = 0; p < world; p++)
         a2.send_rows[p] = a2.counts[p];
     a2.n_send = a2.counts[2 * world];

@@ -126,8 +126,16 @@ moe_status moe_comm_enable_device(moe_comm *c, void *stream);
  * to point (one message per peer), so a timeout names the peers that sent nothing. */
 moe_status moe_comm_exchange_counts(moe_comm *c, const int64_t *send, int64_t *recv, int n);
 
-/* Waits for a handle (MOE_COMM_NONE returns at once) and releases it. */
+/* Waits for a handle (MOE_COMM_NONE returns at once) and releases it. Device
+ * operations (NCCL): the compute stream waits for them, the host does not; their
+ * deadline ([parallel] comm_timeout_s) and NCCL's asynchronous errors are checked by
+ * moe_comm_watch, which every host wait of the step calls. */
 moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h);
+
+/* For the backend's queue_wait (ctx: a moe_comm, or NULL): checks the device operations
+ * waited for so far against their deadline and NCCL's asynchronous errors; a failure
+ * aborts the communicators and names the operation. MPI alone: nothing to check. */
+moe_status moe_comm_watch(void *comm);
 
 /* Blocking sum of n doubles / int64s over group g, in place. */
 moe_status moe_comm_sum_doubles(moe_comm *c, moe_group g, double *vals, int n);

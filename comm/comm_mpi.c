@@ -162,6 +162,10 @@ static moe_status poll_requests(moe_comm *c, MPI_Request *reqs, const int *peers
             continue; /* short waits: spin */
         if (moe_clock_seconds() > deadline)
             return report_timeout(c, reqs, peers, n, what, g);
+#ifdef MOE_HAVE_CUDA
+        if (c->nccl) /* the device operations waited for earlier keep their deadlines */
+            MOE_CHECK(moe_nccl_watch(c->nccl));
+#endif
         struct timespec nap = {0, 20000}; /* 20 us */
         nanosleep(&nap, NULL);
     }
@@ -343,6 +347,18 @@ static moe_status take_handle(moe_comm *c, const char *what, moe_group g, moe_co
     }
     MOE_FAIL(MOE_ERR_COMM, "more than %d communication handles outstanding (a missing wait?)",
              POOL_HANDLES);
+}
+
+moe_status moe_comm_watch(void *comm)
+{
+#ifdef MOE_HAVE_CUDA
+    moe_comm *c = comm;
+    if (c && c->nccl)
+        return moe_nccl_watch(c->nccl);
+#else
+    (void)comm;
+#endif
+    return MOE_OK;
 }
 
 moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h)

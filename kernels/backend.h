@@ -58,6 +58,7 @@ extern "C" {
     X(cross_entropy_backward)                                                                      \
     X(sum_values)                                                                                  \
     X(sum_squares)                                                                                 \
+    X(sum_into)                                                                                    \
     X(scale_inplace)                                                                               \
     X(all_finite)                                                                                  \
     X(adamw_update)                                                                                \
@@ -92,9 +93,12 @@ typedef struct moe_backend {
     void (*fetch)(void *host, const void *src, size_t nbytes);
     /* A mark in the queue after the work queued so far; queue_wait(mark) waits until the
      * queue has passed it (copies to the host before it have landed), not for the work
-     * queued after it. The cpu runs everything at once: marks are 0, waits return. */
+     * queued after it. The cpu runs everything at once: marks are 0, waits return.
+     * watch (may be NULL) is called with ctx now and then while the wait lasts, and a
+     * failure it returns ends the wait with that failure: the queue may wait on other
+     * streams (communication) that only their owner can time out (moe_comm_watch). */
     long (*queue_mark)(void);
-    moe_status (*queue_wait)(long mark);
+    moe_status (*queue_wait)(long mark, moe_status (*watch)(void *ctx), void *ctx);
     /* the stream every op runs on (a cudaStream_t; NULL on the cpu), for NCCL */
     void *(*native_stream)(void);
     /* compute capability of the device, major*10 + minor (0 on the cpu) */

@@ -18,9 +18,11 @@ static void cpu_copy(void *dst, const void *src, size_t nbytes, moe_copy_kind ki
 }
 static moe_status cpu_sync(void) { return MOE_OK; }
 static long cpu_mark(void) { return 0; }
-static moe_status cpu_wait(long mark)
+static moe_status cpu_wait(long mark, moe_status (*watch)(void *ctx), void *ctx)
 {
-    (void)mark;
+    (void)mark; /* nothing is queued: nothing to watch */
+    (void)watch;
+    (void)ctx;
     return MOE_OK;
 }
 static int cpu_capability(void) { return 0; }

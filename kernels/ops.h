@@ -22,10 +22,18 @@
 #ifndef MOE_KERNELS_OPS_H
 #define MOE_KERNELS_OPS_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "kernels/real.h"
+
+/* A function the host and CUDA device code both call. */
+#ifdef __CUDACC__
+#define MOE_HD __host__ __device__
+#else
+#define MOE_HD
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -216,6 +224,10 @@ void cross_entropy_backward(real *dlogits, const real *logits, const real *lse,
 double sum_values(const real *x, size_t n);
 /* Sum of squares of x (n), accumulated in double. */
 double sum_squares(const real *x, size_t n);
+/* *acc += the sum of x (n) (square 0) or of its squares (square 1), in double, in
+ * the backend's memory: no value returns to the host (the same additions as adding
+ * sum_values / sum_squares on the host in the same order). */
+void sum_into(double *acc, const real *x, size_t n, int square);
 /* x *= s. */
 void scale_inplace(real *x, real s, size_t n);
 /* 1 if every element is finite. */
@@ -224,13 +236,29 @@ int all_finite(const real *x, size_t n);
  * step t (t >= 1). m, v: first and second moments, updated in place. */
 void adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr, real beta1,
                   real beta2, real eps, real wd, int t);
+/* The factor every gradient is multiplied by before AdamW, from the sums of squares of
+ * the gradients sq[0] + sq[1] (they carry the loss scale): with the global norm
+ * norm = sqrt(sq[0] + sq[1]) / loss_scale, min(1, clip / norm) / loss_scale (clip 0: no
+ * clipping), rounded to float. -1 when the norm is not finite: the step is skipped. The
+ * same function on the host and on the device, so both decide alike. */
+MOE_HD static inline double moe_adamw_factor(const double *sq, double clip, double loss_scale)
+{
+    const double norm = sqrt(sq[0] + sq[1]) / loss_scale;
+    if (!isfinite(norm))
+        return -1.0;
+    const double c = clip <= 0 || norm <= clip ? 1.0 : clip / norm;
+    return (double)(float)(c / loss_scale);
+}
+
 /* The same step over a whole arena of n elements in one pass (multi-tensor): segment s
  * is the range [offsets[s], offsets[s+1]) with weight decay wd[s], offsets[0] = 0 and
- * offsets[n_segs] = n; every gradient is multiplied by grad_scale first (clipping, removal
- * of the loss scale). offsets (n_segs + 1) and wd (n_segs) live in the backend's memory. */
+ * offsets[n_segs] = n; every gradient is multiplied by moe_adamw_factor(norm_sq, clip,
+ * loss_scale) first (clipping, removal of the loss scale), and when that says skip,
+ * nothing changes. offsets (n_segs + 1), wd (n_segs) and norm_sq (2) live in the
+ * backend's memory: the decision needs no value on the host. */
 void adamw_update_multi(real *p, const real *g, real *m, real *v, size_t n, const int64_t *offsets,
                         const real *wd, int n_segs, real lr, real beta1, real beta2, real eps,
-                        real grad_scale, int t);
+                        const double *norm_sq, double clip, double loss_scale, int t);
 
 #ifdef __cplusplus
 }

@@ -21,6 +21,11 @@ double sum_squares(const real *x, size_t n)
     return s;
 }
 
+void sum_into(double *acc, const real *x, size_t n, int square)
+{
+    *acc += square ? sum_squares(x, n) : sum_values(x, n);
+}
+
 void scale_inplace(real *x, real s, size_t n)
 {
 #pragma omp parallel for schedule(static) if (n > 262144)
@@ -65,9 +70,12 @@ void adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr, r
 
 void adamw_update_multi(real *p, const real *g, real *m, real *v, size_t n, const int64_t *offsets,
                         const real *wd, int n_segs, real lr, real beta1, real beta2, real eps,
-                        real grad_scale, int t)
+                        const double *norm_sq, double clip, double loss_scale, int t)
 {
     (void)n; /* = offsets[n_segs] */
+    const double grad_scale = moe_adamw_factor(norm_sq, clip, loss_scale);
+    if (grad_scale < 0) /* a gradient is not finite: the step is skipped */
+        return;
     for (int s = 0; s < n_segs; s++) {
         size_t lo = (size_t)offsets[s], len = (size_t)(offsets[s + 1] - offsets[s]);
         adamw_range(p + lo, g + lo, m + lo, v + lo, len, lr, beta1, beta2, eps, wd[s], grad_scale,

@@ -281,6 +281,7 @@ static moe_status dump_step(const moe_config *cfg, const char *dir, const char *
         tr->consumed = 0;
     }
     MOE_CHECK_GOTO(st, moe_trainer_accumulate(tr, &r));
+    MOE_CHECK_GOTO(st, moe_trainer_losses(tr, &r));
 
     size_t ini_len = moe_config_to_ini(cfg, NULL, 0);
     int64_t S = r.sequences, T1 = cfg->seq_len + 1;

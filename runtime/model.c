@@ -295,6 +295,7 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->expert_local_dev = TAKE(c, int32_t, (size_t)m->L * m->E);
     m->layer_counts = TAKE(h, int64_t, (size_t)m->L * m->E);
     m->aux_psum = TAKE(h, double, (size_t)m->L * m->E);
+    m->ce_acc = TAKE(c, double, 1);
     m->logits = TAKE(c, real, (size_t)m->head_rows * m->V);
     m->rope_cos = TAKE(c, real, (size_t)m->T * (m->Hd / 2));
     m->rope_sin = TAKE(c, real, (size_t)m->T * (m->Hd / 2));
@@ -760,7 +761,7 @@ static moe_status moe_dispatch_send(moe_model *m, int l, moe_fwd_stats *stats)
     moe_layer_acts *a = &m->acts[l];
     moe_chunk *ch = &m->chunk[m->cur];
     const int N = m->Nc, K = m->K, D = m->D, ep = m->ep, El = m->El;
-    MOE_CHECK(m->be->queue_wait(ch->mark));
+    MOE_CHECK(m->be->queue_wait(ch->mark, moe_comm_watch, m->comm));
     const int *send_rows = ch->pack_counts, *send_assign = ch->pack_counts + ep;
     const int *send_experts = ch->pack_counts + 2 * ep + 1;
     a->n_send = ch->pack_counts[2 * ep];
@@ -1010,11 +1011,18 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
             if (m->head_sequences > 0)
                 head_backward(m, r0, rows, m->head_sequences);
         }
-        stats->ce_sum += m->be->sum_values(m->ce_loss, (size_t)Nc);
+        m->be->sum_into(m->ce_acc, m->ce_loss, (size_t)Nc, 0);
     }
     stats->tokens = N;
     m->head_done = m->head_sequences;
     m->head_sequences = 0;
+    return MOE_OK; /* nothing waits: failures on the device surface at the next wait */
+}
+
+moe_status moe_model_take_ce(moe_model *m, double *ce_sum)
+{
+    m->be->copy(ce_sum, m->ce_acc, sizeof(double), MOE_COPY_D2H);
+    m->be->zero(m->ce_acc, sizeof(double));
     return m->be->sync();
 }
 
@@ -1269,11 +1277,18 @@ static void copy_slice(void *ctx, real *slice, size_t count)
     c->cursor += count;
 }
 
+/* Waits for the backend, watching the communication it may wait for (a failure
+ * surfaces at the step's own wait). */
+static void phase_wait(moe_model *m)
+{
+    (void)m->be->queue_wait(m->be->queue_mark(), moe_comm_watch, m->comm);
+}
+
 double moe_model_phase_begin(moe_model *m)
 {
     if (!m->timing)
         return 0.0;
-    m->be->sync(); /* a failure surfaces at the step's own sync */
+    phase_wait(m);
     return moe_clock_seconds();
 }
 
@@ -1281,7 +1296,7 @@ void moe_model_phase_end(moe_model *m, double t0, moe_phase phase)
 {
     if (!m->timing)
         return;
-    m->be->sync();
+    phase_wait(m);
     m->phase_s[phase] += moe_clock_seconds() - t0;
 }
 

@@ -117,7 +117,6 @@ typedef struct {
 } moe_chunk;
 
 typedef struct {
-    double ce_sum;           /* sum of token cross-entropies */
     double aux_sum;          /* sum over MoE layers and sequences of aux(l, s) */
     double z_sum;            /* sum over MoE layers and tokens of lse^2 */
     int64_t tokens;          /* N */
@@ -215,6 +214,9 @@ typedef struct moe_model {
     int64_t *layer_counts; /* (L, E): top-k assignments per expert in this micro-batch */
     double *aux_psum;      /* (L, E): the router's probability sums in this micro-batch */
     double *aux_part;      /* router_aux_part_len(N, E): the router's partials */
+    double *ce_acc;        /* (1) backend memory: the sum of token cross-entropies of the forwards
+                              since it was last zeroed (moe_model_take_ce, or the trainer, which
+                              fetches and zeroes it itself once per step) */
 
     int64_t *load;    /* (L, E): assignments per expert since the last reset */
     void *act_base;   /* the one backend block all activations are carved from */
@@ -267,8 +269,14 @@ static inline const int *moe_model_local_experts(const moe_model *m, int l)
 }
 
 /* Forward of one micro-batch. tokens: (B, T+1), inputs are [:, :T], targets [:, 1:].
- * Fills stats with this micro-batch's sums. Collective over the EP group. */
+ * Fills stats with this micro-batch's sums that the host knows (the router's, from the
+ * counts' wait) and adds the sum of its token cross-entropies into m->ce_acc on the
+ * backend, without waiting for it. Collective over the EP group. */
 moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats *stats);
+
+/* Waits for the backend and takes m->ce_acc: the sum of token cross-entropies of the
+ * forwards since the last take (then zeroes it). */
+moe_status moe_model_take_ce(moe_model *m, double *ce_sum);
 
 /* Backward of the last forward, accumulating into m->grads the gradient of the step
  * loss (see the top of this file), times m->loss_scale, for a step of `step_sequences`

@@ -73,19 +73,14 @@ double moe_lr_at(const moe_config *cfg, int step)
     return cfg->min_lr + 0.5 * (cfg->lr - cfg->min_lr) * (1.0 + cos(M_PI * progress));
 }
 
-double moe_clip_scale(double norm, double clip)
-{
-    if (clip <= 0 || norm <= clip)
-        return 1.0;
-    return clip / norm;
-}
-
 void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
-                        double grad_scale)
+                        const double *norm_sq, double loss_scale)
 {
     opt->t++;
     opt->be->adamw_update_multi(model->params, model->grads, opt->m, opt->v, opt->n_params,
                                 opt->seg_offsets, opt->seg_wd, opt->n_segs, (real)lr,
-                                (real)cfg->beta1, (real)cfg->beta2, (real)cfg->adam_eps,
-                                (real)grad_scale, opt->t);
+                                (real)cfg->beta1, (real)cfg->beta2, (real)cfg->adam_eps, norm_sq,
+                                cfg->grad_clip, loss_scale, opt->t);
 }
+
+void moe_optimizer_unstep(moe_optimizer *opt) { opt->t--; }

@@ -34,13 +34,15 @@ void moe_optimizer_destroy(moe_optimizer *opt);
  * over warmup_steps, then cosine decay to min_lr at the last step. */
 double moe_lr_at(const moe_config *cfg, int step);
 
-/* Scale factor for global-norm clipping: min(1, clip / norm); 1 when clip is 0. */
-double moe_clip_scale(double norm, double clip);
-
 /* One AdamW step over every tensor of the model in one multi-tensor pass: weight decay
- * on tensors with decay != 0 (matrices and embeddings; never norms). Gradients are
- * multiplied by grad_scale first (the clipping factor over the loss scale). */
+ * on tensors with decay != 0 (matrices and embeddings; never norms). norm_sq (2 doubles
+ * in the backend's memory) holds the sums of squares of the gradients, which carry
+ * loss_scale: the kernel multiplies the gradients by moe_adamw_factor (clipping to
+ * cfg->grad_clip, removal of the loss scale) or, when the norm is not finite, changes
+ * nothing; the host need not read the norm first. Counts the step (opt->t); a caller that
+ * learns later that the step was skipped calls moe_optimizer_unstep. */
 void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
-                        double grad_scale);
+                        const double *norm_sq, double loss_scale);
+void moe_optimizer_unstep(moe_optimizer *opt);
 
 #endif

@@ -91,35 +91,42 @@ static moe_status wait_bucket(moe_trainer *tr, int b)
     return MOE_OK;
 }
 
-/* Waits for the gradient reductions in the order backward issued them and sums the
- * squares for the norm into tr->grad_sq: first everything but the embedding's bucket
- * (reduced last, after the whole backward), while that one's reduction still runs, then
- * the embedding's. The same sums, in the same order, with or without reductions. The
- * squaring is timed as the optimizer's. */
+/* Has the gradient reductions waited for in the order backward issued them and sums
+ * the squares for the norm into tr->norm_sq on the backend (nothing returns to the host):
+ * [0] the dense gradients, first everything but the embedding's bucket (reduced last,
+ * after the whole backward) while that one's reduction still runs, then the embedding's;
+ * [1] this rank's expert gradients, then summed over the EP group (each expert lives on
+ * one rank of it; dense gradients are the same on every rank after their reduction), so
+ * every rank holds the global sums. The same sums, in the same order, with or without
+ * reductions. The squaring is timed as the optimizer's. */
 static moe_status reduce_and_square(moe_trainer *tr)
 {
     moe_model *m = tr->model;
+    const moe_backend *be = m->be;
     const moe_grad_bucket *emb = &tr->buckets[0]; /* stage -1: dense only */
+    double *sq = tr->norm_sq;
     for (int b = m->L + 1; b >= 1; b--)
         MOE_CHECK(wait_bucket(tr, b));
     MOE_CHECK(tr->reduce_status);
     double t = moe_model_phase_begin(m);
-    double dense = 0, expert = 0;
-    if (emb->dense_lo > 0)
-        dense += m->be->sum_squares(m->grads, emb->dense_lo);
+    be->zero(sq, 2 * sizeof(double));
+    be->sum_into(sq, m->grads, emb->dense_lo, 1);
     if (m->n_dense > emb->dense_hi)
-        dense += m->be->sum_squares(m->grads + emb->dense_hi, m->n_dense - emb->dense_hi);
-    if (m->n_params > m->n_dense)
-        expert = m->be->sum_squares(m->grads + m->n_dense, m->n_params - m->n_dense);
+        be->sum_into(sq, m->grads + emb->dense_hi, m->n_dense - emb->dense_hi, 1);
+    be->sum_into(sq + 1, m->grads + m->n_dense, m->n_params - m->n_dense, 1);
     moe_model_phase_end(m, t, MOE_PHASE_OPTIMIZER);
+    if (tr->comm && moe_comm_size(tr->comm, MOE_GROUP_EP) > 1) {
+        moe_comm_handle h = MOE_COMM_NONE;
+        moe_comm_set_context(tr->comm, "gradient norm", -1);
+        MOE_CHECK(moe_comm_allreduce_start(tr->comm, MOE_GROUP_EP, sq + 1, 1, sizeof(double),
+                                           MOE_COMM_NONE, &h));
+        MOE_CHECK(moe_comm_wait(tr->comm, h));
+    }
     MOE_CHECK(wait_bucket(tr, 0));
     MOE_CHECK(tr->reduce_status);
     t = moe_model_phase_begin(m);
-    if (emb->dense_hi > emb->dense_lo)
-        dense += m->be->sum_squares(m->grads + emb->dense_lo, emb->dense_hi - emb->dense_lo);
+    be->sum_into(sq, m->grads + emb->dense_lo, emb->dense_hi - emb->dense_lo, 1);
     moe_model_phase_end(m, t, MOE_PHASE_OPTIMIZER);
-    tr->grad_sq[0] = dense;
-    tr->grad_sq[1] = expert;
     return MOE_OK;
 }
 
@@ -186,6 +193,13 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
                                                     cfg->experts));
         MOE_CHECK_GOTO(st, moe_model_attach_routing(tr->model, tr->routing));
     }
+    tr->norm_sq = be->alloc(2 * sizeof(double));
+    tr->step_host = be->alloc_host(3 * sizeof(double));
+    if (!tr->norm_sq || !tr->step_host) {
+        st = MOE_ERR_NOMEM;
+        moe_log_at(__FILE__, __LINE__, "cannot allocate the gradient norm's sums");
+        goto fail;
+    }
     tr->model->grad_ready = on_grad_ready;
     tr->model->grad_ready_ctx = tr;
     MOE_CHECK_GOTO(st, build_buckets(tr));
@@ -216,6 +230,10 @@ void moe_trainer_destroy(moe_trainer *tr)
     free(tr->buckets);
     moe_routing_stats_destroy(tr->routing);
     moe_optimizer_destroy(tr->opt);
+    if (tr->model) {
+        tr->model->be->release(tr->norm_sq);
+        tr->model->be->release_host(tr->step_host);
+    }
     moe_data_destroy(tr->data);
     moe_model_destroy(tr->model);
     free(tr);
@@ -234,8 +252,10 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     res->sequences = S;
     MOE_CHECK(moe_fault_check(&tr->fault, tr->rank, tr->step));
     m->be->zero(m->grads, sizeof(real) * m->n_params);
-    /* ce, aux, z, dropped, a2a bytes, a2a saved: summed over micro-batches and ranks */
-    double sums[6] = {0};
+    /* ce (on the backend, m->ce_acc, until apply), aux, z, dropped, a2a bytes, a2a saved:
+     * summed over micro-batches here, over ranks in apply */
+    double *sums = tr->sums;
+    memset(tr->sums, 0, sizeof tr->sums);
     for (int j = 0; j < accum; j++) {
         int64_t first = tr->consumed + ((int64_t)j * tr->world + tr->rank) * micro;
         moe_fwd_stats fs;
@@ -256,7 +276,6 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
         MOE_CHECK(moe_model_backward(m, S));
         moe_model_phase_end(m, t + (ph[MOE_PHASE_EXCHANGE] + ph[MOE_PHASE_REDUCTION] - comm1),
                             MOE_PHASE_BACKWARD);
-        sums[0] += fs.ce_sum;
         sums[1] += fs.aux_sum;
         sums[2] += fs.z_sum;
         sums[3] += (double)fs.dropped;
@@ -268,10 +287,27 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
         double *ph = m->phase_s, opt0 = ph[MOE_PHASE_OPTIMIZER];
         const double t = moe_model_phase_begin(m);
         MOE_CHECK(reduce_and_square(tr));
-        if (tr->comm)
-            MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, sums, 6));
         moe_model_phase_end(m, t + (ph[MOE_PHASE_OPTIMIZER] - opt0), MOE_PHASE_REDUCTION);
     }
+    res->seconds = moe_clock_seconds() - t0;
+    return MOE_OK;
+}
+
+/* The step's one wait: brings back the cross-entropy sum (zeroed behind the copy for the
+ * next step) and the sums of squares, then fills the losses summed over ranks (tr->sums,
+ * ce from the backend) and the communication times. */
+static moe_status finish_step(moe_trainer *tr, moe_step_result *res)
+{
+    const moe_backend *be = tr->model->be;
+    be->fetch(tr->step_host, tr->model->ce_acc, sizeof(double));
+    be->fetch(tr->step_host + 1, tr->norm_sq, 2 * sizeof(double));
+    const long mark = be->queue_mark();
+    be->zero(tr->model->ce_acc, sizeof(double));
+    MOE_CHECK(be->queue_wait(mark, moe_comm_watch, tr->comm));
+    double *sums = tr->sums;
+    sums[0] = tr->step_host[0];
+    if (tr->comm)
+        MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, sums, 6));
     moe_comm_times ct;
     moe_comm_take_times(tr->comm, &ct);
     res->exchange_s = ct.exchange_s;
@@ -280,45 +316,47 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     res->reduction_exposed_s = ct.reduction_exposed_s;
     res->counts_s = ct.counts_s;
     res->counts_exposed_s = ct.counts_exposed_s;
-    const double tokens = (double)S * tr->cfg.seq_len;
+    const double tokens = (double)res->sequences * tr->cfg.seq_len;
     res->ce = sums[0] / tokens;
-    res->aux = sums[1] / ((double)tr->world * accum); /* mean over the step's micro-batches */
+    /* the aux loss: the mean over the step's micro-batches */
+    res->aux = sums[1] / ((double)tr->world * res->micro_batches);
     res->z = sums[2] / tokens;
     res->dropped = (int64_t)sums[3];
     res->a2a_bytes = (int64_t)sums[4];
     res->a2a_saved = (int64_t)sums[5];
     res->loss = res->ce + tr->cfg.aux_loss_coef * res->aux + tr->cfg.z_loss_coef * res->z;
-    res->seconds = moe_clock_seconds() - t0;
     return MOE_OK;
 }
 
-/* Global gradient norm from tr->grad_sq, each parameter counted once: dense gradients are
- * identical on every rank after the reduction; each expert lives on one rank of every EP
- * group. */
-static moe_status global_grad_norm(moe_trainer *tr, double *norm)
+moe_status moe_trainer_losses(moe_trainer *tr, moe_step_result *res)
 {
-    double sq[2] = {tr->grad_sq[0], tr->grad_sq[1]};
-    if (tr->comm && moe_comm_size(tr->comm, MOE_GROUP_EP) > 1)
-        MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_EP, &sq[1], 1));
-    *norm = sqrt(sq[0] + sq[1]);
-    return MOE_OK;
+    return finish_step(tr, res);
 }
 
+/* AdamW is queued before the host knows the gradient norm: the kernel clips with the
+ * sums of squares on the backend, or skips the step when they are not finite (the same
+ * decision on every rank: the sums are global). Then the step's one wait for the
+ * backend brings back the cross-entropy sum and the sums of squares together, and the
+ * host learns what the device decided. */
 moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
 {
     moe_model *m = tr->model;
+    const moe_backend *be = m->be;
     double t0 = moe_clock_seconds();
     const double tp = moe_model_phase_begin(m);
-    double norm = 0;
-    moe_comm_set_context(tr->comm, "gradient norm", -1);
-    MOE_CHECK(global_grad_norm(tr, &norm));
     res->loss_scale = tr->loss_scale;
-    if (tr->scaling && !isfinite(norm)) {
-        /* fp16 overflow: skip the step (the data moves on), halve the scale. Every rank
-         * sees the same global norm, so every rank skips. */
+    res->lr = moe_lr_at(&tr->cfg, tr->step);
+    moe_optimizer_step(tr->opt, m, &tr->cfg, res->lr, tr->norm_sq, tr->loss_scale);
+    MOE_CHECK(be->refresh_shadow());
+    moe_model_phase_end(m, tp, MOE_PHASE_OPTIMIZER);
+    MOE_CHECK(finish_step(tr, res));
+    const double *sq = tr->step_host + 1;
+    double norm = sqrt(sq[0] + sq[1]);
+    if (tr->scaling && moe_adamw_factor(sq, tr->cfg.grad_clip, tr->loss_scale) < 0) {
+        /* fp16 overflow: the step was skipped (the data moves on); halve the scale. */
         res->skipped = 1;
         res->grad_norm = norm;
-        res->lr = moe_lr_at(&tr->cfg, tr->step);
+        moe_optimizer_unstep(tr->opt);
         tr->skipped_steps++;
         tr->loss_scale *= tr->cfg.loss_scale_backoff;
         tr->scale_good = 0;
@@ -329,7 +367,7 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
         return MOE_OK;
     }
     norm /= tr->loss_scale; /* the gradients carry the loss scale */
-    if (!isfinite(norm)) {
+    if (!isfinite(norm)) {  /* the device skipped the update: nothing changed */
         /* name the first tensor whose gradient is not finite here (dense gradients are
          * the same on every rank; expert ones differ) */
         for (int i = 0; i < m->n_tensors; i++) {
@@ -345,11 +383,6 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
                  tr->step + 1, norm);
     }
     res->grad_norm = norm;
-    res->lr = moe_lr_at(&tr->cfg, tr->step);
-    moe_optimizer_step(tr->opt, m, &tr->cfg, res->lr,
-                       moe_clip_scale(norm, tr->cfg.grad_clip) / tr->loss_scale);
-    MOE_CHECK(m->be->refresh_shadow());
-    moe_model_phase_end(m, tp, MOE_PHASE_OPTIMIZER);
     if (tr->scaling && ++tr->scale_good >= tr->cfg.loss_scale_growth_interval) {
         tr->loss_scale *= tr->cfg.loss_scale_growth;
         tr->scale_good = 0;

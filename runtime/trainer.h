@@ -65,7 +65,9 @@ typedef struct {
     int reduce_now;           /* the last micro-batch of a step: reduce as stages finish */
     int last_micro;           /* the last micro-batch of a step is running */
     moe_status reduce_status;
-    double grad_sq[2]; /* squares of this rank's dense and expert gradients, for the norm */
+    double *norm_sq;   /* (2) backend memory: squares of the dense and expert gradients */
+    double *step_host; /* (3) pinned: the step's ce sum and norm_sq, fetched at its end */
+    double sums[6];    /* this rank's ce, aux, z, dropped, a2a bytes, a2a saved of the step */
     moe_model *model;
     moe_data *data;
     moe_optimizer *opt;
@@ -93,12 +95,20 @@ typedef struct {
 moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct moe_comm *comm);
 void moe_trainer_destroy(moe_trainer *tr);
 
-/* Zeroes the gradients and runs every micro-batch of step tr->step (forward +
+/* Zeroes the gradients and queues every micro-batch of step tr->step (forward +
  * backward), reducing gradients across ranks as the last micro-batch's stages finish,
- * and fills the loss fields of res (summed over ranks). Collective. */
+ * and the sums of squares of the gradient norm. Fills step, micro_batches, sequences.
+ * The host waits only for each MoE layer's counts. Collective. */
 moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res);
 
-/* Clips, applies AdamW, advances the step and the data position; fills grad_norm, lr. */
+/* Instead of apply (for a dump of the step's gradients): waits for the step and fills
+ * its loss fields and communication times, leaving the parameters and the step as they
+ * are. Collective. */
+moe_status moe_trainer_losses(moe_trainer *tr, moe_step_result *res);
+
+/* Queues AdamW (clipping and the fp16 skip decided on the device), then waits for the
+ * step once and fills the loss fields (summed over ranks), grad_norm, lr, skipped and the
+ * communication times; advances the step and the data position. Collective. */
 moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res);
 
 /* Collective: sums the routing statistics over ranks, plans a placement from them

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -10,9 +11,11 @@
 
 /* Streams: the token exchange runs on `xstream`, the gradient reduction on `gstream`,
  * each after an event (`ready`) recorded on the compute stream when the operation is
- * queued; its handle is the event `events[h]` recorded after it. Waiting polls that event
- * (host side, with the deadline) and then makes the compute stream wait for it, so the
- * compute stream never waits longer than the data dependency. `arrive[h]` is recorded on
+ * queued; its handle is the event `events[h]` recorded after it. Waiting makes the
+ * compute stream wait for that event and returns at once: the host goes on queueing
+ * work. The waited-for events are watched (moe_nccl_watch, called by every host wait
+ * of the step: the counts' and the backend's queue waits), so an operation not done by
+ * its deadline, or an asynchronous NCCL error, still ends the job. `arrive[h]` is recorded on
  * the compute stream when the wait begins; exposed time = done - arrive when positive
  * (the compute stream had nothing left to do), total = done - start. The times are read
  * later (moe_nccl_times), once the compute stream has passed `arrive`: reading them at
@@ -29,6 +32,12 @@ struct moe_nccl {
     cudaEvent_t *events, *ready, *start, *arrive;
     int n_events;
     double timeout_s;
+    /* the waited-for events not seen complete yet: deadline and what, per event */
+    unsigned char *watched;
+    double *deadline;
+    char (*what)[192];
+    int n_watched;
+    int aborted; /* a watch failed: every later watch fails too */
     /* host waits (the count exchanges): events on the compute stream before and after
      * each, so the time the stream sat idle in it can be read later */
     cudaEvent_t gap_before[MOE_NCCL_GAPS], gap_after[MOE_NCCL_GAPS];
@@ -130,7 +139,11 @@ moe_status moe_nccl_create(moe_nccl **out, MPI_Comm groups[3], void *stream, int
     n->ready = calloc((size_t)n_events, sizeof *ev);
     n->start = calloc((size_t)n_events, sizeof *ev);
     n->arrive = calloc((size_t)n_events, sizeof *ev);
-    if (st == MOE_OK && (!n->ready || !n->start || !n->arrive)) {
+    n->watched = calloc((size_t)n_events, sizeof *n->watched);
+    n->deadline = calloc((size_t)n_events, sizeof *n->deadline);
+    n->what = calloc((size_t)n_events, sizeof *n->what);
+    if (st == MOE_OK &&
+        (!n->ready || !n->start || !n->arrive || !n->watched || !n->deadline || !n->what)) {
         moe_log_at(__FILE__, __LINE__, "cannot allocate the NCCL events");
         st = MOE_ERR_NOMEM;
     }
@@ -191,6 +204,9 @@ void moe_nccl_destroy(moe_nccl *n)
     free(n->ready);
     free(n->start);
     free(n->arrive);
+    free(n->watched);
+    free(n->deadline);
+    free(n->what);
     free(n);
 }
 
@@ -244,34 +260,82 @@ static double elapsed_ms(cudaEvent_t a, cudaEvent_t b)
     return cudaEventElapsedTime(&ms, a, b) == cudaSuccess ? ms : 0.0;
 }
 
+/* Aborts every communicator (their operations then end, so no stream waits forever). */
+static void abort_all(moe_nccl *n)
+{
+    for (int h = 0; h < 3; h++)
+        if (n->comm[h])
+            ncclCommAbort(n->comm[h]), n->comm[h] = NULL;
+    n->n_watched = 0;
+    n->aborted = 1;
+}
+
 moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *what)
 {
-    const double deadline = moe_clock_seconds() + timeout_s;
     CUDA_TRY(cudaEventRecord(n->arrive[event], n->stream), "recording a communication event");
-    for (;;) {
-        cudaError_t q = cudaEventQuery(n->events[event]);
-        if (q == cudaSuccess) {
-            CUDA_TRY(cudaStreamWaitEvent(n->stream, n->events[event], 0),
-                     "ordering the compute stream after communication");
+    CUDA_TRY(cudaStreamWaitEvent(n->stream, n->events[event], 0),
+             "ordering the compute stream after communication");
+    if (!n->watched[event])
+        n->n_watched++;
+    n->watched[event] = 1;
+    n->deadline[event] = moe_clock_seconds() + timeout_s;
+    snprintf(n->what[event], sizeof n->what[event], "%s", what);
+    return moe_nccl_watch(n);
+}
+
+/* Event `event` is done (unwatched), or not yet (its deadline checked); 1 when done. */
+static moe_status watch_one(moe_nccl *n, int event, double now, int *done)
+{
+    *done = 1;
+    if (!n->watched[event])
+        return MOE_OK;
+    const cudaError_t q = cudaEventQuery(n->events[event]);
+    if (q == cudaErrorNotReady) {
+        *done = 0;
+        if (now <= n->deadline[event])
             return MOE_OK;
+        abort_all(n);
+        MOE_FAIL(MOE_ERR_COMM, "timeout after %.0f s in the %s (NCCL): a peer did not answer",
+                 n->timeout_s, n->what[event]);
+    }
+    n->watched[event] = 0;
+    n->n_watched--;
+    if (q != cudaSuccess) {
+        abort_all(n);
+        MOE_FAIL(MOE_ERR_DEVICE, "%s: %s", n->what[event], cudaGetErrorString(q));
+    }
+    return MOE_OK;
+}
+
+moe_status moe_nccl_watch(moe_nccl *n)
+{
+    if (n->aborted)
+        MOE_FAIL(MOE_ERR_COMM, "the NCCL communicators were aborted after an earlier failure");
+    const double now = moe_clock_seconds();
+    for (int e = 0; e < n->n_events && n->n_watched > 0; e++) {
+        int done = 0;
+        MOE_CHECK(watch_one(n, e, now, &done));
+    }
+    for (int g = 0; g < 3; g++) {
+        ncclResult_t async = ncclSuccess;
+        if (n->comm[g] && ncclCommGetAsyncError(n->comm[g], &async) == ncclSuccess &&
+            async != ncclSuccess && async != ncclInProgress) {
+            abort_all(n);
+            MOE_FAIL(MOE_ERR_COMM, "NCCL reported %s", ncclGetErrorString(async));
         }
-        if (q != cudaErrorNotReady)
-            MOE_FAIL(MOE_ERR_DEVICE, "%s: %s", what, cudaGetErrorString(q));
-        for (int g = 0; g < 3; g++) {
-            ncclResult_t async = ncclSuccess;
-            if (ncclCommGetAsyncError(n->comm[g], &async) == ncclSuccess && async != ncclSuccess &&
-                async != ncclInProgress) {
-                for (int h = 0; h < 3; h++)
-                    ncclCommAbort(n->comm[h]), n->comm[h] = NULL;
-                MOE_FAIL(MOE_ERR_COMM, "%s: NCCL reported %s", what, ncclGetErrorString(async));
-            }
-        }
-        if (moe_clock_seconds() > deadline) {
-            for (int h = 0; h < 3; h++)
-                ncclCommAbort(n->comm[h]), n->comm[h] = NULL;
-            MOE_FAIL(MOE_ERR_COMM, "timeout after %.0f s in the %s (NCCL): a peer did not answer",
-                     timeout_s, what);
-        }
+    }
+    return MOE_OK;
+}
+
+/* Polls until event is done, watching everything meanwhile (with the deadlines). */
+static moe_status watch_until_done(moe_nccl *n, int event)
+{
+    for (;;) {
+        int done = 0;
+        MOE_CHECK(watch_one(n, event, moe_clock_seconds(), &done));
+        if (done)
+            return MOE_OK;
+        MOE_CHECK(moe_nccl_watch(n));
         struct timespec nap = {0, 20000};
         nanosleep(&nap, NULL);
     }
@@ -279,6 +343,7 @@ moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *w
 
 moe_status moe_nccl_times(moe_nccl *n, int event, double *total_s, double *exposed_s)
 {
+    MOE_CHECK(watch_until_done(n, event));
     CUDA_TRY(cudaEventSynchronize(n->arrive[event]), "timing communication");
     const double exposed = elapsed_ms(n->arrive[event], n->events[event]);
     *total_s = 1e-3 * elapsed_ms(n->start[event], n->events[event]);

@@ -28,11 +28,17 @@ moe_status moe_nccl_allreduce(moe_nccl *n, int group, void *buf, size_t count, s
 moe_status moe_nccl_exchange(moe_nccl *n, int peers, const void *send, const size_t *send_counts,
                              const size_t *send_displs, void *recv, const size_t *recv_counts,
                              const size_t *recv_displs, int repeat, int event);
-/* Waits for the event of a handle, up to timeout_s; names `what` on failure. Then the
- * compute stream waits for it too. Its times are read by moe_nccl_times, which the
- * handle's slot must get before it is reused. */
+/* The compute stream waits for the event of a handle; the host does not. The event is
+ * watched from now on: not done within timeout_s, it fails naming `what` (at the next
+ * moe_nccl_watch, or at once when a watch finds it late). Its times are read by
+ * moe_nccl_times, which the handle's slot must get before it is reused. */
 moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *what);
-/* Times of a waited-for handle; waits until the compute stream reached the wait.
+/* Checks the watched events (done, or past their deadline: then every communicator is
+ * aborted and the operation named) and the communicators' asynchronous errors. Cheap:
+ * for every host wait's loop. */
+moe_status moe_nccl_watch(moe_nccl *n);
+/* Times of a waited-for handle; waits (watching) until the operation is done and the
+ * compute stream reached the wait.
  * total_s: the operation's time on its stream; exposed_s: how long the compute stream,
  * having run out of work, waited for it. */
 moe_status moe_nccl_times(moe_nccl *n, int event, double *total_s, double *exposed_s);

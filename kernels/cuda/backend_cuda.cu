@@ -214,13 +214,33 @@ static long cuda_queue_mark(void)
 }
 
 /* A mark whose event was recorded again since (MARKS marks later) waits for that later
- * point: longer, never too short. */
-static moe_status cuda_queue_wait(long mark)
+ * point: longer, never too short. With a watch the host polls the event, calling the
+ * watch every WATCH_EVERY_S of the wait (a short wait never calls it). */
+#define WATCH_EVERY_S 1e-3
+static moe_status cuda_queue_wait(long mark, moe_status (*watch)(void *ctx), void *ctx)
 {
     if (mark < 0 || mark >= g.next_mark)
         MOE_FAIL(MOE_ERR_INVALID, "cuda: wait on a queue mark (%ld) never made", mark);
-    MOE_CUDA_OK(cudaEventSynchronize(g.marks[mark % MARKS]));
-    return g.status;
+    cudaEvent_t ev = g.marks[mark % MARKS];
+    if (!watch) {
+        MOE_CUDA_OK(cudaEventSynchronize(ev));
+        return g.status;
+    }
+    double next_watch = moe_clock_seconds() + WATCH_EVERY_S;
+    for (;;) {
+        const cudaError_t q = cudaEventQuery(ev);
+        if (q == cudaSuccess)
+            return g.status;
+        if (q != cudaErrorNotReady) {
+            MOE_CUDA_OK(q);
+            return g.status;
+        }
+        const double now = moe_clock_seconds();
+        if (now >= next_watch) {
+            MOE_CHECK(watch(ctx));
+            next_watch = now + WATCH_EVERY_S;
+        }
+    }
 }
 
 static void cuda_zero(void *p, size_t nbytes)

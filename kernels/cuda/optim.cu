@@ -1,9 +1,11 @@
 /* kernels/cuda/optim.cu: the optimizer's pieces: sums and sums of squares in double (a
- * fixed grid and a fixed-order reduction, so the same input gives the same bits; the
- * result is copied back, which waits for the stream), scaling, the finiteness check
- * (also waits) and the fused AdamW step (one pass, in double per element; over the whole
- * parameter arena in a 16-bit precision it also writes the GEMMs' 16-bit shadow, so the
- * refresh that follows has nothing left to do). */
+ * fixed grid and a fixed-order reduction, so the same input gives the same bits), added
+ * into a double in device memory (sum_into: nothing waits) or copied back (sum_values,
+ * sum_squares: waits for the stream), scaling, the finiteness check (also waits) and the
+ * fused AdamW step (one pass, in double per element; it reads the sums of squares of the
+ * gradients on the device for its clipping factor or skip; over the whole parameter
+ * arena in a 16-bit precision it also writes the GEMMs' 16-bit shadow, so the refresh
+ * that follows has nothing left to do). */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -39,37 +41,58 @@ static __global__ void sum_partial(double *part, const real *x, size_t n)
         part[blockIdx.x] = s;
 }
 
-static __global__ void sum_final(double *out, const double *part, int blocks)
+/* *acc += the blocks' partial sums (added in a fixed order). */
+static __global__ void sum_final(double *acc, const double *part, int blocks)
 {
     double s = 0.0;
     for (int b = threadIdx.x; b < blocks; b += blockDim.x)
         s += part[b];
     s = moe_block_sum_d(s);
     if (threadIdx.x == 0)
-        *out = s;
+        *acc = __dadd_rn(*acc, s);
 }
 
-template <int SQUARE> static double sum_of(const real *x, size_t n)
+/* The partials go to scratch, so acc must not lie in it. */
+extern "C" void cuda_sum_into(double *acc, const real *x, size_t n, int square)
 {
     if (n == 0)
-        return 0.0;
+        return;
     unsigned blocks = moe_cuda_blocks(n, MOE_CUDA_THREADS);
     if (blocks > SUM_MAX_BLOCKS)
         blocks = SUM_MAX_BLOCKS;
-    double *part = (double *)moe_cuda_scratch(sizeof(double) * (blocks + 1));
+    double *part = (double *)moe_cuda_scratch(sizeof(double) * blocks);
     if (!part)
-        return 0.0;
-    if (moe_aligned16(x))
-        MOE_CUDA_LAUNCH((sum_partial<SQUARE, 1>), blocks, MOE_CUDA_THREADS, 0, part + 1, x, n);
+        return;
+    const int v4 = moe_aligned16(x);
+    if (square && v4)
+        MOE_CUDA_LAUNCH((sum_partial<1, 1>), blocks, MOE_CUDA_THREADS, 0, part, x, n);
+    else if (square)
+        MOE_CUDA_LAUNCH((sum_partial<1, 0>), blocks, MOE_CUDA_THREADS, 0, part, x, n);
+    else if (v4)
+        MOE_CUDA_LAUNCH((sum_partial<0, 1>), blocks, MOE_CUDA_THREADS, 0, part, x, n);
     else
-        MOE_CUDA_LAUNCH((sum_partial<SQUARE, 0>), blocks, MOE_CUDA_THREADS, 0, part + 1, x, n);
-    MOE_CUDA_LAUNCH(sum_final, 1, MOE_CUDA_THREADS, 0, part, part + 1, (int)blocks);
-    const double *host = (const double *)moe_cuda_fetch(part, sizeof(double));
+        MOE_CUDA_LAUNCH((sum_partial<0, 0>), blocks, MOE_CUDA_THREADS, 0, part, x, n);
+    MOE_CUDA_LAUNCH(sum_final, 1, MOE_CUDA_THREADS, 0, acc, part, (int)blocks);
+}
+
+/* A value on the host: summed into a zeroed double in the scratch after the partials
+ * (the scratch grows here, so cuda_sum_into finds it as large), then copied back (waits). */
+static double sum_of(const real *x, size_t n, int square)
+{
+    const unsigned blocks = moe_cuda_blocks(n, MOE_CUDA_THREADS);
+    double *acc = (double *)moe_cuda_scratch(sizeof(double) * (SUM_MAX_BLOCKS + 1));
+    if (!acc)
+        return 0.0;
+    acc += blocks < SUM_MAX_BLOCKS ? blocks : SUM_MAX_BLOCKS;
+    if (!MOE_CUDA_OK(cudaMemsetAsync(acc, 0, sizeof(double), moe_cuda_stream())))
+        return 0.0;
+    cuda_sum_into(acc, x, n, square);
+    const double *host = (const double *)moe_cuda_fetch(acc, sizeof(double));
     return host ? *host : 0.0;
 }
 
-extern "C" double cuda_sum_values(const real *x, size_t n) { return sum_of<0>(x, n); }
-extern "C" double cuda_sum_squares(const real *x, size_t n) { return sum_of<1>(x, n); }
+extern "C" double cuda_sum_values(const real *x, size_t n) { return sum_of(x, n, 0); }
+extern "C" double cuda_sum_squares(const real *x, size_t n) { return sum_of(x, n, 1); }
 
 static __global__ void scale_kernel(real *x, real s, size_t n)
 {
@@ -107,48 +130,20 @@ extern "C" int cuda_all_finite(const real *x, size_t n)
     return host ? !*host : 0;
 }
 
-/* As the CPU reference: p = p*decay - step * m / (sqrt(v)/sqrt_bc2 + eps), in double. */
-static __global__ void adamw_kernel(real *p, const real *g, real *m, real *v, size_t n, double b1,
-                                    double b2, double step, double sqrt_bc2, double decay,
-                                    double eps)
-{
-    MOE_CUDA_GRID_STRIDE(i, n)
-    {
-        const double gi = g[i];
-        const double mi = __dadd_rn(__dmul_rn(b1, m[i]), __dmul_rn(1.0 - b1, gi));
-        const double vi = __dadd_rn(__dmul_rn(b2, v[i]), __dmul_rn(__dmul_rn(1.0 - b2, gi), gi));
-        m[i] = (real)mi;
-        v[i] = (real)vi;
-        const double denom = __dadd_rn(__ddiv_rn(sqrt(vi), sqrt_bc2), eps);
-        p[i] =
-            (real)__dsub_rn(__dmul_rn((double)p[i], decay), __ddiv_rn(__dmul_rn(step, mi), denom));
-    }
-}
-
-extern "C" void cuda_adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr,
-                                  real beta1, real beta2, real eps, real wd, int t)
-{
-    if (n == 0)
-        return;
-    const double b1 = beta1, b2 = beta2;
-    const double step = (double)lr / (1.0 - pow(b1, t));
-    const double sqrt_bc2 = sqrt(1.0 - pow(b2, t));
-    const double decay = 1.0 - (double)lr * wd;
-    MOE_CUDA_LAUNCH(adamw_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0, p, g,
-                    m, v, n, b1, b2, step, sqrt_bc2, decay, (double)eps);
-}
-
-/* Multi-tensor AdamW: one pass over the arena. The segment offsets and weight decays are
- * staged in shared memory; a thread's elements only grow (grid stride), so its segment
- * is found once by binary search and then only walks forward. As adamw_kernel
- * otherwise. V4: each thread step takes 4 consecutive elements (float4 loads and stores,
- * 4 shadow values in one 8-byte store; the caller checks the alignment), the last n % 4
- * one by one; the arithmetic per element is the same. */
+/* The step's constants; scale multiplies every gradient first. */
 struct adamw_args {
     double b1, b2, step, sqrt_bc2, lr, eps, scale;
 };
 
-/* Element i: the new p (returned), m and v, from the segment's weight decay wdi. */
+static adamw_args adamw_setup(real lr, real beta1, real beta2, real eps, int t)
+{
+    const double b1 = beta1, b2 = beta2;
+    return {b1,          b2, (double)lr / (1.0 - pow(b1, t)), sqrt(1.0 - pow(b2, t)), (double)lr,
+            (double)eps, 1.0};
+}
+
+/* One element as the CPU reference, in double: the new p (returned), m and v, with
+ * the weight decay wdi: p = p*(1 - lr*wdi) - step * m / (sqrt(v)/sqrt_bc2 + eps). */
 static __device__ __forceinline__ real adamw_elem(real pi, real gr, real &m, real &v, real wdi,
                                                   const adamw_args &a)
 {
@@ -162,6 +157,28 @@ static __device__ __forceinline__ real adamw_elem(real pi, real gr, real &m, rea
     return (real)__dsub_rn(__dmul_rn((double)pi, decay), __ddiv_rn(__dmul_rn(a.step, mi), denom));
 }
 
+static __global__ void adamw_kernel(real *p, const real *g, real *m, real *v, size_t n, real wd,
+                                    adamw_args a)
+{
+    MOE_CUDA_GRID_STRIDE(i, n) { p[i] = adamw_elem(p[i], g[i], m[i], v[i], wd, a); }
+}
+
+extern "C" void cuda_adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr,
+                                  real beta1, real beta2, real eps, real wd, int t)
+{
+    if (n == 0)
+        return;
+    MOE_CUDA_LAUNCH(adamw_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0, p, g,
+                    m, v, n, wd, adamw_setup(lr, beta1, beta2, eps, t));
+}
+
+/* Multi-tensor AdamW: one pass over the arena. The segment offsets and weight decays are
+ * staged in shared memory; a thread's elements only grow (grid stride), so its segment
+ * is found once by binary search and then only walks forward. The gradients' factor
+ * (clipping and loss scale, or skip) is computed by every thread from the two sums of
+ * squares in device memory. V4: each thread step takes 4 consecutive elements (float4
+ * loads and stores, 4 shadow values in one 8-byte store; the caller checks the
+ * alignment), the last n % 4 one by one; the arithmetic per element is the same. */
 static __device__ __forceinline__ uint16_t adamw_round16(real x, int bf16)
 { /* as matmul.cu's round_kernel */
     if (bf16) {
@@ -193,10 +210,14 @@ static __device__ __forceinline__ int adamw_seg(int seg, size_t i, const int64_t
 }
 
 template <int V4>
-static __global__ void adamw_multi_kernel(real *p, const real *g, real *m, real *v,
-                                          const int64_t *offsets, const real *wd, int n_segs,
-                                          size_t n, adamw_args a, uint16_t *shadow, int bf16)
+static __global__ void
+adamw_multi_kernel(real *p, const real *g, real *m, real *v, const int64_t *offsets, const real *wd,
+                   int n_segs, size_t n, adamw_args a, const double *norm_sq, double clip,
+                   double loss_scale, uint16_t *shadow, int bf16)
 {
+    a.scale = moe_adamw_factor(norm_sq, clip, loss_scale);
+    if (a.scale < 0) /* a gradient is not finite: the step is skipped */
+        return;
     extern __shared__ int64_t seg_lo[]; /* n_segs offsets, then n_segs decays (as real) */
     real *seg_wd = (real *)(seg_lo + n_segs);
     for (int s = threadIdx.x; s < n_segs; s += blockDim.x) {
@@ -244,13 +265,11 @@ extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, size_t n, int *b
 
 extern "C" void cuda_adamw_update_multi(real *p, const real *g, real *m, real *v, size_t n,
                                         const int64_t *offsets, const real *wd, int n_segs, real lr,
-                                        real beta1, real beta2, real eps, real grad_scale, int t)
+                                        real beta1, real beta2, real eps, const double *norm_sq,
+                                        double clip, double loss_scale, int t)
 {
     if (n_segs <= 0 || n == 0)
         return;
-    const double b1 = beta1, b2 = beta2;
-    const double step = (double)lr / (1.0 - pow(b1, t));
-    const double sqrt_bc2 = sqrt(1.0 - pow(b2, t));
     int bf16 = 0; /* the 16-bit shadow of the parameters, written in the same pass */
     uint16_t *shadow = cuda_gemm_shadow_for_update(p, n, &bf16);
     const size_t smem = (sizeof(int64_t) + sizeof(real)) * (size_t)n_segs;
@@ -259,15 +278,15 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, real *m, real *v
                       smem);
         return;
     }
-    const adamw_args a = {b1, b2, step, sqrt_bc2, (double)lr, (double)eps, (double)grad_scale};
+    const adamw_args a = adamw_setup(lr, beta1, beta2, eps, t);
     const int v4 = ((uintptr_t)p | (uintptr_t)g | (uintptr_t)m | (uintptr_t)v) % 16 == 0 &&
                    (uintptr_t)shadow % 8 == 0;
     if (v4)
         MOE_CUDA_LAUNCH(adamw_multi_kernel<1>, moe_cuda_blocks(n / 4 + 1, MOE_CUDA_THREADS),
-                        MOE_CUDA_THREADS, smem, p, g, m, v, offsets, wd, n_segs, n, a, shadow,
-                        bf16);
+                        MOE_CUDA_THREADS, smem, p, g, m, v, offsets, wd, n_segs, n, a, norm_sq,
+                        clip, loss_scale, shadow, bf16);
     else
         MOE_CUDA_LAUNCH(adamw_multi_kernel<0>, moe_cuda_blocks(n, MOE_CUDA_THREADS),
-                        MOE_CUDA_THREADS, smem, p, g, m, v, offsets, wd, n_segs, n, a, shadow,
-                        bf16);
+                        MOE_CUDA_THREADS, smem, p, g, m, v, offsets, wd, n_segs, n, a, norm_sq,
+                        clip, loss_scale, shadow, bf16);
 }

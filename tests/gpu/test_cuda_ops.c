@@ -806,7 +806,7 @@ static void test_exchange(int N, int E, int K, int P, int D, int capacity, const
                            DEVI(slot_row, NK), DEVI(erank, E), DEVI(elocal, E), N, D, K, P, per,
                            row_bytes);
     const long mark = gpu->queue_mark();
-    if (gpu->queue_wait(mark) != MOE_OK)
+    if (gpu->queue_wait(mark, NULL, NULL) != MOE_OK)
         fail_now("queue_wait after moe_pack_dispatch");
     check_i("counts (rows, assignments, total, per expert)", gcounts, counts, nc);
     gpu_done();
@@ -945,6 +945,19 @@ static void test_reductions(size_t n, const char *name)
     gpu_done();
     check_d("sum", &g, &r, 1, 1e-300, 1e-12);
 
+    begin("sum_into", name); /* onto what is there: a value, then the squares */
+    double acc[2] = {1.25, 1.25};
+    double *dacc = gpu->alloc(sizeof(double));
+    gpu->copy(dacc, acc, sizeof(double), MOE_COPY_H2D);
+    cpu->sum_into(acc, x, n, 0);
+    cpu->sum_into(acc, x, n, 1);
+    gpu->sum_into(dacc, dx, n, 0);
+    gpu->sum_into(dacc, dx, n, 1);
+    gpu->copy(acc + 1, dacc, sizeof(double), MOE_COPY_D2H);
+    gpu_done();
+    check_d("sum", &acc[1], &acc[0], 1, 1e-13 * mag + 1e-300, 1e-12);
+    gpu->release(dacc);
+
     begin("scale_inplace", name);
     cpu->scale_inplace(x, 0.37f, n);
     gpu->scale_inplace(dx, 0.37f, n);
@@ -983,8 +996,10 @@ static void test_adamw(size_t n, int t, const char *name)
     free_all();
 }
 
-/* Multi-tensor AdamW: segments with different weight decay, a gradient scale. */
-static void test_adamw_multi(size_t n, int t, const char *name)
+/* Multi-tensor AdamW: segments with different weight decay, the gradients' factor from
+ * the sums of squares sq (device memory on the GPU), the clip and the loss scale. */
+static void test_adamw_multi(size_t n, int t, const double sq[2], double clip, double scale,
+                             const char *name)
 {
     begin("adamw_update_multi", name);
     float *p = frand(n, -1, 1), *g = frand(n, -1, 1), *m = frand(n, -0.1, 0.1);
@@ -996,13 +1011,22 @@ static void test_adamw_multi(size_t n, int t, const char *name)
     float *dwd = gpu->alloc(sizeof wd);
     gpu->copy(doff, off, sizeof off, MOE_COPY_H2D);
     gpu->copy(dwd, wd, sizeof wd, MOE_COPY_H2D);
-    cpu->adamw_update_multi(p, g, m, v, n, off, wd, 3, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.37f, t);
-    gpu->adamw_update_multi(dp, DEVF(g, n), dm, dv, n, doff, dwd, 3, 1e-3f, 0.9f, 0.95f, 1e-8f,
-                            0.37f, t);
+    double *dsq = gpu->alloc(2 * sizeof(double));
+    gpu->copy(dsq, sq, 2 * sizeof(double), MOE_COPY_H2D);
+    const float p_before = p[n / 2];
+    cpu->adamw_update_multi(p, g, m, v, n, off, wd, 3, 1e-3f, 0.9f, 0.95f, 1e-8f, sq, clip, scale,
+                            t);
+    gpu->adamw_update_multi(dp, DEVF(g, n), dm, dv, n, doff, dwd, 3, 1e-3f, 0.9f, 0.95f, 1e-8f, dsq,
+                            clip, scale, t);
     gpu_done();
     check_f("p", HOSTF(dp, n), p, n, 1, TIGHT);
     check_f("m", HOSTF(dm, n), m, n, 1, TIGHT);
     check_f("v", HOSTF(dv, n), v, n, 1, TIGHT);
+    /* the reference moved p unless the factor says skip (then both left it alone) */
+    const int skip = moe_adamw_factor(sq, clip, scale) < 0;
+    if ((p[n / 2] == p_before) != skip)
+        fail_now(skip ? "the reference changed p on a skipped step" : "the reference left p");
+    gpu->release(dsq);
     gpu->release(doff);
     gpu->release(dwd);
     free_all();
@@ -1144,9 +1168,11 @@ int main(void)
         check_i("empty", &got, &want, 1);
     }
 
-    test_adamw_multi(1000, 3, "3 segments");
-    test_adamw_multi(7, 1, "tiny");
-    test_adamw_multi(100003, 2, "4-element groups, a 3-element tail");
+    const double sq[2] = {0.3, 0.2}, inf_sq[2] = {0.3, INFINITY};
+    test_adamw_multi(1000, 3, sq, 0.0, 1.7, "3 segments, loss scale 1.7");
+    test_adamw_multi(7, 1, sq, 0.2, 1.0, "tiny, clipped");
+    test_adamw_multi(100003, 2, sq, 0.1, 3.0, "4-element groups, a 3-element tail, clipped");
+    test_adamw_multi(1000, 3, inf_sq, 1.0, 1.0, "non-finite norm: skipped");
     test_adamw(1, 1, "n=1 t=1");
     test_adamw(1001, 7, "n=1001 t=7");
 

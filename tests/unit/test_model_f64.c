@@ -69,8 +69,9 @@ static uint64_t routing_fingerprint(const moe_model *m)
 static double step_loss(moe_model *m, const int32_t *tokens, int64_t S, moe_fwd_stats *fs)
 {
     assert_int_equal(moe_model_forward(m, tokens, fs), MOE_OK);
-    double tok = (double)S * m->T;
-    return fs->ce_sum / tok + m->cfg.aux_loss_coef * fs->aux_sum / ((double)S / m->B) +
+    double ce_sum = 0, tok = (double)S * m->T;
+    assert_int_equal(moe_model_take_ce(m, &ce_sum), MOE_OK);
+    return ce_sum / tok + m->cfg.aux_loss_coef * fs->aux_sum / ((double)S / m->B) +
            m->cfg.z_loss_coef * fs->z_sum / tok;
 }
 

@@ -445,8 +445,24 @@ static void test_cross_entropy_backward(void **state)
     check_cross_entropy_backward(64, 1031);
 }
 
+/* The gradients' factor against its definition, computed here by hand. */
+static void test_adamw_factor(void **state)
+{
+    (void)state;
+    const double sq[2] = {9, 16}; /* norm 5 before the loss scale */
+    /* loss scale 4: norm 1.25; clip 1: factor 0.8 / 4, rounded to float */
+    assert_true(moe_adamw_factor(sq, 1.0, 4.0) == (double)0.2f);
+    assert_true(moe_adamw_factor(sq, 0.0, 4.0) == 0.25);                /* no clipping */
+    assert_true(moe_adamw_factor(sq, 10.0, 1.0) == 1.0);                /* under the clip */
+    assert_true(moe_adamw_factor(sq, 2.5, 1.0) == 0.5);                 /* clip / norm */
+    const double bad[3][2] = {{NAN, 1}, {1, INFINITY}, {1e308, 1e308}}; /* the last overflows */
+    for (int i = 0; i < 3; i++)
+        assert_true(moe_adamw_factor(bad[i], 1.0, 1.0) == -1.0);
+}
+
 /* The multi-tensor step equals the per-tensor step on each segment, with its own weight
- * decay; a gradient scale of 0.5 (exact in float) equals halving the gradients first. */
+ * decay; a gradient factor of 0.5 (exact in float), from the loss scale or from clipping,
+ * equals halving the gradients first; a non-finite norm changes nothing. */
 static void test_adamw_update_multi(void **state)
 {
     (void)state;
@@ -462,19 +478,43 @@ static void test_adamw_update_multi(void **state)
         v0[i] = (real)(1e-4 * (i + 1));
     }
     real p[n], m[n], v[n], pr[n], mr[n], vr[n];
-    memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
     memcpy(pr, p0, sizeof p), memcpy(mr, m0, sizeof m), memcpy(vr, v0, sizeof v);
-    adamw_update_multi(p, g, m, v, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, 0.5f, 4);
     for (int s = 0; s < segs; s++) {
         size_t lo = (size_t)offsets[s], len = (size_t)(offsets[s + 1] - offsets[s]);
         adamw_update(pr + lo, half + lo, mr + lo, vr + lo, len, 0.01f, 0.9f, 0.95f, 1e-8f, wd[s],
                      4);
     }
-    assert_memory_equal(p, pr, sizeof p);
-    assert_memory_equal(m, mr, sizeof m);
-    assert_memory_equal(v, vr, sizeof v);
+    /* {sums of squares, clip, loss scale}: norm 5, scale 2, no clip; norm 5, clip 2.5 */
+    const double how[2][4] = {{9, 16, 0.0, 2.0}, {9, 16, 2.5, 1.0}};
+    for (int k = 0; k < 2; k++) {
+        memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
+        adamw_update_multi(p, g, m, v, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, how[k],
+                           how[k][2], how[k][3], 4);
+        assert_memory_equal(p, pr, sizeof p);
+        assert_memory_equal(m, mr, sizeof m);
+        assert_memory_equal(v, vr, sizeof v);
+    }
     /* the decay differs per segment: segment 1 has none */
     assert_true(p[4] != p0[4]); /* it still moves with its gradient */
+    const double inf_sq[2] = {INFINITY, 1};
+    memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
+    adamw_update_multi(p, g, m, v, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, inf_sq, 1.0,
+                       1.0, 4);
+    assert_memory_equal(p, p0, sizeof p);
+    assert_memory_equal(m, m0, sizeof m);
+    assert_memory_equal(v, v0, sizeof v);
+}
+
+/* sum_into adds to what is there, in the order of the calls. */
+static void test_sum_into(void **state)
+{
+    (void)state;
+    const real x[5] = {1.5f, -2.0f, 0.25f, 3.0f, -0.5f};
+    double acc = 10.0;
+    sum_into(&acc, x, 5, 0);
+    assert_true(acc == 10.0 + 1.5 - 2.0 + 0.25 + 3.0 - 0.5);
+    sum_into(&acc, x, 3, 1);
+    assert_true(acc == 12.25 + 2.25 + 4.0 + 0.0625);
 }
 
 static void test_adamw_update(void **state)
@@ -723,7 +763,9 @@ int main(void)
         cmocka_unit_test(test_cross_entropy_forward),
         cmocka_unit_test(test_cross_entropy_backward),
         cmocka_unit_test(test_adamw_update),
+        cmocka_unit_test(test_adamw_factor),
         cmocka_unit_test(test_adamw_update_multi),
+        cmocka_unit_test(test_sum_into),
         cmocka_unit_test(test_all_finite),
         cmocka_unit_test(test_small_forwards),
         cmocka_unit_test(test_matmul_naive),
