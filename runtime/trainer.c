@@ -368,6 +368,7 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
     }
     norm /= tr->loss_scale; /* the gradients carry the loss scale */
     if (!isfinite(norm)) {  /* the device skipped the update: nothing changed */
+        moe_optimizer_unstep(tr->opt);
         /* name the first tensor whose gradient is not finite here (dense gradients are
          * the same on every rank; expert ones differ) */
         for (int i = 0; i < m->n_tensors; i++) {

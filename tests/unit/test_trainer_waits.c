@@ -1,0 +1,162 @@
+/* tests/unit/test_trainer_waits.c: the host waits for the backend only where the design
+ * says: once per MoE layer, chunk and micro-batch (the dispatch counts) and once at the
+ * end of the step (the losses and the gradient norm come back together). The trainer runs
+ * on a copy of the cpu backend whose waiting calls are counted: sync, queue_wait, copies
+ * to the host, and every op that returns a value to the host (sum_values, sum_squares,
+ * all_finite). An fp16-style skip is decided on the backend and seen by the host at the
+ * step's end: a non-finite gradient (MOE_FAULT=nan) leaves the parameters unchanged. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/backend.h"
+#include "runtime/trainer.h"
+
+static struct {
+    long sync, queue_wait, d2h, values;
+} waits;
+
+static moe_status count_sync(void)
+{
+    waits.sync++;
+    return moe_backend_cpu.sync();
+}
+
+static moe_status count_queue_wait(long mark, moe_status (*watch)(void *), void *ctx)
+{
+    waits.queue_wait++;
+    return moe_backend_cpu.queue_wait(mark, watch, ctx);
+}
+
+static void count_copy(void *dst, const void *src, size_t nbytes, moe_copy_kind kind)
+{
+    waits.d2h += kind == MOE_COPY_D2H;
+    moe_backend_cpu.copy(dst, src, nbytes, kind);
+}
+
+static double count_sum_values(const real *x, size_t n)
+{
+    waits.values++;
+    return moe_backend_cpu.sum_values(x, n);
+}
+
+static double count_sum_squares(const real *x, size_t n)
+{
+    waits.values++;
+    return moe_backend_cpu.sum_squares(x, n);
+}
+
+static int count_all_finite(const real *x, size_t n)
+{
+    waits.values++;
+    return moe_backend_cpu.all_finite(x, n);
+}
+
+static moe_backend counting;
+
+/* 3 layers, the first dense: 2 MoE layers; `chunks` chunks, `accum` micro-batches. */
+static moe_trainer *make_trainer(int chunks, int accum)
+{
+    moe_config cfg;
+    moe_config_defaults(&cfg);
+    cfg.vocab_size = 64;
+    cfg.d_model = 16;
+    cfg.n_layers = 3;
+    cfg.dense_layers = 1;
+    cfg.dense_hidden = 12;
+    cfg.n_heads = 2;
+    cfg.seq_len = 8;
+    cfg.experts = 4;
+    cfg.top_k = 2;
+    cfg.expert_hidden = 8;
+    cfg.micro_batch = 4;
+    cfg.steps = 3;
+    cfg.accum[0].from_step = 0;
+    cfg.accum[0].micro_batches = accum;
+    cfg.n_accum = 1;
+    snprintf(cfg.a2a_chunks, sizeof cfg.a2a_chunks, "%d", chunks);
+    snprintf(cfg.backend, sizeof cfg.backend, "cpu");
+    assert_int_equal(moe_config_validate(&cfg), MOE_OK);
+    moe_trainer *tr = NULL;
+    assert_int_equal(moe_trainer_create(&tr, &cfg, NULL), MOE_OK);
+    assert_int_equal(tr->model->C, chunks);
+    counting = moe_backend_cpu;
+    counting.sync = count_sync;
+    counting.queue_wait = count_queue_wait;
+    counting.copy = count_copy;
+    counting.sum_values = count_sum_values;
+    counting.sum_squares = count_sum_squares;
+    counting.all_finite = count_all_finite;
+    tr->model->be = &counting;
+    return tr;
+}
+
+static void check_waits(int chunks, int accum)
+{
+    moe_trainer *tr = make_trainer(chunks, accum);
+    const int moe_layers = 2;
+    for (int s = 0; s < 3; s++) {
+        moe_step_result r;
+        memset(&waits, 0, sizeof waits);
+        assert_int_equal(moe_trainer_accumulate(tr, &r), MOE_OK);
+        assert_int_equal(waits.queue_wait, (long)moe_layers * chunks * accum);
+        assert_int_equal(moe_trainer_apply(tr, &r), MOE_OK);
+        assert_int_equal(waits.queue_wait, (long)moe_layers * chunks * accum + 1);
+        assert_int_equal(waits.sync, 0);
+        assert_int_equal(waits.d2h, 0);
+        assert_int_equal(waits.values, 0);
+        assert_true(r.ce > 0 && r.grad_norm > 0 && r.skipped == 0);
+    }
+    moe_trainer_destroy(tr);
+}
+
+static void test_waits_one_chunk(void **state)
+{
+    (void)state;
+    check_waits(1, 1);
+}
+
+static void test_waits_chunks_and_accumulation(void **state)
+{
+    (void)state;
+    check_waits(2, 3);
+}
+
+/* A NaN in the gradients of the second step (MOE_FAULT=nan@0:1): without loss scaling the
+ * step fails, and the skip decided on the backend left the parameters and the optimizer's
+ * step count as they were. */
+static void test_nan_step_changes_nothing(void **state)
+{
+    (void)state;
+    moe_trainer *tr = make_trainer(1, 1);
+    tr->fault = (moe_fault){.kind = MOE_FAULT_NAN, .rank = 0, .step = 1};
+    moe_step_result r;
+    assert_int_equal(moe_trainer_accumulate(tr, &r), MOE_OK);
+    assert_int_equal(moe_trainer_apply(tr, &r), MOE_OK);
+    const size_t n = tr->model->n_params;
+    real *before = malloc(sizeof(real) * n);
+    assert_non_null(before);
+    memcpy(before, tr->model->params, sizeof(real) * n);
+    const int t = tr->opt->t;
+    assert_int_equal(moe_trainer_accumulate(tr, &r), MOE_OK);
+    assert_int_equal(moe_trainer_apply(tr, &r), MOE_ERR_NUMERIC);
+    assert_memory_equal(before, tr->model->params, sizeof(real) * n);
+    assert_int_equal(tr->opt->t, t);
+    free(before);
+    moe_trainer_destroy(tr);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_waits_one_chunk),
+        cmocka_unit_test(test_waits_chunks_and_accumulation),
+        cmocka_unit_test(test_nan_step_changes_nothing),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
