@@ -537,7 +537,8 @@ static void bench_route_plan(void)
 static void run_permute(void) { gpu->moe_permute(bf.out, bf.x, bf.row_token, bf.rows, opt.D); }
 static void run_permute_bwd(void)
 {
-    gpu->moe_permute_backward(bf.dx, bf.dout, bf.row_token, bf.rows, opt.D);
+    /* as the runtime on the experts' side: the token's rows gathered through slot_row */
+    gpu->moe_permute_backward(bf.dx, bf.dout, bf.row_token, bf.rows, opt.D, bf.slot_row, N_, opt.K);
 }
 
 static void bench_permute(int bwd)
@@ -567,8 +568,8 @@ static void bench_permute_bwd(void) { bench_permute(1); }
 
 static void run_combine(void)
 {
-    gpu->moe_combine_forward(bf.y, bf.out, bf.wts, bf.row_token, bf.row_slot, bf.rows, opt.D,
-                             opt.K);
+    gpu->moe_combine_forward(bf.y, bf.out, bf.wts, bf.row_token, bf.row_slot, bf.rows, opt.D, opt.K,
+                             bf.slot_row, N_);
 }
 
 static void run_combine_bwd(void)
@@ -1076,7 +1077,7 @@ static void run_unpack(void)
 
 static void run_unpermute(void)
 {
-    gpu->moe_permute_backward(a2.y, a2.back, a2.send_token, a2.n_send, opt.D);
+    gpu->moe_permute_backward(a2.y, a2.back, a2.send_token, a2.n_send, opt.D, NULL, 0, 0);
 }
 
 static int want(const char *name) { return !opt.op || strcmp(opt.op, name) == 0; }

@@ -153,12 +153,18 @@ int moe_route_plan(int *offsets, int32_t *row_token, int32_t *row_slot, int32_t 
 
 /* out (M,D) = x[row_token[m]] (gather tokens into expert order). */
 void moe_permute(real *out, const real *x, const int32_t *row_token, int M, int D);
-/* dx (N,D) += scatter of dout (M,D). */
-void moe_permute_backward(real *dx, const real *dout, const int32_t *row_token, int M, int D);
+/* dx (N,D) += scatter of dout (M,D): the rows of a token added in row order.
+ * slot_row (N,K), optional (NULL: not known): the inverse of row_token, the row of each
+ * (token, slot) or -1, every row once; it lets a backend gather each token's rows instead
+ * of sorting the rows by token (the same sums). Without it N and K are not read. */
+void moe_permute_backward(real *dx, const real *dout, const int32_t *row_token, int M, int D,
+                          const int32_t *slot_row, int N, int K);
 
-/* y (N,D) += sum over kept rows of w[token, slot] * expert_out[row]. */
+/* y (N,D) += sum over kept rows of w[token, slot] * expert_out[row], in row order;
+ * slot_row (N,K) optional, as for moe_permute_backward. */
 void moe_combine_forward(real *y, const real *expert_out, const real *w, const int32_t *row_token,
-                         const int32_t *row_slot, int M, int D, int K);
+                         const int32_t *row_slot, int M, int D, int K, const int32_t *slot_row,
+                         int N);
 /* dexpert_out (M,D) += w * dy[token]; dw (N,K) += <dy[token], expert_out[row]>. */
 void moe_combine_backward(real *dexpert_out, real *dw, const real *dy, const real *expert_out,
                           const real *w, const int32_t *row_token, const int32_t *row_slot, int M,

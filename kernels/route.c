@@ -107,9 +107,14 @@ void moe_permute(real *out, const real *x, const int32_t *row_token, int M, int 
         memcpy(out + (size_t)m * D, x + (size_t)row_token[m] * D, (size_t)D * sizeof(real));
 }
 
-/* Sequential over rows: a token appears in up to K rows, summed in row order. */
-void moe_permute_backward(real *dx, const real *dout, const int32_t *row_token, int M, int D)
+/* Sequential over rows: a token appears in up to K rows, summed in row order (the
+ * reference needs no inverse map). */
+void moe_permute_backward(real *dx, const real *dout, const int32_t *row_token, int M, int D,
+                          const int32_t *slot_row, int N, int K)
 {
+    (void)slot_row;
+    (void)N;
+    (void)K;
     for (int m = 0; m < M; m++) {
         real *d = dx + (size_t)row_token[m] * D;
         const real *g = dout + (size_t)m * D;
@@ -120,8 +125,11 @@ void moe_permute_backward(real *dx, const real *dout, const int32_t *row_token, 
 
 /* Sequential over rows, like the permute backward. */
 void moe_combine_forward(real *y, const real *expert_out, const real *w, const int32_t *row_token,
-                         const int32_t *row_slot, int M, int D, int K)
+                         const int32_t *row_slot, int M, int D, int K, const int32_t *slot_row,
+                         int N)
 {
+    (void)slot_row;
+    (void)N;
     for (int m = 0; m < M; m++) {
         int n = row_token[m];
         real wk = w[(size_t)n * K + row_slot[m]];

@@ -254,6 +254,7 @@ static void carve_chunk(moe_model *m, moe_chunk *ch, carve *c, carve *h)
             a.offsets = TAKE(h, int, m->El + 1);
             a.row_token = TAKE(c, int32_t, Mx);
             a.row_slot = TAKE(c, int32_t, Mx);
+            a.lslot_row = TAKE(c, int32_t, R * m->K);
             a.xperm = TAKE(c, real, Mx * D);
             a.ea = TAKE(c, real, Mx * m->F);
             a.eb = TAKE(c, real, Mx * m->F);
@@ -317,7 +318,6 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->dprobs = TAKE(c, real, N * m->E);
     m->drlogits = TAKE(c, real, N * m->E);
     m->route_scratch = TAKE(c, int, R * m->K + (size_t)m->E + 1);
-    m->lslot_row = TAKE(c, int32_t, R * m->K);
     m->xc_count = TAKE(h, int64_t, 2 * (size_t)m->ep * (1 + (size_t)m->El));
     m->xc_size = TAKE(h, size_t, 4 * (size_t)m->ep); /* read when an exchange starts */
     m->src_row_token = TAKE(c, int32_t, NK);
@@ -827,7 +827,7 @@ static void moe_experts_forward(moe_model *m, int l, real *out)
     moe_layer_acts *a = &m->acts[l];
     const int R = a->n_recv, D = m->D, K = m->K, F = m->F;
     /* offsets and n_rows came with the counts (moe_dispatch_send): nothing returns here */
-    m->be->moe_route_plan(NULL, a->row_token, a->row_slot, m->lslot_row, m->route_scratch, a->lidx,
+    m->be->moe_route_plan(NULL, a->row_token, a->row_slot, a->lslot_row, m->route_scratch, a->lidx,
                           a->lw, R, m->El, K, R > 0 ? R : 1, -1);
     const int M = a->n_rows;
     m->be->moe_permute(a->xperm, a->xrecv, a->row_token, M, D);
@@ -836,7 +836,8 @@ static void moe_experts_forward(moe_model *m, int l, real *out)
     m->be->swiglu_forward(a->eh, a->ea, a->eb, (size_t)M * F);
     m->be->grouped_matmul_forward(a->eout, a->eh, w->ew2, a->offsets, m->El, F, D);
     m->be->zero(out, sizeof(real) * (size_t)R * D);
-    m->be->moe_combine_forward(out, a->eout, a->lw, a->row_token, a->row_slot, M, D, K);
+    m->be->moe_combine_forward(out, a->eout, a->lw, a->row_token, a->row_slot, M, D, K,
+                               a->lslot_row, R);
 }
 
 /* Stage (a): attention, the FFN norm, and the dense FFN or the MoE router and the
@@ -917,7 +918,8 @@ static moe_status layer_forward_end(moe_model *m, int l)
         swiglu_ffn_forward(m, out, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N, D, m->Fs);
     else
         m->be->zero(out, sizeof(real) * (size_t)N * D);
-    m->be->moe_permute_backward(out, (const real *)m->recv_buf, a->send_token, a->n_send, D);
+    m->be->moe_permute_backward(out, (const real *)m->recv_buf, a->send_token, a->n_send, D, NULL,
+                                0, 0);
     m->be->add_inplace(out, a->xmid, (size_t)N * D);
     return MOE_OK;
 }
@@ -1089,7 +1091,7 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
     m->be->grouped_matmul_backward(m->dxperm, g->ew3, m->deb, a->xperm, w->ew3, a->offsets, m->El,
                                    D, F);
     m->be->zero(m->dxrecv, sizeof(real) * (size_t)R * D);
-    m->be->moe_permute_backward(m->dxrecv, m->dxperm, a->row_token, M, D);
+    m->be->moe_permute_backward(m->dxrecv, m->dxperm, a->row_token, M, D, a->lslot_row, R, K);
     m->be->moe_pack_grad_rows(out, m->dxrecv, m->dlw, R, D, K);
 }
 

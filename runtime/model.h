@@ -91,6 +91,7 @@ typedef struct {
     real *lw;                      /* (R, K): router weight of each slot */
     int *offsets;                  /* (El + 1) rows per local expert */
     int32_t *row_token, *row_slot; /* (R*K): received row and slot of each expert row */
+    int32_t *lslot_row;            /* (R*K): the inverse, expert row of each slot or -1 */
     int n_rows;                    /* M: expert rows */
     real *xperm;                   /* (M, D) inputs in expert order */
     real *ea, *eb, *eh;            /* (M, F) */
@@ -206,7 +207,6 @@ typedef struct moe_model {
     size_t row_bytes;                      /* D reals + K reals + K int32, 8-aligned */
     int Rmax, Mmax;                        /* rows received / expert rows, worst case */
     int *route_scratch;                    /* (Rmax*K + E + 1) */
-    int32_t *lslot_row;                    /* (Rmax*K): expert-side plan scratch */
     size_t *xc_size;   /* (4*ep): byte counts and displacements of the exchange starting
                           (comm reads them when it starts, so the chunks share them) */
     int64_t *xc_count; /* (2*ep*(1+El)): rows, then per local expert, sent and received */

@@ -245,8 +245,12 @@ static moe_status cuda_queue_wait(long mark, moe_status (*watch)(void *ctx), voi
 
 static void cuda_zero(void *p, size_t nbytes)
 {
-    if (nbytes)
-        MOE_CUDA_OK(cudaMemsetAsync(p, 0, nbytes, g.stream));
+    if (!nbytes)
+        return;
+    MOE_CUDA_PROF_BEGIN("memset");
+    const cudaError_t st = cudaMemsetAsync(p, 0, nbytes, g.stream);
+    MOE_CUDA_PROF_END();
+    MOE_CUDA_OK(st);
 }
 
 /* H2D from pageable memory returns once the source is staged (it may be reused); from
@@ -271,7 +275,10 @@ static void cuda_copy(void *dst, const void *src, size_t nbytes, moe_copy_kind k
  * Each bracketed piece of work gets a pair of events from a pool; when the pool is full
  * (and at the report) the stream is drained and the elapsed times are added to a table
  * keyed by the name's address. The host time between launches shows as the gap between
- * the sum of the pieces and the wall time. */
+ * the sum of the pieces and the wall time; each gap (from the end of a piece to the start
+ * of the next, on the stream) is added to the next piece's name, so the report says
+ * before which work the stream sat idle (the first piece of each drained batch has no
+ * gap counted). */
 #define PROF_PAIRS 4096
 #define PROF_NAMES 256
 
@@ -281,7 +288,7 @@ static struct {
     const char *pending[PROF_PAIRS];
     int n_pending, open;
     const char *name[PROF_NAMES];
-    double ms[PROF_NAMES];
+    double ms[PROF_NAMES], gap_ms[PROF_NAMES];
     long calls[PROF_NAMES];
     int n_names;
     double t0;
@@ -296,8 +303,10 @@ static void prof_drain(void)
         return;
     }
     for (int i = 0; i < prof.n_pending; i++) {
-        float ms = 0;
+        float ms = 0, gap = 0;
         if (!MOE_CUDA_OK(cudaEventElapsedTime(&ms, prof.ev[2 * i], prof.ev[2 * i + 1])))
+            continue;
+        if (i > 0 && !MOE_CUDA_OK(cudaEventElapsedTime(&gap, prof.ev[2 * i - 1], prof.ev[2 * i])))
             continue;
         int k = 0;
         while (k < prof.n_names && prof.name[k] != prof.pending[i])
@@ -306,10 +315,11 @@ static void prof_drain(void)
             if (prof.n_names == PROF_NAMES)
                 continue; /* the table is full: later names go uncounted */
             prof.name[prof.n_names++] = prof.pending[i];
-            prof.ms[k] = 0;
+            prof.ms[k] = prof.gap_ms[k] = 0;
             prof.calls[k] = 0;
         }
         prof.ms[k] += ms;
+        prof.gap_ms[k] += gap > 0 ? gap : 0;
         prof.calls[k]++;
     }
     prof.n_pending = 0;
@@ -372,14 +382,17 @@ static void cuda_profile(int on, FILE *report)
         return;
     fprintf(report, "  kernel profile: %.2f ms of stream work in %.2f ms wall (%.1f%% busy)\n",
             total, wall_ms, wall_ms > 0 ? 100.0 * total / wall_ms : 0.0);
-    fprintf(report, "    %-40s %8s %10s %9s %6s\n", "work", "calls", "total ms", "mean us",
-            "share");
+    fprintf(report, "    %-40s %8s %10s %9s %6s %10s\n", "work", "calls", "total ms", "mean us",
+            "share", "idle before");
+    double gaps = 0;
     for (int r = 0; r < prof.n_names; r++) {
         const int i = order[r];
-        fprintf(report, "    %-40.40s %8ld %10.3f %9.1f %5.1f%%\n", prof.name[i], prof.calls[i],
-                prof.ms[i], 1e3 * prof.ms[i] / (prof.calls[i] ? prof.calls[i] : 1),
-                total > 0 ? 100.0 * prof.ms[i] / total : 0.0);
+        gaps += prof.gap_ms[i];
+        fprintf(report, "    %-40.40s %8ld %10.3f %9.1f %5.1f%% %10.3f\n", prof.name[i],
+                prof.calls[i], prof.ms[i], 1e3 * prof.ms[i] / (prof.calls[i] ? prof.calls[i] : 1),
+                total > 0 ? 100.0 * prof.ms[i] / total : 0.0, prof.gap_ms[i]);
     }
+    fprintf(report, "  idle between pieces: %.2f ms in all (the column 'idle before')\n", gaps);
 }
 
 static moe_status cuda_sync(void)

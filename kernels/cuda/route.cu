@@ -155,11 +155,55 @@ struct permute_grad {
     __device__ void store(int n, int j, float v) const { dx[(size_t)n * D + j] = v; }
 };
 
+/* With the inverse map: per (token, column) one thread takes the token's rows from
+ * slot_row, sorts them (at most K), and adds them in row order onto the loaded value:
+ * the additions of moe_runs_kernel, without sorting all rows by token. */
+#define GATHER_MAX_K 16
+template <class Op>
+static __global__ void gather_rows_kernel(Op op, const int32_t *slot_row, int N, int K, int W)
+{
+    MOE_CUDA_GRID_STRIDE(e, (size_t)N * W)
+    {
+        const int n = (int)(e / W), j = (int)(e % W);
+        int rows[GATHER_MAX_K], c = 0;
+        for (int k = 0; k < K; k++) {
+            const int r = slot_row[(size_t)n * K + k];
+            if (r < 0)
+                continue;
+            int i = c++;
+            for (; i > 0 && rows[i - 1] > r; i--) /* insertion: ascending rows */
+                rows[i] = rows[i - 1];
+            rows[i] = r;
+        }
+        if (c == 0)
+            continue; /* nothing to add: the value stays as it is */
+        float v = op.load(n, j);
+        for (int i = 0; i < c; i++)
+            v = __fadd_rn(v, op.value(rows[i], j));
+        op.store(n, j, v);
+    }
+}
+
+/* The token sums of op: by gathering through slot_row when given, else by sorting. */
+template <class Op>
+static void token_sums(const Op &op, const int32_t *row_token, int M, int W,
+                       const int32_t *slot_row, int N, int K)
+{
+    if (slot_row && K <= GATHER_MAX_K) {
+        if (N > 0 && W > 0)
+            MOE_CUDA_LAUNCH(gather_rows_kernel<Op>,
+                            moe_cuda_blocks((size_t)N * W, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
+                            op, slot_row, N, K, W);
+        return;
+    }
+    moe_cuda_runs(op, row_token, M, W);
+}
+
 extern "C" void cuda_moe_permute_backward(real *dx, const real *dout, const int32_t *row_token,
-                                          int M, int D)
+                                          int M, int D, const int32_t *slot_row, int N, int K)
 {
     permute_grad op = {dx, dout, D};
-    moe_cuda_runs(op, row_token, M, D);
+    token_sums(op, row_token, M, D, slot_row, N, K);
 }
 
 /* y[token] += w[token, slot] * expert_out[row], rows of a token in row order. */
@@ -179,10 +223,10 @@ struct combine_sum {
 
 extern "C" void cuda_moe_combine_forward(real *y, const real *expert_out, const real *w,
                                          const int32_t *row_token, const int32_t *row_slot, int M,
-                                         int D, int K)
+                                         int D, int K, const int32_t *slot_row, int N)
 {
     combine_sum op = {y, expert_out, w, row_token, row_slot, D, K};
-    moe_cuda_runs(op, row_token, M, D);
+    token_sums(op, row_token, M, D, slot_row, N, K);
 }
 
 /* dexpert_out[row] += w * dy[token]: one thread per element. */

@@ -699,19 +699,27 @@ static void test_route(int N, int E, int K, int group, int capacity, int mode, i
     gpu_done();
     check_f("out", HOSTF(dout, MD), out, MD, D, EXACT);
 
-    begin("moe_permute_backward", name);
-    float *gx = frand(ND, -1, 1), *g = frand(MD, -1, 1), *dgx = DEVF(gx, ND);
-    cpu->moe_permute_backward(gx, g, row_token, M, D);
-    gpu->moe_permute_backward(dgx, DEVF(g, MD), rt, M, D);
-    gpu_done();
-    check_f("dx", HOSTF(dgx, ND), gx, ND, D, EXACT);
+    /* each twice: rows sorted by token (no inverse map), and gathered through slot_row */
+    int32_t *sr = DEVI(slot_row, NK);
+    float *g = frand(MD, -1, 1), *y = frand(ND, -1, 1), *eo = frand(MD, -1, 1);
+    float *deo = DEVF(eo, MD);
+    for (int gather = 0; gather < 2; gather++) {
+        begin("moe_permute_backward", name);
+        float *gx = frand(ND, -1, 1), *dgx = DEVF(gx, ND);
+        cpu->moe_permute_backward(gx, g, row_token, M, D, NULL, 0, 0);
+        gpu->moe_permute_backward(dgx, DEVF(g, MD), rt, M, D, gather ? sr : NULL, N, K);
+        gpu_done();
+        check_f(gather ? "dx (gathered)" : "dx (sorted)", HOSTF(dgx, ND), gx, ND, D, EXACT);
 
-    begin("moe_combine_forward", name);
-    float *y = frand(ND, -1, 1), *eo = frand(MD, -1, 1), *dy = DEVF(y, ND), *deo = DEVF(eo, MD);
-    cpu->moe_combine_forward(y, eo, w, row_token, row_slot, M, D, K);
-    gpu->moe_combine_forward(dy, deo, dw_, rt, rs, M, D, K);
-    gpu_done();
-    check_f("y", HOSTF(dy, ND), y, ND, D, EXACT);
+        begin("moe_combine_forward", name);
+        float *yc = hmem(sizeof(float) * ND);
+        memcpy(yc, y, sizeof(float) * ND);
+        float *dy = DEVF(yc, ND);
+        cpu->moe_combine_forward(yc, eo, w, row_token, row_slot, M, D, K, NULL, 0);
+        gpu->moe_combine_forward(dy, deo, dw_, rt, rs, M, D, K, gather ? sr : NULL, N);
+        gpu_done();
+        check_f(gather ? "y (gathered)" : "y (sorted)", HOSTF(dy, ND), yc, ND, D, EXACT);
+    }
 
     begin("moe_combine_backward", name);
     float *gy = frand(ND, -1, 1), *dgy = DEVF(gy, ND);
@@ -737,8 +745,8 @@ static void test_permute_backward_any(int N, int M, int D, const char *name)
     const size_t ND = (size_t)N * D, MD = (size_t)M * D;
     int32_t *rt = irand(M, 0, N);
     float *gx = frand(ND, -1, 1), *g = frand(MD, -1, 1), *dgx = DEVF(gx, ND);
-    cpu->moe_permute_backward(gx, g, rt, M, D);
-    gpu->moe_permute_backward(dgx, DEVF(g, MD), DEVI(rt, M), M, D);
+    cpu->moe_permute_backward(gx, g, rt, M, D, NULL, 0, 0);
+    gpu->moe_permute_backward(dgx, DEVF(g, MD), DEVI(rt, M), M, D, NULL, 0, 0);
     gpu_done();
     check_f("dx", HOSTF(dgx, ND), gx, ND, D, EXACT);
     free_all();

@@ -196,7 +196,7 @@ static void test_permute_combine_forward(void **state)
 
     const real eo[M * D] = {1, 1, 2, 2, 3, 3};
     real y[PN * D] = {1, 1, 1, 1, 1, 1, 1, 1};
-    moe_combine_forward(y, eo, plan_w, row_token, row_slot, M, D, PK);
+    moe_combine_forward(y, eo, plan_w, row_token, row_slot, M, D, PK, NULL, 0);
     /* token 0: all dropped; t1: 0.7*2; t2: 0.6*1; t3: 0.8*3, each added to 1 */
     const double want_y[PN * D] = {1,       1,       1 + 0.7 * 2, 1 + 0.7 * 2,
                                    1 + 0.6, 1 + 0.6, 1 + 0.8 * 3, 1 + 0.8 * 3};

@@ -638,7 +638,8 @@ static double combine_loss(void *c)
 {
     route_ctx *r = c;
     memcpy(r->y, r->y0, RT_N * RT_D * sizeof(real));
-    moe_combine_forward(r->y, r->eo, r->w, r->p->row_token, r->p->row_slot, r->p->M, RT_D, RT_K);
+    moe_combine_forward(r->y, r->eo, r->w, r->p->row_token, r->p->row_slot, r->p->M, RT_D, RT_K,
+                        NULL, 0);
     return dot(r->R, r->y, RT_N * RT_D);
 }
 
@@ -700,7 +701,7 @@ static void test_moe_permute_backward(void **state)
                    buf_rand(&pl, RT_N * RT_D, 0.1, 1),
                    &p};
     real *dx0 = buf_rand(&pl, RT_N * RT_D, 0.1, 1), *dx = buf_copy(&pl, dx0, RT_N * RT_D);
-    moe_permute_backward(dx, r.R, p.row_token, p.M, RT_D);
+    moe_permute_backward(dx, r.R, p.row_token, p.M, RT_D, NULL, 0, 0);
     assert_true(
         check_fd("dx", r.x, added(&pl, dx, dx0, RT_N * RT_D), RT_N * RT_D, RT_D, permute_loss, &r));
     pool_free(&pl);
