@@ -16,7 +16,9 @@
  *     out = x W^T.
  *   - Backward functions ACCUMULATE (+=) into every gradient they produce (inputs and
  *     parameters), so residual branches add up without extra copies; the caller zeros
- *     gradients once per step. A NULL gradient pointer means "not needed".
+ *     gradients once per step. A NULL gradient pointer means "not needed". Two say that
+ *     they overwrite instead (cross_entropy_backward, swiglu_backward): their outputs
+ *     are scratch that nothing else adds to, so zeroing them would be wasted traffic.
  *   - Activations of a batch of B sequences of length T are (B*T, D), token-major.
  */
 #ifndef MOE_KERNELS_OPS_H
@@ -74,7 +76,8 @@ void grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x
 /* ---- SwiGLU: h = silu(a) * b, silu(a) = a * sigmoid(a) ---------------------------- */
 /* a, b, h: n elements each (a gate, b up projection). */
 void swiglu_forward(real *h, const real *a, const real *b, size_t n);
-/* da +=, db += . */
+/* da =, db = (OVERWRITES, unlike most backward functions: its two callers would only
+ * zero them first; either may be NULL). */
 void swiglu_backward(real *da, real *db, const real *dh, const real *a, const real *b, size_t n);
 
 /* ---- rotary position embedding (half rotation, as Llama/Mixtral in transformers) --- */

@@ -1038,10 +1038,8 @@ static void swiglu_ffn_backward(moe_model *m, real *dx, real *gw1, real *gw3, re
 {
     size_t nf = (size_t)n * F;
     m->be->zero(m->dfh, sizeof(real) * nf);
-    m->be->zero(m->dfa, sizeof(real) * nf);
-    m->be->zero(m->dfb, sizeof(real) * nf);
     m->be->matmul_backward(m->dfh, gw2, dout, fh, w2, n, F, D);
-    m->be->swiglu_backward(m->dfa, m->dfb, m->dfh, fa, fb, nf);
+    m->be->swiglu_backward(m->dfa, m->dfb, m->dfh, fa, fb, nf); /* overwrites dfa, dfb */
     m->be->matmul_backward(dx, gw1, m->dfa, x, w1, n, D, F);
     m->be->matmul_backward(dx, gw3, m->dfb, x, w3, n, D, F);
 }
@@ -1080,12 +1078,10 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
     m->be->moe_combine_backward(m->deout, m->dlw, dy, a->eout, a->lw, a->row_token, a->row_slot, M,
                                 D, K);
     m->be->zero(m->deh, sizeof(real) * (size_t)M * F);
-    m->be->zero(m->dea, sizeof(real) * (size_t)M * F);
-    m->be->zero(m->deb, sizeof(real) * (size_t)M * F);
     m->be->zero(m->dxperm, sizeof(real) * (size_t)M * D);
     m->be->grouped_matmul_backward(m->deh, g->ew2, m->deout, a->eh, w->ew2, a->offsets, m->El, F,
                                    D);
-    m->be->swiglu_backward(m->dea, m->deb, m->deh, a->ea, a->eb, (size_t)M * F);
+    m->be->swiglu_backward(m->dea, m->deb, m->deh, a->ea, a->eb, (size_t)M * F); /* overwrites */
     m->be->grouped_matmul_backward(m->dxperm, g->ew1, m->dea, a->xperm, w->ew1, a->offsets, m->El,
                                    D, F);
     m->be->grouped_matmul_backward(m->dxperm, g->ew3, m->deb, a->xperm, w->ew3, a->offsets, m->El,

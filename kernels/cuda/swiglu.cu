@@ -77,7 +77,8 @@ extern "C" void cuda_swiglu_forward(real *h, const real *a, const real *b, size_
         MOE_CUDA_LAUNCH(swiglu_forward_kernel<float>, blocks, MOE_CUDA_THREADS, 0, h, a, b, n);
 }
 
-/* da or db may be NULL (that gradient is not wanted); b is read only for da. */
+/* da or db may be NULL (that gradient is not wanted); b is read only for da. Both are
+ * overwritten (ops.h). */
 template <typename F>
 static __global__ void swiglu_backward_kernel(real *da, real *db, const real *dh, const real *a,
                                               const real *b, size_t n)
@@ -86,9 +87,9 @@ static __global__ void swiglu_backward_kernel(real *da, real *db, const real *dh
     {
         const F x = a[i], s = sigmoid(x), g = dh[i];
         if (da)
-            da[i] += da_term<F>(g, x, s, b[i]);
+            da[i] = da_term<F>(g, x, s, b[i]);
         if (db)
-            db[i] += db_term<F>(g, x, s);
+            db[i] = db_term<F>(g, x, s);
     }
 }
 
@@ -104,21 +105,13 @@ static __global__ void swiglu_backward4_kernel(float4 *da, float4 *db, const flo
         const F s[4] = {sigmoid(x[0]), sigmoid(x[1]), sigmoid(x[2]), sigmoid(x[3])};
         if (da) {
             const float4 y = b[i];
-            float4 d = da[i];
-            d.x += da_term<F>(g[0], x[0], s[0], y.x);
-            d.y += da_term<F>(g[1], x[1], s[1], y.y);
-            d.z += da_term<F>(g[2], x[2], s[2], y.z);
-            d.w += da_term<F>(g[3], x[3], s[3], y.w);
-            da[i] = d;
+            da[i] =
+                make_float4(da_term<F>(g[0], x[0], s[0], y.x), da_term<F>(g[1], x[1], s[1], y.y),
+                            da_term<F>(g[2], x[2], s[2], y.z), da_term<F>(g[3], x[3], s[3], y.w));
         }
-        if (db) {
-            float4 d = db[i];
-            d.x += db_term<F>(g[0], x[0], s[0]);
-            d.y += db_term<F>(g[1], x[1], s[1]);
-            d.z += db_term<F>(g[2], x[2], s[2]);
-            d.w += db_term<F>(g[3], x[3], s[3]);
-            db[i] = d;
-        }
+        if (db)
+            db[i] = make_float4(db_term<F>(g[0], x[0], s[0]), db_term<F>(g[1], x[1], s[1]),
+                                db_term<F>(g[2], x[2], s[2]), db_term<F>(g[3], x[3], s[3]));
     }
 }
 

@@ -305,11 +305,11 @@ static void test_swiglu_backward(void **state)
     enum { n = 12 };
     swi_ctx s = {buf_zero(&pl, n), buf_rand(&pl, n, 0.1, 4), buf_rand(&pl, n, 0.1, 2),
                  buf_rand(&pl, n, 0.1, 1), n};
-    real *da0 = buf_rand(&pl, n, 0.1, 1), *da = buf_copy(&pl, da0, n);
-    real *db0 = buf_rand(&pl, n, 0.1, 1), *db = buf_copy(&pl, db0, n);
+    /* random contents before: swiglu_backward overwrites them */
+    real *da = buf_rand(&pl, n, 0.1, 1), *db = buf_rand(&pl, n, 0.1, 1);
     swiglu_backward(da, db, s.R, s.a, s.b, n);
-    assert_true(check_fd("da", s.a, added(&pl, da, da0, n), n, n, swi_loss, &s));
-    assert_true(check_fd("db", s.b, added(&pl, db, db0, n), n, n, swi_loss, &s));
+    assert_true(check_fd("da", s.a, da, n, n, swi_loss, &s));
+    assert_true(check_fd("db", s.b, db, n, n, swi_loss, &s));
     pool_free(&pl);
 }
 
