@@ -111,6 +111,14 @@ typedef struct moe_backend {
                                 size_t max_operand);
     /* Re-rounds the shadow from the parameters: after every change of the parameters. */
     moe_status (*refresh_shadow)(void);
+    /* Declares that the buffer p of n elements only ever holds GEMM operands: in a 16-bit
+     * precision, the ops that write it (swiglu_forward's h, swiglu_backward's da and db)
+     * write the 16-bit operand into its first 2n bytes instead of fp32, and a GEMM given
+     * p (the whole buffer, as x or dout) reads it as is instead of rounding it. Nothing
+     * else may read it as fp32 then. n = 0 removes the mark (before p is freed). The cpu
+     * (fp32 only) ignores it; in fp32 the marks change nothing. Fails when the backend's
+     * table of marks is full. */
+    moe_status (*mark_operand)(const void *p, size_t n);
     /* The rate of the backend's own GEMM on an n x n x n product in the precision set
      * (16-bit operands for bf16/fp16, fp32 out), in FLOP/s, timed now (the bench's MFU
      * denominator); 0 when it cannot be measured (recorded for sync on a device). */

@@ -37,6 +37,12 @@ static moe_status cpu_set_precision(moe_precision p, const real *params, size_t 
     return MOE_OK;
 }
 static moe_status cpu_refresh_shadow(void) { return MOE_OK; }
+static moe_status cpu_mark_operand(const void *p, size_t n)
+{
+    (void)p; /* fp32 only: every operand is its own buffer */
+    (void)n;
+    return MOE_OK;
+}
 
 static double cpu_gemm_rate(int n)
 {
@@ -95,6 +101,7 @@ const moe_backend moe_backend_cpu = {.name = "cpu",
                                      .compute_capability = cpu_capability,
                                      .set_precision = cpu_set_precision,
                                      .refresh_shadow = cpu_refresh_shadow,
+                                     .mark_operand = cpu_mark_operand,
                                      .gemm_rate = cpu_gemm_rate,
                                      .mem_in_use = cpu_mem_in_use,
                                      .reserve = cpu_reserve,

@@ -325,6 +325,27 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->load = TAKE(h, int64_t, (size_t)m->L * m->E);
 }
 
+/* The buffers that only GEMMs read, written by SwiGLU: the FFNs' h (each chunk's and
+ * layer's) and the backward's da, db scratch. Marked (backend.h mark_operand), a 16-bit
+ * backend writes them as the GEMM operand at once, so no rounding pass reads them again.
+ * on = 0 removes the marks. */
+static moe_status mark_operands(moe_model *m, int on)
+{
+    const size_t N = (size_t)m->Nc, Mx = (size_t)m->Mmax;
+    const size_t Fmax = (size_t)(m->Fd > m->Fs ? m->Fd : m->Fs);
+    for (int i = 0; m->chunk && i < m->C; i++)
+        for (int l = 0; m->chunk[i].acts && l < m->L; l++) {
+            const moe_layer_acts *a = &m->chunk[i].acts[l];
+            MOE_CHECK(m->be->mark_operand(a->fh, on ? N * (size_t)m->Fd : 0));
+            MOE_CHECK(m->be->mark_operand(a->sh, on ? N * (size_t)m->Fs : 0));
+            MOE_CHECK(m->be->mark_operand(a->eh, on ? Mx * (size_t)m->F : 0));
+        }
+    MOE_CHECK(m->be->mark_operand(m->dfa, on ? N * Fmax : 0));
+    MOE_CHECK(m->be->mark_operand(m->dfb, on ? N * Fmax : 0));
+    MOE_CHECK(m->be->mark_operand(m->dea, on ? Mx * (size_t)m->F : 0));
+    return m->be->mark_operand(m->deb, on ? Mx * (size_t)m->F : 0);
+}
+
 /* Points the per-chunk fields of m at chunk i (every function below that takes no chunk
  * works on this one). */
 static void use_chunk(moe_model *m, int i)
@@ -554,6 +575,7 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
     for (int i = 0; i < m->C; i++)
         for (int l = m->cfg.dense_layers; l < m->L; l++)
             m->chunk[i].acts[l].mb_counts = m->layer_counts + (size_t)l * m->E;
+    MOE_CHECK_GOTO(st, mark_operands(m, 1));
     use_chunk(m, 0);
     {
         /* the router's partials and the dispatch counts come back through host memory the
@@ -604,6 +626,8 @@ void moe_model_destroy(moe_model *m)
     if (!m)
         return;
     const moe_backend *be = m->be;
+    if (m->act_base)
+        (void)mark_operands(m, 0); /* removing a mark cannot fail */
     be->release(m->act_base);
     free(m->host_base);
     be->release_host(m->fetch_base);

@@ -414,6 +414,7 @@ static void *cuda_native_stream(void) { return (void *)g.stream; }
 extern "C" moe_status cuda_gemm_set_precision(moe_precision p, const real *params, size_t n,
                                               size_t max_operand);
 extern "C" moe_status cuda_gemm_refresh_shadow(void);
+extern "C" moe_status cuda_gemm_mark_operand(const void *p, size_t n);
 
 static moe_status cuda_set_precision(moe_precision p, const real *params, size_t n_params,
                                      size_t max_operand)
@@ -473,6 +474,7 @@ static void fill_table(moe_backend *b)
     b->compute_capability = cuda_compute_capability;
     b->set_precision = cuda_set_precision;
     b->refresh_shadow = cuda_refresh_shadow;
+    b->mark_operand = cuda_gemm_mark_operand;
     b->gemm_rate = cuda_gemm_rate;
     b->mem_in_use = cuda_mem_in_use;
     b->profile = cuda_profile;

@@ -13,6 +13,8 @@
 #define MOE_KERNELS_CUDA_COMMON_CUH
 
 #include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -53,6 +55,24 @@ extern "C" moe_precision cuda_gemm_precision(void);
 
 /* Rounds n fp32 values into dst in that precision (bf16 or fp16; not in fp32 mode). */
 extern "C" void cuda_round_operand(uint16_t *dst, const real *src, size_t n);
+
+/* In a 16-bit precision, whether x (n elements) is a buffer marked as holding its GEMM
+ * operand (backend.h mark_operand; *bf16 its format): its writers then write 16 bits. */
+extern "C" int cuda_operand_in_place(const void *x, size_t n, int *bf16);
+
+/* One float to its 16-bit pattern (bf16 or fp16), rounded to nearest even: the GEMMs'
+ * operands (matmul.cu), the parameters' shadow (optim.cu), operands written in place. */
+static __device__ __forceinline__ uint16_t moe_round16(float x, int bf16)
+{
+    return bf16 ? __bfloat16_as_ushort(__float2bfloat16(x)) : __half_as_ushort(__float2half(x));
+}
+
+/* Four of them as the 8 bytes of 4 consecutive 16-bit values (little-endian). */
+static __device__ __forceinline__ uint2 moe_round16x4(float4 v, int bf16)
+{
+    return make_uint2(moe_round16(v.x, bf16) | (uint32_t)moe_round16(v.y, bf16) << 16,
+                      moe_round16(v.z, bf16) | (uint32_t)moe_round16(v.w, bf16) << 16);
+}
 
 /* The backend's cuBLASLt handle and its persistent workspace (matmul.cu). */
 cublasLtHandle_t moe_cuda_lt(void);

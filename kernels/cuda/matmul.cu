@@ -36,28 +36,17 @@ static cudaDataType_t operand_type(void)
     return prec == MOE_PREC_BF16 ? CUDA_R_16BF : prec == MOE_PREC_FP16 ? CUDA_R_16F : CUDA_R_32F;
 }
 
-/* One float to its 16-bit pattern (bf16 or fp16), rounded to nearest even. */
-static __device__ __forceinline__ uint16_t round16(float x, int bf16)
-{
-    return bf16 ? __bfloat16_as_ushort(__float2bfloat16(x)) : __half_as_ushort(__float2half(x));
-}
-
 /* dst[i] = src[i] rounded, one element per thread: any alignment and any n. */
 static __global__ void round_kernel(uint16_t *dst, const float *src, size_t n, int bf16)
 {
-    MOE_CUDA_GRID_STRIDE(i, n) { dst[i] = round16(src[i], bf16); }
+    MOE_CUDA_GRID_STRIDE(i, n) { dst[i] = moe_round16(src[i], bf16); }
 }
 
 /* The same over n4 groups of 4 elements: one 16-byte load and one 8-byte store each
  * (element 0 in the low half of each word: little-endian). */
 static __global__ void round4_kernel(uint2 *dst, const float4 *src, size_t n4, int bf16)
 {
-    MOE_CUDA_GRID_STRIDE(i, n4)
-    {
-        const float4 v = src[i];
-        dst[i] = make_uint2(round16(v.x, bf16) | (uint32_t)round16(v.y, bf16) << 16,
-                            round16(v.z, bf16) | (uint32_t)round16(v.w, bf16) << 16);
-    }
+    MOE_CUDA_GRID_STRIDE(i, n4) { dst[i] = moe_round16x4(src[i], bf16); }
 }
 
 /* Rounds n fp32 values into dst: vectorized where src is 16-byte and dst 8-byte aligned
@@ -150,10 +139,58 @@ static const void *weight_operand(const real *w)
     return shadow + (w - master);
 }
 
-/* The operand of an activation or gradient of n elements: rounded into workspace i. */
+/* Buffers that hold their GEMM operand themselves (backend.h mark_operand): a short table
+ * searched by address (a model marks a few per layer and chunk). */
+#define OPERAND_MARKS 512
+static struct {
+    const void *p;
+    size_t n;
+} marks[OPERAND_MARKS];
+static int n_marks;
+
+extern "C" moe_status cuda_gemm_mark_operand(const void *p, size_t n)
+{
+    for (int i = 0; i < n_marks; i++)
+        if (marks[i].p == p) {
+            if (n) {
+                marks[i].n = n;
+            } else {
+                marks[i] = marks[--n_marks];
+            }
+            return MOE_OK;
+        }
+    if (!n || !p)
+        return MOE_OK;
+    if (n_marks == OPERAND_MARKS)
+        MOE_FAIL(MOE_ERR_INVALID, "cuda: more than %d buffers marked as GEMM operands",
+                 OPERAND_MARKS);
+    marks[n_marks].p = p;
+    marks[n_marks++].n = n;
+    return MOE_OK;
+}
+
+/* In a 16-bit precision: whether x (n elements) is a marked buffer, which then holds its
+ * 16-bit operand (*bf16 its format); for its writers and readers. */
+extern "C" int cuda_operand_in_place(const void *x, size_t n, int *bf16)
+{
+    if (prec == MOE_PREC_FP32 || !x)
+        return 0;
+    for (int i = 0; i < n_marks; i++)
+        if (marks[i].p == x && n <= marks[i].n) {
+            *bf16 = prec == MOE_PREC_BF16;
+            return 1;
+        }
+    return 0;
+}
+
+/* The operand of an activation or gradient of n elements: rounded into workspace i, or
+ * the buffer itself when it holds its operand (marked). */
 static const void *rounded_operand(const real *x, size_t n, int i)
 {
+    int bf16 = 0;
     if (prec == MOE_PREC_FP32)
+        return x;
+    if (cuda_operand_in_place(x, n, &bf16))
         return x;
     if (n > ws16_n) {
         MOE_CUDA_FAIL("a GEMM operand of %zu elements exceeds the %zu-element workspace", n,

@@ -179,15 +179,6 @@ extern "C" void cuda_adamw_update(real *p, const real *g, real *m, real *v, size
  * squares in device memory. V4: each thread step takes 4 consecutive elements (float4
  * loads and stores, 4 shadow values in one 8-byte store; the caller checks the
  * alignment), the last n % 4 one by one; the arithmetic per element is the same. */
-static __device__ __forceinline__ uint16_t adamw_round16(real x, int bf16)
-{ /* as matmul.cu's round_kernel */
-    if (bf16) {
-        const __nv_bfloat16 h = __float2bfloat16(x);
-        return *(const uint16_t *)&h;
-    }
-    const __half h = __float2half(x);
-    return *(const uint16_t *)&h;
-}
 
 /* The segment of element i, walking forward from seg (-1: not found yet). */
 static __device__ __forceinline__ int adamw_seg(int seg, size_t i, const int64_t *seg_lo,
@@ -241,9 +232,7 @@ adamw_multi_kernel(real *p, const real *g, real *m, real *v, const int64_t *offs
             ((float4 *)m)[c] = mv;
             ((float4 *)v)[c] = vv;
             if (shadow)
-                ((uint2 *)shadow)[c] = make_uint2(
-                    adamw_round16(pv.x, bf16) | (uint32_t)adamw_round16(pv.y, bf16) << 16,
-                    adamw_round16(pv.z, bf16) | (uint32_t)adamw_round16(pv.w, bf16) << 16);
+                ((uint2 *)shadow)[c] = moe_round16x4(pv, bf16);
         }
         if (blockIdx.x != 0 || threadIdx.x >= n % 4)
             return;
@@ -257,7 +246,7 @@ adamw_multi_kernel(real *p, const real *g, real *m, real *v, const int64_t *offs
         const real pi = adamw_elem(p[i], g[i], m[i], v[i], seg_wd[seg], a);
         p[i] = pi;
         if (shadow)
-            shadow[i] = adamw_round16(pi, bf16);
+            shadow[i] = moe_round16(pi, bf16);
     }
 }
 

@@ -4,7 +4,10 @@
  * roundings: within 1e-6 relative), which keeps it memory-bound where double is slow.
  * Where every pointer is 16-byte aligned and n % 4 == 0 (the runtime's buffers), a
  * thread moves 4 elements with float4 loads and stores; else one element per thread.
- * Both forms compute each element with the same functions, so their bits agree. */
+ * Both forms compute each element with the same functions, so their bits agree. An
+ * output marked as holding its GEMM operand (backend.h mark_operand) gets the 16-bit value
+ * instead, rounded as the GEMM would have rounded the fp32 one: the same operand bits
+ * without the fp32 write and the rounding pass's read and write. */
 #include "kernels/cuda/cuda_common.cuh"
 
 static_assert(sizeof(real) == sizeof(float), "the float4 forms read real as float");
@@ -34,23 +37,43 @@ template <typename F> static __device__ __forceinline__ real db_term(F g, F x, F
     return (real)(g * x * s);
 }
 
+/* h16 (a buffer marked as holding its GEMM operand, in a 16-bit precision): h is written
+ * there as 16 bits, the same value rounded as the GEMM would round the fp32 h; else h. */
 template <typename F>
-static __global__ void swiglu_forward_kernel(real *h, const real *a, const real *b, size_t n)
+static __global__ void swiglu_forward_kernel(real *h, uint16_t *h16, const real *a, const real *b,
+                                             size_t n, int bf16)
 {
-    MOE_CUDA_GRID_STRIDE(i, n) { h[i] = swiglu_h<F>(a[i], b[i]); }
+    MOE_CUDA_GRID_STRIDE(i, n)
+    {
+        const real v = swiglu_h<F>(a[i], b[i]);
+        if (h16)
+            h16[i] = moe_round16(v, bf16);
+        else
+            h[i] = v;
+    }
 }
 
 /* The same over n4 groups of 4 elements. */
 template <typename F>
-static __global__ void swiglu_forward4_kernel(float4 *h, const float4 *a, const float4 *b,
-                                              size_t n4)
+static __global__ void swiglu_forward4_kernel(float4 *h, uint2 *h16, const float4 *a,
+                                              const float4 *b, size_t n4, int bf16)
 {
     MOE_CUDA_GRID_STRIDE(i, n4)
     {
         const float4 x = a[i], y = b[i];
-        h[i] = make_float4(swiglu_h<F>(x.x, y.x), swiglu_h<F>(x.y, y.y), swiglu_h<F>(x.z, y.z),
-                           swiglu_h<F>(x.w, y.w));
+        const float4 v = make_float4(swiglu_h<F>(x.x, y.x), swiglu_h<F>(x.y, y.y),
+                                     swiglu_h<F>(x.z, y.z), swiglu_h<F>(x.w, y.w));
+        if (h16)
+            h16[i] = moe_round16x4(v, bf16);
+        else
+            h[i] = v;
     }
+}
+
+/* The 16-bit form of a marked output of n elements (NULL: write fp32). */
+static uint16_t *in_place16(real *p, size_t n, int *bf16)
+{
+    return p && cuda_operand_in_place(p, n, bf16) ? (uint16_t *)p : NULL;
 }
 
 extern "C" void cuda_swiglu_forward(real *h, const real *a, const real *b, size_t n)
@@ -58,45 +81,61 @@ extern "C" void cuda_swiglu_forward(real *h, const real *a, const real *b, size_
     if (n == 0)
         return;
     const bool fp32 = cuda_gemm_precision() == MOE_PREC_FP32;
+    int bf16 = 0;
+    uint16_t *h16 = in_place16(h, n, &bf16);
     if (n % 4 == 0 && moe_aligned16(h) && moe_aligned16(a) && moe_aligned16(b)) {
         const unsigned blocks = moe_cuda_blocks(n / 4, MOE_CUDA_THREADS);
         float4 *h4 = (float4 *)h;
         const float4 *a4 = (const float4 *)a, *b4 = (const float4 *)b;
         if (fp32)
-            MOE_CUDA_LAUNCH(swiglu_forward4_kernel<double>, blocks, MOE_CUDA_THREADS, 0, h4, a4, b4,
-                            n / 4);
+            MOE_CUDA_LAUNCH(swiglu_forward4_kernel<double>, blocks, MOE_CUDA_THREADS, 0, h4,
+                            (uint2 *)h16, a4, b4, n / 4, bf16);
         else
-            MOE_CUDA_LAUNCH(swiglu_forward4_kernel<float>, blocks, MOE_CUDA_THREADS, 0, h4, a4, b4,
-                            n / 4);
+            MOE_CUDA_LAUNCH(swiglu_forward4_kernel<float>, blocks, MOE_CUDA_THREADS, 0, h4,
+                            (uint2 *)h16, a4, b4, n / 4, bf16);
         return;
     }
     const unsigned blocks = moe_cuda_blocks(n, MOE_CUDA_THREADS);
     if (fp32)
-        MOE_CUDA_LAUNCH(swiglu_forward_kernel<double>, blocks, MOE_CUDA_THREADS, 0, h, a, b, n);
+        MOE_CUDA_LAUNCH(swiglu_forward_kernel<double>, blocks, MOE_CUDA_THREADS, 0, h, h16, a, b, n,
+                        bf16);
     else
-        MOE_CUDA_LAUNCH(swiglu_forward_kernel<float>, blocks, MOE_CUDA_THREADS, 0, h, a, b, n);
+        MOE_CUDA_LAUNCH(swiglu_forward_kernel<float>, blocks, MOE_CUDA_THREADS, 0, h, h16, a, b, n,
+                        bf16);
 }
 
 /* da or db may be NULL (that gradient is not wanted); b is read only for da. Both are
- * overwritten (ops.h). */
+ * overwritten (ops.h); da16 / db16 as h16 above. */
 template <typename F>
-static __global__ void swiglu_backward_kernel(real *da, real *db, const real *dh, const real *a,
-                                              const real *b, size_t n)
+static __global__ void swiglu_backward_kernel(real *da, real *db, uint16_t *da16, uint16_t *db16,
+                                              const real *dh, const real *a, const real *b,
+                                              size_t n, int bf16)
 {
     MOE_CUDA_GRID_STRIDE(i, n)
     {
         const F x = a[i], s = sigmoid(x), g = dh[i];
-        if (da)
-            da[i] = da_term<F>(g, x, s, b[i]);
-        if (db)
-            db[i] = db_term<F>(g, x, s);
+        if (da) {
+            const real v = da_term<F>(g, x, s, b[i]);
+            if (da16)
+                da16[i] = moe_round16(v, bf16);
+            else
+                da[i] = v;
+        }
+        if (db) {
+            const real v = db_term<F>(g, x, s);
+            if (db16)
+                db16[i] = moe_round16(v, bf16);
+            else
+                db[i] = v;
+        }
     }
 }
 
 /* The same over n4 groups of 4 elements. */
 template <typename F>
-static __global__ void swiglu_backward4_kernel(float4 *da, float4 *db, const float4 *dh,
-                                               const float4 *a, const float4 *b, size_t n4)
+static __global__ void swiglu_backward4_kernel(float4 *da, float4 *db, uint2 *da16, uint2 *db16,
+                                               const float4 *dh, const float4 *a, const float4 *b,
+                                               size_t n4, int bf16)
 {
     MOE_CUDA_GRID_STRIDE(i, n4)
     {
@@ -105,13 +144,23 @@ static __global__ void swiglu_backward4_kernel(float4 *da, float4 *db, const flo
         const F s[4] = {sigmoid(x[0]), sigmoid(x[1]), sigmoid(x[2]), sigmoid(x[3])};
         if (da) {
             const float4 y = b[i];
-            da[i] =
+            const float4 v =
                 make_float4(da_term<F>(g[0], x[0], s[0], y.x), da_term<F>(g[1], x[1], s[1], y.y),
                             da_term<F>(g[2], x[2], s[2], y.z), da_term<F>(g[3], x[3], s[3], y.w));
+            if (da16)
+                da16[i] = moe_round16x4(v, bf16);
+            else
+                da[i] = v;
         }
-        if (db)
-            db[i] = make_float4(db_term<F>(g[0], x[0], s[0]), db_term<F>(g[1], x[1], s[1]),
-                                db_term<F>(g[2], x[2], s[2]), db_term<F>(g[3], x[3], s[3]));
+        if (db) {
+            const float4 v =
+                make_float4(db_term<F>(g[0], x[0], s[0]), db_term<F>(g[1], x[1], s[1]),
+                            db_term<F>(g[2], x[2], s[2]), db_term<F>(g[3], x[3], s[3]));
+            if (db16)
+                db16[i] = moe_round16x4(v, bf16);
+            else
+                db[i] = v;
+        }
     }
 }
 
@@ -121,6 +170,8 @@ extern "C" void cuda_swiglu_backward(real *da, real *db, const real *dh, const r
     if (n == 0 || (!da && !db))
         return;
     const bool fp32 = cuda_gemm_precision() == MOE_PREC_FP32;
+    int bf16 = 0;
+    uint16_t *da16 = in_place16(da, n, &bf16), *db16 = in_place16(db, n, &bf16);
     if (n % 4 == 0 && moe_aligned16(da) && moe_aligned16(db) && moe_aligned16(dh) &&
         moe_aligned16(a) && moe_aligned16(b)) {
         const unsigned blocks = moe_cuda_blocks(n / 4, MOE_CUDA_THREADS);
@@ -128,17 +179,17 @@ extern "C" void cuda_swiglu_backward(real *da, real *db, const real *dh, const r
         const float4 *dh4 = (const float4 *)dh, *a4 = (const float4 *)a, *b4 = (const float4 *)b;
         if (fp32)
             MOE_CUDA_LAUNCH(swiglu_backward4_kernel<double>, blocks, MOE_CUDA_THREADS, 0, da4, db4,
-                            dh4, a4, b4, n / 4);
+                            (uint2 *)da16, (uint2 *)db16, dh4, a4, b4, n / 4, bf16);
         else
             MOE_CUDA_LAUNCH(swiglu_backward4_kernel<float>, blocks, MOE_CUDA_THREADS, 0, da4, db4,
-                            dh4, a4, b4, n / 4);
+                            (uint2 *)da16, (uint2 *)db16, dh4, a4, b4, n / 4, bf16);
         return;
     }
     const unsigned blocks = moe_cuda_blocks(n, MOE_CUDA_THREADS);
     if (fp32)
-        MOE_CUDA_LAUNCH(swiglu_backward_kernel<double>, blocks, MOE_CUDA_THREADS, 0, da, db, dh, a,
-                        b, n);
+        MOE_CUDA_LAUNCH(swiglu_backward_kernel<double>, blocks, MOE_CUDA_THREADS, 0, da, db, da16,
+                        db16, dh, a, b, n, bf16);
     else
-        MOE_CUDA_LAUNCH(swiglu_backward_kernel<float>, blocks, MOE_CUDA_THREADS, 0, da, db, dh, a,
-                        b, n);
+        MOE_CUDA_LAUNCH(swiglu_backward_kernel<float>, blocks, MOE_CUDA_THREADS, 0, da, db, da16,
+                        db16, dh, a, b, n, bf16);
 }

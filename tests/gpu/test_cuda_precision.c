@@ -55,6 +55,84 @@ static void to_host(float *h, const float *d, size_t n)
 }
 
 /* Linear (N, I) -> (N, O) and a grouped linear over G experts, forward and backward. */
+/* Bytes of two device buffers differ (0: identical). */
+static int differ(const float *a, const float *b, size_t n)
+{
+    float *ha = malloc(sizeof(float) * n), *hb = malloc(sizeof(float) * n);
+    to_host(ha, a, n);
+    to_host(hb, b, n);
+    const int d = memcmp(ha, hb, sizeof(float) * n) != 0;
+    free(ha);
+    free(hb);
+    return d;
+}
+
+/* SwiGLU into buffers marked as holding their GEMM operand (mark_operand) against
+ * unmarked ones: in a 16-bit precision the marked h, da, db hold 16 bits (their bytes
+ * differ from the fp32 ones), and the grouped GEMMs that read them give the same bits as
+ * from the fp32 buffers they would round; in fp32 a mark changes nothing. x (N, I) and a
+ * second input are the SwiGLU inputs, so h, da, db are (N, I). */
+static void check_in_place(moe_precision p, const char *mode, const float *x, const float *w,
+                           const float *dw_, const float *ddout, const int *offsets, int N, int I,
+                           int O, int G)
+{
+    const size_t n = (size_t)N * I, nw = (size_t)G * O * I;
+    float *b = malloc(sizeof(float) * n);
+    fill(b, n, 7, 1.0);
+    float *da_in = dev_copy(x, n), *db_in = dev_copy(b, n);
+    float *h[2], *ga[2], *gb[2], *out[2], *gx[2], *gw[2];
+    for (int k = 0; k < 2; k++) { /* 0: plain fp32 buffers, 1: marked */
+        h[k] = gpu->alloc(sizeof(float) * n);
+        ga[k] = gpu->alloc(sizeof(float) * n);
+        gb[k] = gpu->alloc(sizeof(float) * n);
+        out[k] = gpu->alloc(sizeof(float) * (size_t)N * O);
+        gx[k] = gpu->alloc(sizeof(float) * n);
+        gw[k] = gpu->alloc(sizeof(float) * nw);
+    }
+    int st = gpu->mark_operand(h[1], n) != MOE_OK || gpu->mark_operand(ga[1], n) != MOE_OK ||
+             gpu->mark_operand(gb[1], n) != MOE_OK;
+    float *dh = dev_copy(b, n); /* an incoming gradient of h */
+    for (int k = 0; k < 2; k++) {
+        gpu->swiglu_forward(h[k], da_in, db_in, n);
+        gpu->grouped_matmul_forward(out[k], h[k], dw_, offsets, G, I, O);
+        gpu->swiglu_backward(ga[k], gb[k], dh, da_in, db_in, n);
+        /* a backward whose output gradient is da (db), whose input is h: (N, I) both, so
+         * the weights are (G, I, I), the start of the (G, O, I) arena */
+        gpu->grouped_matmul_backward(gx[k], gw[k], ga[k], h[k], dw_, offsets, G, I, I);
+        gpu->grouped_matmul_backward(gx[k], gw[k], gb[k], h[k], dw_, offsets, G, I, I);
+    }
+    (void)ddout;
+    (void)w;
+    char what[96];
+    const int want_differ = p != MOE_PREC_FP32;
+    snprintf(what, sizeof what, "in place: h, da, db %s", want_differ ? "16-bit" : "unchanged");
+    report(what, mode,
+           (differ(h[0], h[1], n) != want_differ) + (differ(ga[0], ga[1], n) != want_differ) +
+               (differ(gb[0], gb[1], n) != want_differ) + st,
+           0.0);
+    report("in place: GEMM outputs identical", mode,
+           differ(out[0], out[1], (size_t)N * O) + differ(gx[0], gx[1], n) +
+               differ(gw[0], gw[1], nw),
+           0.0);
+    for (int k = 0; k < 2; k++) {
+        if (k == 1) {
+            gpu->mark_operand(h[1], 0);
+            gpu->mark_operand(ga[1], 0);
+            gpu->mark_operand(gb[1], 0);
+        }
+        gpu->release(h[k]);
+        gpu->release(ga[k]);
+        gpu->release(gb[k]);
+        gpu->release(out[k]);
+        gpu->release(gx[k]);
+        gpu->release(gw[k]);
+    }
+    gpu->release(da_in);
+    gpu->release(db_in);
+    gpu->release(dh);
+    free(b);
+}
+
 static void check_mode(moe_precision p, const char *mode, double bound)
 {
     const int N = 301, I = 160, O = 224, G = 5;
@@ -115,6 +193,7 @@ static void check_mode(moe_precision p, const char *mode, double bound)
     for (size_t i = (size_t)O * I; i < (size_t)2 * O * I; i++)
         empty += fabs(got[i]);
     report("grouped empty group untouched", mode, empty, 0.0);
+    check_in_place(p, mode, x, w, dw_, ddout, offsets, N, I, O, G);
     if (gpu->sync() != MOE_OK) {
         printf("FAIL %s: the backend reported an error\n", mode);
         failures++;
