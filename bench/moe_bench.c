@@ -444,6 +444,7 @@ static struct {
     int64_t *segs;
     double *aux;     /* router aux-loss partials */
     double *norm_sq; /* the gradient norm's two sums of squares */
+    int moments16;   /* adamw16: the moments in bf16 */
     size_t n;
     int n_segs, rows;
 } bf;
@@ -922,14 +923,15 @@ static size_t arena_layout(int64_t *offs, real *wd, int *n_segs)
 static void run_adamw(void)
 {
     /* sums of squares 1 + 1 under a loss scale of 2, no clipping: gradients times 0.5 */
-    gpu->adamw_update_multi(bf.x, bf.dout, bf.m1, bf.m2, bf.n, bf.segs, bf.wd, bf.n_segs,
-                            (real)1e-4, (real)0.9, (real)0.95, (real)1e-8, bf.norm_sq, 0.0, 2.0,
-                            10);
+    gpu->adamw_update_multi(bf.x, bf.dout, bf.m1, bf.m2, bf.moments16, bf.n, bf.segs, bf.wd,
+                            bf.n_segs, (real)1e-4, (real)0.9, (real)0.95, (real)1e-8, bf.norm_sq,
+                            0.0, 2.0, 10);
 }
 
 /* as the trainer: the sum of squares stays on the device */
 static void run_grad_norm(void) { gpu->sum_into(bf.norm_sq, bf.dout, bf.n, 1); }
 
+/* adamw: 0 the gradient norm, 1 AdamW, 2 AdamW with bf16 moments. */
 static void bench_optimizer(int adamw)
 {
     const ceiling *c = copy_ceiling();
@@ -946,11 +948,14 @@ static void bench_optimizer(int adamw)
     double bytes;
     if (adamw) {
         bf.x = dfill(n, 0.02, 0); /* parameters */
+        bf.moments16 = adamw == 2;
+        /* bf16 moments: the first half of each buffer, random bits (the time is the same) */
         bf.m1 = dfill(n, 1e-3, 0);
         bf.m2 = dfill(n, 1e-6, 1);
         bf.segs = dupload(offs, sizeof(int64_t) * (n_segs + 1));
         bf.wd = dupload(wd, sizeof(real) * n_segs);
-        bytes = 4.0 * 7.0 * (double)n; /* p, g, m, v read; p, m, v written */
+        /* p, g, m, v read; p, m, v written: 4 bytes each, or 2 for bf16 moments */
+        bytes = (adamw == 2 ? 4.0 * 3.0 + 2.0 * 4.0 : 4.0 * 7.0) * (double)n;
     } else {
         bytes = 4.0 * (double)n;
     }
@@ -959,11 +964,12 @@ static void bench_optimizer(int adamw)
     double ms = time_gpu(adamw ? run_adamw : run_grad_norm);
     char shape[64];
     snprintf(shape, sizeof shape, "params=%zu (%d tensors, L=%d)", n, n_segs, opt.L);
-    report(adamw ? "adamw" : "grad_norm", shape, ms, bytes, RATE_GBS, c);
+    report(adamw == 2 ? "adamw16" : adamw ? "adamw" : "grad_norm", shape, ms, bytes, RATE_GBS, c);
     free_all();
 }
 
 static void bench_adamw(void) { bench_optimizer(1); }
+static void bench_adamw16(void) { bench_optimizer(2); }
 static void bench_grad_norm(void) { bench_optimizer(0); }
 
 static void bench_copy(void) { (void)copy_ceiling(); }
@@ -996,6 +1002,7 @@ static const bench_op single_ops[] = {
     {"swiglu", bench_swiglu_fwd},
     {"swiglu_bwd", bench_swiglu_bwd},
     {"adamw", bench_adamw},
+    {"adamw16", bench_adamw16},
     {"grad_norm", bench_grad_norm},
 };
 

@@ -259,15 +259,40 @@ MOE_HD static inline double moe_adamw_factor(const double *sq, double clip, doub
     return (double)(float)(c / loss_scale);
 }
 
+/* bf16 of a float, rounded to nearest even (a NaN stays a NaN), and back (exact): the
+ * optimizer's moments in bf16, the same bits on the host and the device. */
+MOE_HD static inline uint16_t moe_bf16_round(float f)
+{
+    union {
+        float f;
+        uint32_t u;
+    } c = {f};
+    if ((c.u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((c.u >> 16) | 0x40u);
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+MOE_HD static inline float moe_bf16_widen(uint16_t b)
+{
+    union {
+        uint32_t u;
+        float f;
+    } c = {(uint32_t)b << 16};
+    return c.f;
+}
+
 /* The same step over a whole arena of n elements in one pass (multi-tensor): segment s
  * is the range [offsets[s], offsets[s+1]) with weight decay wd[s], offsets[0] = 0 and
  * offsets[n_segs] = n; every gradient is multiplied by moe_adamw_factor(norm_sq, clip,
  * loss_scale) first (clipping, removal of the loss scale), and when that says skip,
  * nothing changes. offsets (n_segs + 1), wd (n_segs) and norm_sq (2) live in the
- * backend's memory: the decision needs no value on the host. */
-void adamw_update_multi(real *p, const real *g, real *m, real *v, size_t n, const int64_t *offsets,
-                        const real *wd, int n_segs, real lr, real beta1, real beta2, real eps,
-                        const double *norm_sq, double clip, double loss_scale, int t);
+ * backend's memory: the decision needs no value on the host. m and v are real, or with
+ * moments16 bf16 (uint16_t, moe_bf16_round): the step computes from their widened values
+ * as from real ones and stores them rounded. */
+void adamw_update_multi(real *p, const real *g, void *m, void *v, int moments16, size_t n,
+                        const int64_t *offsets, const real *wd, int n_segs, real lr, real beta1,
+                        real beta2, real eps, const double *norm_sq, double clip, double loss_scale,
+                        int t);
 
 #ifdef __cplusplus
 }

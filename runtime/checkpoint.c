@@ -376,7 +376,7 @@ static moe_status write_rank_file(const char *dir, int rank, int ep, const moe_m
                                   const moe_optimizer *opt, const moe_fault *fault, int64_t step,
                                   ckpt_part *part)
 {
-    const real *arenas[N_KINDS] = {m->params, opt->m, opt->v};
+    /* the parameters from their arena; the moments through the optimizer (fp32 or bf16) */
     char path[PATH_CAP + 64];
     snprintf(part->file_name, sizeof part->file_name, "rank-%05d.bin", rank);
     snprintf(path, sizeof path, "%s/%s", dir, part->file_name);
@@ -410,7 +410,13 @@ static moe_status write_rank_file(const char *dir, int rank, int ep, const moe_m
         for (int k = 0; k < N_KINDS && st == MOE_OK; k++) {
             for (int e = 0; e < parts && st == MOE_OK; e++) {
                 size_t nbytes = sizeof(real) * per;
-                to_host(m, stage, arenas[k] + t->offset + (size_t)e * per, nbytes);
+                const size_t at = t->offset + (size_t)e * per;
+                if (k == 0)
+                    to_host(m, stage, m->params + at, nbytes);
+                else
+                    st = moe_optimizer_read(opt, k - 1, at, per, stage);
+                if (st != MOE_OK)
+                    break;
                 uint32_t crc = moe_crc32c(0, stage, nbytes);
                 st = write_all(fd, stage, nbytes, path);
                 if (st == MOE_OK)
@@ -1145,10 +1151,9 @@ moe_status moe_checkpoint_resume(const char *spec, const moe_config *cfg, struct
         moe_status local = try_load(dir, cfg, m, &sg, &mf, &r);
         st = agree(comm, local);
         if (st == MOE_OK) {
-            for (int k = 0; k < N_KINDS; k++) {
-                real *dst = k == 0 ? m->params : k == 1 ? opt->m : opt->v;
-                to_backend(m, dst, sg.a[k], sizeof(real) * m->n_params);
-            }
+            to_backend(m, m->params, sg.a[0], sizeof(real) * m->n_params);
+            for (int k = 1; k < N_KINDS && st == MOE_OK; k++)
+                st = moe_optimizer_write(opt, k - 1, 0, m->n_params, sg.a[k]);
             state->step = mf->step;
             state->consumed = mf->consumed;
             state->loss_scale_dynamic = mf->loss_scale_mode == MOECKPT__LOSS_SCALE_MODE__DYNAMIC;

@@ -142,6 +142,9 @@ static const key_def keys[] = {
 
     KEY_ENUM("precision", "mode", precision, "fp32|bf16|fp16|auto", "fp32",
              "GEMM precision: fp32, bf16 (sm_80+), fp16 (with loss scaling), auto"),
+    KEY_ENUM("precision", "optimizer_state", optimizer_state, "fp32|bf16", "fp32",
+             "AdamW's moments m and v: fp32, or bf16 (half their memory and traffic; the "
+             "master weights stay fp32)"),
     KEY("precision", "loss_scale_init", T_DOUBLE, loss_scale_init, GT(0), "65536",
         "fp16: the initial dynamic loss scale"),
     KEY("precision", "loss_scale_growth_interval", T_INT, loss_scale_growth_interval, GE(1), "1000",
@@ -1001,6 +1004,12 @@ moe_status moe_config_validate(const moe_config *cfg)
     if (strcmp(cfg->data_source, "shards") == 0 && cfg->data_path[0] == '\0') {
         rule_failed(cfg, "data.source", "data.path", "needs the shard files in",
                     "must name the shard files when");
+        bad++;
+    }
+    if (strcmp(cfg->placement, "auto") == 0 && strcmp(cfg->optimizer_state, "bf16") == 0) {
+        /* re-planning moves Adam state slices as real values */
+        rule_failed(cfg, "parallel.placement", "precision.optimizer_state",
+                    "= auto (moving experts) cannot run yet with", "= bf16 cannot run yet with");
         bad++;
     }
     if (strcmp(cfg->placement, "auto") == 0 && cfg->replan_interval == 0) {

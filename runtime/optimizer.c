@@ -5,6 +5,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 moe_status moe_optimizer_create(moe_optimizer **out, const moe_model *model, const moe_config *cfg,
                                 const moe_backend *be)
@@ -15,8 +16,10 @@ moe_status moe_optimizer_create(moe_optimizer **out, const moe_model *model, con
     if (!opt)
         MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate the optimizer");
     opt->be = be;
-    opt->m = be->alloc(n_params * sizeof(real));
-    opt->v = be->alloc(n_params * sizeof(real));
+    opt->moments16 = strcmp(cfg->optimizer_state, "bf16") == 0;
+    const size_t elem = opt->moments16 ? sizeof(uint16_t) : sizeof(real);
+    opt->m = be->alloc(n_params * elem);
+    opt->v = be->alloc(n_params * elem);
     opt->n_params = n_params;
     /* runs of adjacent tensors (the arena is in tensor order) with the same decay */
     int64_t *off = malloc(sizeof(int64_t) * ((size_t)model->n_tensors + 1));
@@ -77,10 +80,55 @@ void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *
                         const double *norm_sq, double loss_scale)
 {
     opt->t++;
-    opt->be->adamw_update_multi(model->params, model->grads, opt->m, opt->v, opt->n_params,
-                                opt->seg_offsets, opt->seg_wd, opt->n_segs, (real)lr,
+    opt->be->adamw_update_multi(model->params, model->grads, opt->m, opt->v, opt->moments16,
+                                opt->n_params, opt->seg_offsets, opt->seg_wd, opt->n_segs, (real)lr,
                                 (real)cfg->beta1, (real)cfg->beta2, (real)cfg->adam_eps, norm_sq,
                                 cfg->grad_clip, loss_scale, opt->t);
 }
 
 void moe_optimizer_unstep(moe_optimizer *opt) { opt->t--; }
+
+/* Copies n elements of elem bytes between backend memory and the host. */
+static void moments_copy(const moe_backend *be, void *dst, const void *src, size_t nbytes,
+                         moe_copy_kind kind)
+{
+    if (be->on_device)
+        be->copy(dst, src, nbytes, kind);
+    else
+        memcpy(dst, src, nbytes);
+}
+
+moe_status moe_optimizer_read(const moe_optimizer *opt, int k, size_t lo, size_t n, real *dst)
+{
+    const void *arena = k == 0 ? opt->m : opt->v;
+    if (!opt->moments16) {
+        moments_copy(opt->be, dst, (const real *)arena + lo, sizeof(real) * n, MOE_COPY_D2H);
+        return opt->be->sync();
+    }
+    uint16_t *tmp = malloc(sizeof(uint16_t) * (n ? n : 1));
+    if (!tmp)
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot stage %zu optimizer moments", n);
+    moments_copy(opt->be, tmp, (const uint16_t *)arena + lo, sizeof(uint16_t) * n, MOE_COPY_D2H);
+    for (size_t i = 0; i < n; i++)
+        dst[i] = (real)moe_bf16_widen(tmp[i]);
+    free(tmp);
+    return opt->be->sync();
+}
+
+moe_status moe_optimizer_write(moe_optimizer *opt, int k, size_t lo, size_t n, const real *src)
+{
+    void *arena = k == 0 ? opt->m : opt->v;
+    if (!opt->moments16) {
+        moments_copy(opt->be, (real *)arena + lo, src, sizeof(real) * n, MOE_COPY_H2D);
+        return opt->be->sync();
+    }
+    uint16_t *tmp = malloc(sizeof(uint16_t) * (n ? n : 1));
+    if (!tmp)
+        MOE_FAIL(MOE_ERR_NOMEM, "cannot stage %zu optimizer moments", n);
+    for (size_t i = 0; i < n; i++)
+        tmp[i] = moe_bf16_round((float)src[i]);
+    moments_copy(opt->be, (uint16_t *)arena + lo, tmp, sizeof(uint16_t) * n, MOE_COPY_H2D);
+    moe_status st = opt->be->sync(); /* tmp is pageable: the copy has read it */
+    free(tmp);
+    return st;
+}

@@ -1,9 +1,9 @@
 /* runtime/optimizer.h: AdamW over the model's tensor table, the learning-rate schedule
  * and global-norm clipping.
  *
- * Owns: the optimizer state (first and second moments, one arena each, fp32), the
- * schedule. Does not own: the parameters or gradients (the model), the reduction of
- * gradients across ranks (the trainer, through comm/). */
+ * Owns: the optimizer state (first and second moments, one arena each, fp32, or bf16
+ * with [precision] optimizer_state = bf16), the schedule. Does not own: the parameters or gradients
+ * (the model), the reduction of gradients across ranks (the trainer, through comm/). */
 #ifndef MOE_RUNTIME_OPTIMIZER_H
 #define MOE_RUNTIME_OPTIMIZER_H
 
@@ -15,7 +15,8 @@ struct moe_backend;
 
 typedef struct {
     const struct moe_backend *be; /* where the state lives */
-    real *m, *v;                  /* (n_params) each */
+    void *m, *v;                  /* (n_params) each: real, or bf16 (uint16_t) when moments16 */
+    int moments16;                /* [precision] optimizer_state = bf16 */
     int64_t *seg_offsets;         /* (n_segs + 1) runs of tensors with one weight decay */
     real *seg_wd;                 /* (n_segs) their weight decay; both in backend memory */
     int n_segs;
@@ -44,5 +45,11 @@ double moe_lr_at(const moe_config *cfg, int step);
 void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
                         const double *norm_sq, double loss_scale);
 void moe_optimizer_unstep(moe_optimizer *opt);
+
+/* The moments as real values in host memory, whatever their precision (checkpoints):
+ * moment k (0: m, 1: v), elements [lo, lo + n), into dst; and back from src (rounded to
+ * bf16 when moments16: exact for values that came from bf16). Wait for the backend. */
+moe_status moe_optimizer_read(const moe_optimizer *opt, int k, size_t lo, size_t n, real *dst);
+moe_status moe_optimizer_write(moe_optimizer *opt, int k, size_t lo, size_t n, const real *src);
 
 #endif

@@ -200,9 +200,24 @@ static __device__ __forceinline__ int adamw_seg(int seg, size_t i, const int64_t
     return seg;
 }
 
-template <int V4>
+/* Four bf16 moments (8 bytes) widened, and rounded back. */
+static __device__ __forceinline__ float4 bf16x4_widen(uint2 q)
+{
+    return make_float4(
+        moe_bf16_widen((uint16_t)(q.x & 0xffffu)), moe_bf16_widen((uint16_t)(q.x >> 16)),
+        moe_bf16_widen((uint16_t)(q.y & 0xffffu)), moe_bf16_widen((uint16_t)(q.y >> 16)));
+}
+
+static __device__ __forceinline__ uint2 bf16x4_round(float4 v)
+{
+    return make_uint2(moe_bf16_round(v.x) | (uint32_t)moe_bf16_round(v.y) << 16,
+                      moe_bf16_round(v.z) | (uint32_t)moe_bf16_round(v.w) << 16);
+}
+
+/* M16: the moments are bf16 (ops.h): widened before the element's step, rounded after. */
+template <int V4, int M16>
 static __global__ void
-adamw_multi_kernel(real *p, const real *g, real *m, real *v, const int64_t *offsets, const real *wd,
+adamw_multi_kernel(real *p, const real *g, void *m, void *v, const int64_t *offsets, const real *wd,
                    int n_segs, size_t n, adamw_args a, const double *norm_sq, double clip,
                    double loss_scale, uint16_t *shadow, int bf16)
 {
@@ -221,7 +236,8 @@ adamw_multi_kernel(real *p, const real *g, real *m, real *v, const int64_t *offs
         MOE_CUDA_GRID_STRIDE(c, n / 4)
         {
             float4 pv = ((const float4 *)p)[c], gv = ((const float4 *)g)[c];
-            float4 mv = ((const float4 *)m)[c], vv = ((const float4 *)v)[c];
+            float4 mv = M16 ? bf16x4_widen(((const uint2 *)m)[c]) : ((const float4 *)m)[c];
+            float4 vv = M16 ? bf16x4_widen(((const uint2 *)v)[c]) : ((const float4 *)v)[c];
             float *pe = &pv.x, *ge = &gv.x, *me = &mv.x, *ve = &vv.x;
 #pragma unroll
             for (int e = 0; e < 4; e++) {
@@ -229,8 +245,13 @@ adamw_multi_kernel(real *p, const real *g, real *m, real *v, const int64_t *offs
                 pe[e] = adamw_elem(pe[e], ge[e], me[e], ve[e], seg_wd[seg], a);
             }
             ((float4 *)p)[c] = pv;
-            ((float4 *)m)[c] = mv;
-            ((float4 *)v)[c] = vv;
+            if (M16) {
+                ((uint2 *)m)[c] = bf16x4_round(mv);
+                ((uint2 *)v)[c] = bf16x4_round(vv);
+            } else {
+                ((float4 *)m)[c] = mv;
+                ((float4 *)v)[c] = vv;
+            }
             if (shadow)
                 ((uint2 *)shadow)[c] = moe_round16x4(pv, bf16);
         }
@@ -241,10 +262,20 @@ adamw_multi_kernel(real *p, const real *g, real *m, real *v, const int64_t *offs
     const size_t first =
         V4 ? n / 4 * 4 + threadIdx.x : blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = V4 ? n : (size_t)gridDim.x * blockDim.x;
+    uint16_t *m16 = (uint16_t *)m, *v16 = (uint16_t *)v;
+    real *mr = (real *)m, *vr = (real *)v;
     for (size_t i = first; i < n; i += stride) {
         seg = adamw_seg(seg, i, seg_lo, n_segs);
-        const real pi = adamw_elem(p[i], g[i], m[i], v[i], seg_wd[seg], a);
+        real mi = M16 ? moe_bf16_widen(m16[i]) : mr[i], vi = M16 ? moe_bf16_widen(v16[i]) : vr[i];
+        const real pi = adamw_elem(p[i], g[i], mi, vi, seg_wd[seg], a);
         p[i] = pi;
+        if (M16) {
+            m16[i] = moe_bf16_round(mi);
+            v16[i] = moe_bf16_round(vi);
+        } else {
+            mr[i] = mi;
+            vr[i] = vi;
+        }
         if (shadow)
             shadow[i] = moe_round16(pi, bf16);
     }
@@ -252,10 +283,11 @@ adamw_multi_kernel(real *p, const real *g, real *m, real *v, const int64_t *offs
 
 extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, size_t n, int *bf16);
 
-extern "C" void cuda_adamw_update_multi(real *p, const real *g, real *m, real *v, size_t n,
-                                        const int64_t *offsets, const real *wd, int n_segs, real lr,
-                                        real beta1, real beta2, real eps, const double *norm_sq,
-                                        double clip, double loss_scale, int t)
+extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v, int moments16,
+                                        size_t n, const int64_t *offsets, const real *wd,
+                                        int n_segs, real lr, real beta1, real beta2, real eps,
+                                        const double *norm_sq, double clip, double loss_scale,
+                                        int t)
 {
     if (n_segs <= 0 || n == 0)
         return;
@@ -268,14 +300,21 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, real *m, real *v
         return;
     }
     const adamw_args a = adamw_setup(lr, beta1, beta2, eps, t);
-    const int v4 = ((uintptr_t)p | (uintptr_t)g | (uintptr_t)m | (uintptr_t)v) % 16 == 0 &&
+    const uintptr_t moments = (uintptr_t)m | (uintptr_t)v;
+    const int v4 = ((uintptr_t)p | (uintptr_t)g) % 16 == 0 && moments % (moments16 ? 8 : 16) == 0 &&
                    (uintptr_t)shadow % 8 == 0;
-    if (v4)
-        MOE_CUDA_LAUNCH(adamw_multi_kernel<1>, moe_cuda_blocks(n / 4 + 1, MOE_CUDA_THREADS),
-                        MOE_CUDA_THREADS, smem, p, g, m, v, offsets, wd, n_segs, n, a, norm_sq,
-                        clip, loss_scale, shadow, bf16);
+    const unsigned blocks =
+        v4 ? moe_cuda_blocks(n / 4 + 1, MOE_CUDA_THREADS) : moe_cuda_blocks(n, MOE_CUDA_THREADS);
+#define ADAMW_LAUNCH(V4, M16)                                                                      \
+    MOE_CUDA_LAUNCH((adamw_multi_kernel<V4, M16>), blocks, MOE_CUDA_THREADS, smem, p, g, m, v,     \
+                    offsets, wd, n_segs, n, a, norm_sq, clip, loss_scale, shadow, bf16)
+    if (v4 && moments16)
+        ADAMW_LAUNCH(1, 1);
+    else if (v4)
+        ADAMW_LAUNCH(1, 0);
+    else if (moments16)
+        ADAMW_LAUNCH(0, 1);
     else
-        MOE_CUDA_LAUNCH(adamw_multi_kernel<0>, moe_cuda_blocks(n, MOE_CUDA_THREADS),
-                        MOE_CUDA_THREADS, smem, p, g, m, v, offsets, wd, n_segs, n, a, norm_sq,
-                        clip, loss_scale, shadow, bf16);
+        ADAMW_LAUNCH(0, 0);
+#undef ADAMW_LAUNCH
 }

@@ -21,7 +21,7 @@ build() { # name sources...
 }
 build fuzz_config "$SRC/tests/fuzz/fuzz_config.c" "$SRC/runtime/config.c" "$SRC/util/status.c"
 build fuzz_checkpoint "$SRC/tests/fuzz/fuzz_checkpoint.c" "$SRC/runtime/checkpoint.c" \
-  "$SRC/runtime/config.c" "$SRC/util/status.c" "$SRC/util/crc32c.c" "$SRC/util/fault.c" \
+  "$SRC/runtime/optimizer.c" "$SRC/runtime/config.c" "$SRC/util/status.c" "$SRC/util/crc32c.c" "$SRC/util/fault.c" \
   "$WORK/proto/checkpoint.pb-c.c"
 
 cp "$SRC/configs/tiny.ini" "$WORK/seed_config/"

@@ -1007,11 +1007,17 @@ static void test_adamw(size_t n, int t, const char *name)
 /* Multi-tensor AdamW: segments with different weight decay, the gradients' factor from
  * the sums of squares sq (device memory on the GPU), the clip and the loss scale. */
 static void test_adamw_multi(size_t n, int t, const double sq[2], double clip, double scale,
-                             const char *name)
+                             int moments16, const char *name)
 {
     begin("adamw_update_multi", name);
     float *p = frand(n, -1, 1), *g = frand(n, -1, 1), *m = frand(n, -0.1, 0.1);
     float *v = frand(n, 0, 0.01);
+    /* bf16 moments: the same random values rounded, in the first half of m and v */
+    uint16_t *m16 = (uint16_t *)m, *v16 = (uint16_t *)v;
+    for (size_t i = 0; moments16 && i < n; i++) {
+        m16[i] = moe_bf16_round(m[i]);
+        v16[i] = moe_bf16_round(v[i]);
+    }
     int64_t off[4] = {0, (int64_t)(n / 3), (int64_t)(n / 3 + 1), (int64_t)n};
     float wd[3] = {0.1f, 0.0f, 0.05f};
     float *dp = DEVF(p, n), *dm = DEVF(m, n), *dv = DEVF(v, n);
@@ -1022,14 +1028,19 @@ static void test_adamw_multi(size_t n, int t, const double sq[2], double clip, d
     double *dsq = gpu->alloc(2 * sizeof(double));
     gpu->copy(dsq, sq, 2 * sizeof(double), MOE_COPY_H2D);
     const float p_before = p[n / 2];
-    cpu->adamw_update_multi(p, g, m, v, n, off, wd, 3, 1e-3f, 0.9f, 0.95f, 1e-8f, sq, clip, scale,
-                            t);
-    gpu->adamw_update_multi(dp, DEVF(g, n), dm, dv, n, doff, dwd, 3, 1e-3f, 0.9f, 0.95f, 1e-8f, dsq,
+    cpu->adamw_update_multi(p, g, m, v, moments16, n, off, wd, 3, 1e-3f, 0.9f, 0.95f, 1e-8f, sq,
                             clip, scale, t);
+    gpu->adamw_update_multi(dp, DEVF(g, n), dm, dv, moments16, n, doff, dwd, 3, 1e-3f, 0.9f, 0.95f,
+                            1e-8f, dsq, clip, scale, t);
     gpu_done();
     check_f("p", HOSTF(dp, n), p, n, 1, TIGHT);
-    check_f("m", HOSTF(dm, n), m, n, 1, TIGHT);
-    check_f("v", HOSTF(dv, n), v, n, 1, TIGHT);
+    if (moments16) { /* the same double arithmetic rounded the same way: identical bits */
+        if (memcmp(host_of(dm, 2 * n), m16, 2 * n) || memcmp(host_of(dv, 2 * n), v16, 2 * n))
+            fail_now("bf16 moments differ from the reference");
+    } else {
+        check_f("m", HOSTF(dm, n), m, n, 1, TIGHT);
+        check_f("v", HOSTF(dv, n), v, n, 1, TIGHT);
+    }
     /* the reference moved p unless the factor says skip (then both left it alone) */
     const int skip = moe_adamw_factor(sq, clip, scale) < 0;
     if ((p[n / 2] == p_before) != skip)
@@ -1177,10 +1188,12 @@ int main(void)
     }
 
     const double sq[2] = {0.3, 0.2}, inf_sq[2] = {0.3, INFINITY};
-    test_adamw_multi(1000, 3, sq, 0.0, 1.7, "3 segments, loss scale 1.7");
-    test_adamw_multi(7, 1, sq, 0.2, 1.0, "tiny, clipped");
-    test_adamw_multi(100003, 2, sq, 0.1, 3.0, "4-element groups, a 3-element tail, clipped");
-    test_adamw_multi(1000, 3, inf_sq, 1.0, 1.0, "non-finite norm: skipped");
+    test_adamw_multi(1000, 3, sq, 0.0, 1.7, 0, "3 segments, loss scale 1.7");
+    test_adamw_multi(7, 1, sq, 0.2, 1.0, 0, "tiny, clipped");
+    test_adamw_multi(100003, 2, sq, 0.1, 3.0, 0, "4-element groups, a 3-element tail, clipped");
+    test_adamw_multi(1000, 3, inf_sq, 1.0, 1.0, 0, "non-finite norm: skipped");
+    test_adamw_multi(100003, 2, sq, 0.1, 3.0, 1, "bf16 moments, a 3-element tail, clipped");
+    test_adamw_multi(7, 4, sq, 0.0, 1.0, 1, "bf16 moments, tiny");
     test_adamw(1, 1, "n=1 t=1");
     test_adamw(1001, 7, "n=1001 t=7");
 

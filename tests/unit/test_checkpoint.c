@@ -67,7 +67,8 @@ typedef struct {
     moe_optimizer *opt;
 } pair;
 
-/* A model whose parameters and moments are all distinct, from `seed`. */
+/* A model whose parameters and moments are all distinct, from `seed` (bf16 moments when
+ * cfg says so). */
 static pair make_pair(const moe_config *cfg, uint64_t seed)
 {
     pair p;
@@ -75,8 +76,14 @@ static pair make_pair(const moe_config *cfg, uint64_t seed)
     assert_int_equal(moe_optimizer_create(&p.opt, p.m, cfg, p.m->be), MOE_OK);
     for (size_t i = 0; i < p.m->n_params; i++) {
         p.m->params[i] = (real)moe_rng_normal(seed, 1, i);
-        p.opt->m[i] = (real)moe_rng_normal(seed, 2, i);
-        p.opt->v[i] = (real)moe_rng_uniform(seed, 3, i);
+        const double m = moe_rng_normal(seed, 2, i), v = moe_rng_uniform(seed, 3, i);
+        if (p.opt->moments16) {
+            ((uint16_t *)p.opt->m)[i] = moe_bf16_round((float)m);
+            ((uint16_t *)p.opt->v)[i] = moe_bf16_round((float)v);
+        } else {
+            ((real *)p.opt->m)[i] = (real)m;
+            ((real *)p.opt->v)[i] = (real)v;
+        }
     }
     p.opt->t = (int)seed;
     return p;
@@ -119,18 +126,17 @@ static void flip_byte(const char *path, long offset)
     assert_int_equal(fclose(f), 0);
 }
 
-static void test_save_resume_exact(void **state)
+/* Saves and resumes; moments of elem bytes compared bit for bit. */
+static void check_save_resume_exact(moe_config *cfg)
 {
-    (void)state;
-    moe_config cfg = small_config("exact", 1);
-    pair a = make_pair(&cfg, 11);
-    save(&cfg, &a, 7, 70);
-    pair b = make_pair(&cfg, 99);
+    pair a = make_pair(cfg, 11);
+    save(cfg, &a, 7, 70);
+    pair b = make_pair(cfg, 99);
     moe_ckpt_state st;
     int found = 0;
     char path[2048];
     assert_int_equal(
-        moe_checkpoint_resume("auto", &cfg, NULL, b.m, b.opt, &st, &found, path, sizeof path),
+        moe_checkpoint_resume("auto", cfg, NULL, b.m, b.opt, &st, &found, path, sizeof path),
         MOE_OK);
     assert_int_equal(found, 1);
     assert_int_equal(st.step, 7);
@@ -138,11 +144,29 @@ static void test_save_resume_exact(void **state)
     assert_int_equal(b.opt->t, 11);
     assert_non_null(strstr(path, "step-00000007"));
     assert_memory_equal(a.m->params, b.m->params, sizeof(real) * a.m->n_params);
-    assert_memory_equal(a.opt->m, b.opt->m, sizeof(real) * a.m->n_params);
-    assert_memory_equal(a.opt->v, b.opt->v, sizeof(real) * a.m->n_params);
+    const size_t elem = a.opt->moments16 ? sizeof(uint16_t) : sizeof(real);
+    assert_memory_equal(a.opt->m, b.opt->m, elem * a.m->n_params);
+    assert_memory_equal(a.opt->v, b.opt->v, elem * a.m->n_params);
     assert_int_equal(moe_checkpoint_inspect(path, stdout), MOE_OK);
     free_pair(&a);
     free_pair(&b);
+}
+
+static void test_save_resume_exact(void **state)
+{
+    (void)state;
+    moe_config cfg = small_config("exact", 1);
+    check_save_resume_exact(&cfg);
+}
+
+/* bf16 moments are written widened to fp32 (the format does not change) and rounded back
+ * on resume: exact both ways. */
+static void test_save_resume_bf16_moments(void **state)
+{
+    (void)state;
+    moe_config cfg = small_config("exact16", 1);
+    snprintf(cfg.optimizer_state, sizeof cfg.optimizer_state, "bf16");
+    check_save_resume_exact(&cfg);
 }
 
 static void test_keep_and_tmp_ignored(void **state)
@@ -302,6 +326,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_save_resume_exact),
+        cmocka_unit_test(test_save_resume_bf16_moments),
         cmocka_unit_test(test_keep_and_tmp_ignored),
         cmocka_unit_test(test_corruption_fallback),
         cmocka_unit_test(test_shape_mismatch_refused),

@@ -488,7 +488,7 @@ static void test_adamw_update_multi(void **state)
     const double how[2][4] = {{9, 16, 0.0, 2.0}, {9, 16, 2.5, 1.0}};
     for (int k = 0; k < 2; k++) {
         memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
-        adamw_update_multi(p, g, m, v, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, how[k],
+        adamw_update_multi(p, g, m, v, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, how[k],
                            how[k][2], how[k][3], 4);
         assert_memory_equal(p, pr, sizeof p);
         assert_memory_equal(m, mr, sizeof m);
@@ -498,11 +498,59 @@ static void test_adamw_update_multi(void **state)
     assert_true(p[4] != p0[4]); /* it still moves with its gradient */
     const double inf_sq[2] = {INFINITY, 1};
     memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
-    adamw_update_multi(p, g, m, v, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, inf_sq, 1.0,
+    adamw_update_multi(p, g, m, v, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, inf_sq, 1.0,
                        1.0, 4);
     assert_memory_equal(p, p0, sizeof p);
     assert_memory_equal(m, m0, sizeof m);
     assert_memory_equal(v, v0, sizeof v);
+}
+
+/* bf16 rounding against hand-made cases: nearest, ties to even, NaN kept, exact widening. */
+static void test_bf16_round(void **state)
+{
+    (void)state;
+    assert_int_equal(moe_bf16_round(1.0f), 0x3f80);
+    assert_int_equal(moe_bf16_round(-2.0f), 0xc000);
+    /* 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to the even 1 */
+    assert_int_equal(moe_bf16_round(1.0f + 0x1p-8f), 0x3f80);
+    /* 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to the even 1 + 2^-6 */
+    assert_int_equal(moe_bf16_round(1.0f + 3 * 0x1p-8f), 0x3f82);
+    assert_int_equal(moe_bf16_round(1.0f + 0x1p-8f + 0x1p-20f), 0x3f81); /* above halfway */
+    assert_true(isnan(moe_bf16_widen(moe_bf16_round(NAN))));
+    assert_true(moe_bf16_widen(moe_bf16_round(INFINITY)) == INFINITY);
+    for (uint32_t b = 0; b < 0x7f80; b += 37) /* every finite positive pattern widens exactly */
+        assert_int_equal(moe_bf16_round(moe_bf16_widen((uint16_t)b)), b);
+}
+
+/* With bf16 moments the step equals the fp32-moment step on the widened moments, with the
+ * new moments rounded: computed here element by element from adamw_update. */
+static void test_adamw_bf16_moments(void **state)
+{
+    (void)state;
+    enum { n = 9, segs = 2 };
+    const int64_t offsets[segs + 1] = {0, 5, 9};
+    const real wd[segs] = {0.1f, 0.0f};
+    const double sq[2] = {0.5, 0.25};
+    real p[n], g[n], pr[n], mr[n], vr[n];
+    uint16_t m16[n], v16[n];
+    for (int i = 0; i < n; i++) {
+        p[i] = pr[i] = (real)(0.2 * i - 0.7);
+        g[i] = (real)(0.03 * (i % 4) - 0.05);
+        m16[i] = moe_bf16_round((float)(0.01 * i - 0.03));
+        v16[i] = moe_bf16_round((float)(1e-4 * (i + 2)));
+        mr[i] = moe_bf16_widen(m16[i]);
+        vr[i] = moe_bf16_widen(v16[i]);
+    }
+    adamw_update_multi(p, g, m16, v16, 1, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, sq, 0.0,
+                       1.0, 3);
+    for (int s = 0; s < segs; s++) /* factor 1: no clip, no loss scale */
+        adamw_update(pr + offsets[s], g + offsets[s], mr + offsets[s], vr + offsets[s],
+                     (size_t)(offsets[s + 1] - offsets[s]), 0.01f, 0.9f, 0.95f, 1e-8f, wd[s], 3);
+    assert_memory_equal(p, pr, sizeof p);
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(m16[i], moe_bf16_round((float)mr[i]));
+        assert_int_equal(v16[i], moe_bf16_round((float)vr[i]));
+    }
 }
 
 /* sum_into adds to what is there, in the order of the calls. */
@@ -766,6 +814,8 @@ int main(void)
         cmocka_unit_test(test_adamw_factor),
         cmocka_unit_test(test_adamw_update_multi),
         cmocka_unit_test(test_sum_into),
+        cmocka_unit_test(test_bf16_round),
+        cmocka_unit_test(test_adamw_bf16_moments),
         cmocka_unit_test(test_all_finite),
         cmocka_unit_test(test_small_forwards),
         cmocka_unit_test(test_matmul_naive),
