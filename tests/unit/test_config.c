@@ -471,6 +471,10 @@ static const rule_case rule_errors[] = {
     {"[precision]\nmode = bf16\n[parallel]\nbackend = cpu\n",
      NULL,
      {"R.ini:4: [parallel] backend = cpu: runs fp32 only, not [precision] mode = bf16 (line 2)"}},
+    {"[parallel]\nplacement = auto\nreplan_interval = 5\n[precision]\noptimizer_state = bf16\n",
+     NULL,
+     {"R.ini:5: [precision] optimizer_state = bf16: cannot run yet with [parallel] placement = "
+      "auto (line 2)"}},
 };
 
 static void test_rules(void **state)
@@ -626,6 +630,7 @@ static void test_round_trip(void **state)
         "data.synthetic_processes=64",
         "data.seed=0",
         "precision.mode=bf16",
+        "precision.optimizer_state=bf16",
         "checkpoint.dir=/scratch/ckpt dir",
         "checkpoint.interval=500",
         "checkpoint.interval_minutes=30",
