@@ -1009,7 +1009,7 @@ moe_status moe_config_validate(const moe_config *cfg)
     if (strcmp(cfg->placement, "auto") == 0 && strcmp(cfg->optimizer_state, "bf16") == 0) {
         /* re-planning moves Adam state slices as real values */
         rule_failed(cfg, "parallel.placement", "precision.optimizer_state",
-                    "= auto (moving experts) cannot run yet with", "= bf16 cannot run yet with");
+                    "moves experts, which cannot run yet with", "cannot run yet with");
         bad++;
     }
     if (strcmp(cfg->placement, "auto") == 0 && cfg->replan_interval == 0) {
