@@ -141,7 +141,8 @@ moe_status moe_comm_watch(void *comm);
 moe_status moe_comm_sum_doubles(moe_comm *c, moe_group g, double *vals, int n);
 moe_status moe_comm_sum_int64(moe_comm *c, moe_group g, int64_t *vals, int n);
 /* Time spent communicating, per kind, since the last call (which zeroes it): the token
- * exchange (its counts included) and the gradient reduction. total: the operations'
+ * exchange (its counts included) and the reductions (every allreduce: the gradients', and
+ * the gradient norm's over the EP group). total: the operations'
  * own time on their streams (GPU); exposed: how long the compute stream, out of work,
  * waited for them (GPU). With MPI both are the host's time inside the wait (MPI may move
  * the data only there, so no overlap is claimed). On a GPU the times are read here, after

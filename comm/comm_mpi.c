@@ -30,12 +30,14 @@ struct moe_comm {
     MPI_Comm groups[3]; /* world, ep, edp */
     int rank[3], size[3];
     int ep_size;
-    MPI_Request *req;  /* POOL_HANDLES * reqs_per_handle */
-    int *req_peer;     /* same shape: EP peer of a p2p request (recv: >= 0), or -1 - peer
-                          for a send, or PEER_COLLECTIVE - ... see peer_of() */
-    int *n_req;        /* requests in use per handle; -1 when the handle is free */
-    const char **what; /* per handle: the operation, for timeout messages */
-    moe_group *group;  /* per handle: the group of a collective */
+    MPI_Request *req;         /* POOL_HANDLES * reqs_per_handle */
+    int *req_peer;            /* same shape: EP peer of a p2p request (recv: >= 0), or -1 - peer
+                                 for a send, or PEER_COLLECTIVE - ... see peer_of() */
+    int *n_req;               /* requests in use per handle; -1 when the handle is free */
+    const char **what;        /* per handle: the operation, for timeout messages */
+    moe_group *group;         /* per handle: the group of a collective */
+    unsigned char *reduction; /* per handle: 1 for an allreduce, timed as reduction (also the
+                                 norm's over the EP group), 0 for a token exchange */
     int reqs_per_handle;
     int next; /* where the search for a free handle starts */
     double timeout_s;
@@ -238,11 +240,12 @@ moe_status moe_comm_create(moe_comm **out, int ep)
     c->n_req = malloc(sizeof(int) * POOL_HANDLES);
     c->what = calloc(POOL_HANDLES, sizeof *c->what);
     c->group = calloc(POOL_HANDLES, sizeof *c->group);
+    c->reduction = calloc(POOL_HANDLES, 1);
     c->scratch = malloc(sizeof(MPI_Request) * 2 * (size_t)ep);
     c->scratch_peer = malloc(sizeof(int) * 2 * (size_t)ep);
     c->is_device = calloc(POOL_HANDLES, 1);
-    if (!c->req || !c->req_peer || !c->n_req || !c->what || !c->group || !c->scratch ||
-        !c->scratch_peer || !c->is_device) {
+    if (!c->req || !c->req_peer || !c->n_req || !c->what || !c->group || !c->reduction ||
+        !c->scratch || !c->scratch_peer || !c->is_device) {
         st = MOE_ERR_NOMEM;
         moe_log_at(__FILE__, __LINE__, "cannot allocate the request pool");
         goto fail;
@@ -271,6 +274,7 @@ void moe_comm_destroy(moe_comm *c)
     free(c->n_req);
     free(c->what);
     free(c->group);
+    free(c->reduction);
     free(c->scratch);
     free(c->scratch_peer);
     free(c->is_device);
@@ -316,7 +320,7 @@ static moe_status read_device_times(moe_comm *c)
         double total = 0, exposed = 0;
         c->is_device[h] = DEVICE_NONE;
         MOE_CHECK(moe_nccl_times(c->nccl, h, &total, &exposed));
-        if (c->group[h] != MOE_GROUP_EP) {
+        if (c->reduction[h]) {
             c->times.reduction_s += total;
             c->times.reduction_exposed_s += exposed;
         } else {
@@ -330,7 +334,8 @@ static moe_status read_device_times(moe_comm *c)
     return MOE_OK;
 }
 
-static moe_status take_handle(moe_comm *c, const char *what, moe_group g, moe_comm_handle *h)
+static moe_status take_handle(moe_comm *c, const char *what, moe_group g, int reduction,
+                              moe_comm_handle *h)
 {
     for (int i = 0; i < 2 * POOL_HANDLES; i++) {
         if (i == POOL_HANDLES) /* full: free the slots whose times are due */
@@ -340,6 +345,7 @@ static moe_status take_handle(moe_comm *c, const char *what, moe_group g, moe_co
             c->n_req[j] = 0;
             c->what[j] = what;
             c->group[j] = g;
+            c->reduction[j] = (unsigned char)reduction;
             c->next = (j + 1) % POOL_HANDLES;
             *h = j;
             return MOE_OK;
@@ -370,7 +376,7 @@ moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h)
     int n = c->n_req[h];
     c->n_req[h] = -1;
     /* a reduction (world or EDP) or a token exchange (EP) */
-    const int reduction = c->group[h] != MOE_GROUP_EP;
+    const int reduction = c->reduction[h];
     double total = 0, exposed = 0;
 #ifdef MOE_HAVE_CUDA
     if (c->is_device[h] == DEVICE_IN_FLIGHT) {
@@ -407,7 +413,7 @@ moe_status moe_comm_allreduce_start(moe_comm *c, moe_group g, void *buf, size_t 
         MOE_FAIL(MOE_ERR_INVALID, "allreduce of %zu elements exceeds MPI's int count", count);
     MOE_CHECK(take_handle(
         c, g == MOE_GROUP_WORLD ? "gradient allreduce over the world" : "expert gradient allreduce",
-        g, done));
+        g, 1, done));
 #ifdef MOE_HAVE_CUDA
     if (c->nccl) {
         moe_status st = moe_nccl_allreduce(c->nccl, g, buf, count, elem_bytes, *done);
@@ -440,7 +446,7 @@ moe_status moe_comm_exchange_start(moe_comm *c, const void *send, const size_t *
 #ifdef MOE_HAVE_CUDA
     if (c->nccl) {
         MOE_CHECK(moe_comm_wait(c, after));
-        MOE_CHECK(take_handle(c, "token exchange", MOE_GROUP_EP, done));
+        MOE_CHECK(take_handle(c, "token exchange", MOE_GROUP_EP, 0, done));
         moe_status st = moe_nccl_exchange(c->nccl, c->ep_size, send, send_counts, send_displs, recv,
                                           recv_counts, recv_displs, c->exchange_repeat, *done);
         c->is_device[*done] = st == MOE_OK ? DEVICE_IN_FLIGHT : DEVICE_NONE;
@@ -477,7 +483,7 @@ moe_status moe_comm_exchange_host_start(moe_comm *c, const void *send, const siz
     for (int p = 0; p < c->ep_size; p++)
         if (recv_counts[p] > (size_t)INT32_MAX || send_counts[p] > (size_t)INT32_MAX)
             MOE_FAIL(MOE_ERR_INVALID, "token exchange of more than 2 GiB with one peer");
-    MOE_CHECK(take_handle(c, "token exchange", MOE_GROUP_EP, done));
+    MOE_CHECK(take_handle(c, "token exchange", MOE_GROUP_EP, 0, done));
     MPI_Comm comm = c->groups[MOE_GROUP_EP];
     size_t at = (size_t)*done * c->reqs_per_handle;
     MPI_Request *r = c->req + at;
