@@ -279,6 +279,7 @@ moe_status moe_nccl_wait(moe_nccl *n, int event, double timeout_s, const char *w
         n->n_watched++;
     n->watched[event] = 1;
     n->deadline[event] = moe_clock_seconds() + timeout_s;
+    n->timeout_s = timeout_s; /* the message's figure (every wait passes the same) */
     snprintf(n->what[event], sizeof n->what[event], "%s", what);
     return moe_nccl_watch(n);
 }
@@ -320,8 +321,16 @@ moe_status moe_nccl_watch(moe_nccl *n)
         ncclResult_t async = ncclSuccess;
         if (n->comm[g] && ncclCommGetAsyncError(n->comm[g], &async) == ncclSuccess &&
             async != ncclSuccess && async != ncclInProgress) {
+            const char *what = "a communication"; /* one of the operations waited for */
+            for (int e = 0; e < n->n_events; e++)
+                if (n->watched[e]) {
+                    what = n->what[e];
+                    break;
+                }
+            char msg[256];
+            snprintf(msg, sizeof msg, "%s", what); /* abort_all forgets the watched events */
             abort_all(n);
-            MOE_FAIL(MOE_ERR_COMM, "NCCL reported %s", ncclGetErrorString(async));
+            MOE_FAIL(MOE_ERR_COMM, "%s: NCCL reported %s", msg, ncclGetErrorString(async));
         }
     }
     return MOE_OK;
