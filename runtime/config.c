@@ -1006,12 +1006,6 @@ moe_status moe_config_validate(const moe_config *cfg)
                     "must name the shard files when");
         bad++;
     }
-    if (strcmp(cfg->placement, "auto") == 0 && strcmp(cfg->optimizer_state, "bf16") == 0) {
-        /* re-planning moves Adam state slices as real values */
-        rule_failed(cfg, "parallel.placement", "precision.optimizer_state",
-                    "moves experts, which cannot run yet with", "cannot run yet with");
-        bad++;
-    }
     if (strcmp(cfg->placement, "auto") == 0 && cfg->replan_interval == 0) {
         rule_failed(cfg, "parallel.placement", "parallel.replan_interval",
                     "= auto re-plans every replan_interval steps, so it needs", "must be > 0 with");

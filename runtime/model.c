@@ -1267,11 +1267,18 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
 
 /* ---- moving experts between ranks (re-planning) ----------------------------------------- */
 
-/* The slices of expert `local` of every expert tensor of layer l, in tensor order, in an
- * arena: (tensor i, its offset of slice `local`, count). Calls fn for each. */
-typedef void (*slice_fn)(void *ctx, real *slice, size_t count);
+/* An arena laid out like the parameters, of elem-byte elements (the parameters, Adam's
+ * moments in fp32 or bf16). */
+typedef struct {
+    char *base;
+    size_t elem;
+} arena_ref;
 
-static void for_each_slice(const moe_model *m, real *arena, int l, int local, slice_fn fn,
+/* The slices of expert `local` of every expert tensor of layer l, in tensor order, in an
+ * arena: (tensor i, its offset of slice `local`, bytes). Calls fn for each. */
+typedef void (*slice_fn)(void *ctx, char *slice, size_t nbytes);
+
+static void for_each_slice(const moe_model *m, arena_ref a, int l, int local, slice_fn fn,
                            void *ctx)
 {
     for (int i = 0; i < m->n_tensors; i++) {
@@ -1279,24 +1286,24 @@ static void for_each_slice(const moe_model *m, real *arena, int l, int local, sl
         if (!t->is_expert || t->layer != l)
             continue;
         size_t per = t->count / (size_t)m->El;
-        fn(ctx, arena + t->offset + (size_t)local * per, per);
+        fn(ctx, a.base + (t->offset + (size_t)local * per) * a.elem, per * a.elem);
     }
 }
 
 typedef struct {
     const moe_backend *be;
-    real *cursor;
+    char *cursor;
     int to_arena; /* 1: buffer -> arena, 0: arena -> buffer */
 } slice_copy;
 
-static void copy_slice(void *ctx, real *slice, size_t count)
+static void copy_slice(void *ctx, char *slice, size_t nbytes)
 {
     slice_copy *c = ctx;
     if (c->to_arena)
-        c->be->copy(slice, c->cursor, sizeof(real) * count, MOE_COPY_H2D);
+        c->be->copy(slice, c->cursor, nbytes, MOE_COPY_H2D);
     else
-        c->be->copy(c->cursor, slice, sizeof(real) * count, MOE_COPY_D2H);
-    c->cursor += count;
+        c->be->copy(c->cursor, slice, nbytes, MOE_COPY_D2H);
+    c->cursor += nbytes;
 }
 
 /* Waits for the backend, watching the communication it may wait for (a failure
@@ -1370,19 +1377,26 @@ moe_status moe_model_routing_collect(moe_model *m)
     return st;
 }
 
-moe_status moe_model_move_experts(moe_model *m, const int *expert_rank, real **extra, int n_extra)
+moe_status moe_model_move_experts(moe_model *m, const int *expert_rank, void **extra,
+                                  const size_t *extra_elem, int n_extra)
 {
     const int E = m->E, P = m->ep, me = m->ep_rank;
-    const int n_arenas = 1 + n_extra;
+    const int n_arenas = 1 + (n_extra < 7 ? n_extra : 7);
+    arena_ref arenas[8] = {{(char *)m->params, sizeof(real)}};
+    size_t elems = sizeof(real); /* bytes of one element over the arenas */
+    for (int a = 1; a < n_arenas; a++) {
+        arenas[a] = (arena_ref){(char *)extra[a - 1], extra_elem[a - 1]};
+        elems += extra_elem[a - 1];
+    }
     size_t per_expert = 0; /* elements of one expert over its tensors of one layer */
     for (int i = 0; i < m->n_tensors; i++)
         if (m->tensors[i].is_expert && m->tensors[i].layer == m->L - 1)
             per_expert += m->tensors[i].count / (size_t)m->El;
-    const size_t unit = per_expert * (size_t)n_arenas; /* elements moved per expert */
+    const size_t unit = per_expert * elems; /* bytes moved per expert */
     moe_status st = MOE_OK;
-    real *sendb = malloc(sizeof(real) * unit * (size_t)m->El);
-    real *recvb = malloc(sizeof(real) * unit * (size_t)m->El);
-    real *keep = malloc(sizeof(real) * unit * (size_t)m->El);
+    char *sendb = malloc(unit * (size_t)m->El);
+    char *recvb = malloc(unit * (size_t)m->El);
+    char *keep = malloc(unit * (size_t)m->El);
     size_t *sizes = calloc(4 * (size_t)P, sizeof(size_t));
     int *new_local = malloc(sizeof(int) * E);
     if (!sendb || !recvb || !keep || !sizes || !new_local) {
@@ -1390,10 +1404,6 @@ moe_status moe_model_move_experts(moe_model *m, const int *expert_rank, real **e
         moe_log_at(__FILE__, __LINE__, "cannot allocate the expert move buffers");
         goto fail;
     }
-    real *arenas[8] = {m->params};
-    for (int a = 0; a < n_extra && a < 7; a++)
-        arenas[1 + a] = extra[a];
-
     for (int l = m->cfg.dense_layers; l < m->L; l++) {
         const int *old_rank = m->expert_rank + (size_t)l * E;
         const int *old_local = m->expert_local + (size_t)l * E;
@@ -1406,12 +1416,12 @@ moe_status moe_model_move_experts(moe_model *m, const int *expert_rank, real **e
         size_t *sc = sizes, *sd = sc + P, *rc = sd + P, *rd = rc + P;
         slice_copy out = {m->be, sendb, 0}, stay = {m->be, keep, 0};
         for (int p = 0; p < P; p++) {
-            sd[p] = (size_t)(out.cursor - sendb) * sizeof(real);
+            sd[p] = (size_t)(out.cursor - sendb);
             for (int e = 0; e < E; e++)
                 if (old_rank[e] == me && new_rank[e] == p && p != me)
                     for (int a = 0; a < n_arenas; a++)
                         for_each_slice(m, arenas[a], l, old_local[e], copy_slice, &out);
-            sc[p] = (size_t)(out.cursor - sendb) * sizeof(real) - sd[p];
+            sc[p] = (size_t)(out.cursor - sendb) - sd[p];
         }
         for (int e = 0; e < E; e++)
             if (old_rank[e] == me && new_rank[e] == me)
@@ -1422,7 +1432,7 @@ moe_status moe_model_move_experts(moe_model *m, const int *expert_rank, real **e
             int n = 0;
             for (int e = 0; e < E; e++)
                 n += old_rank[e] == p && new_rank[e] == me && p != me;
-            rc[p] = (size_t)n * unit * sizeof(real);
+            rc[p] = (size_t)n * unit;
             rd[p] = ro;
             ro += rc[p];
         }

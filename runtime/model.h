@@ -243,9 +243,11 @@ void moe_model_destroy(moe_model *m);
 moe_status moe_model_set_placement(moe_model *m, const int *expert_rank);
 
 /* Collective over the EP group: moves every expert's slice of the parameters and of the
- * n_extra arenas laid out like them (Adam m and v) to its rank under expert_rank (L, E),
- * then sets the placement. Gradients are not moved (they are zero between steps). */
-moe_status moe_model_move_experts(moe_model *m, const int *expert_rank, real **extra, int n_extra);
+ * n_extra (at most 7) arenas laid out like them, of extra_elem[i] bytes per element (Adam
+ * m and v, fp32 or bf16) to its rank under expert_rank (L, E), then sets the placement.
+ * Gradients are not moved (they are zero between steps). */
+moe_status moe_model_move_experts(moe_model *m, const int *expert_rank, void **extra,
+                                  const size_t *extra_elem, int n_extra);
 
 /* Collects routing statistics into s from now on (NULL: stop). Forward counts on the
  * backend (device-side counters on a GPU: no copy, no synchronisation per step);

@@ -614,8 +614,10 @@ moe_status moe_trainer_replan(moe_trainer *tr, FILE *out)
     for (int l = 0; l < n_moe; l++)
         memcpy(table + (size_t)(tr->cfg.dense_layers + l) * m->E,
                plan->expert_rank + (size_t)l * m->E, sizeof(int) * m->E);
-    real *extra[2] = {tr->opt->m, tr->opt->v}; /* fp32: config refuses bf16 with re-planning */
-    st = moe_model_move_experts(m, table, extra, 2);
+    void *extra[2] = {tr->opt->m, tr->opt->v};
+    const size_t moment = tr->opt->moments16 ? sizeof(uint16_t) : sizeof(real);
+    const size_t extra_elem[2] = {moment, moment};
+    st = moe_model_move_experts(m, table, extra, extra_elem, 2);
     if (st == MOE_OK)
         st = m->be->refresh_shadow();
     if (st == MOE_OK && tr->rank == 0)

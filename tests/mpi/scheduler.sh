@@ -1,6 +1,7 @@
 # The expert scheduler at run time, 4 ranks, 16 experts: placement = auto collects routing
 # statistics and re-plans at step 10, moving expert weights and Adam state between ranks.
-# Placement changes no math: the losses match a contiguous run (fp32, summation order only).
+# Placement changes no math: the losses match a contiguous run (fp32, summation order only),
+# also with AdamW's moments in bf16 (moved as they are).
 # A plan file from plan-experts gives the same losses too, and fewer predicted rows.
 source "$(dirname "$0")/../lib.sh"
 TOL=2e-5
@@ -44,6 +45,26 @@ for name, run in (("auto", auto), ("file", plan)):
 b = sum(r["a2a_bytes"] for r in base); p = sum(r["a2a_bytes"] for r in plan)
 print(f"token bytes over 20 steps: contiguous {b}, planned {p} ({100*(1-p/b):.1f}% fewer)")
 assert p < b
+PY
+# with AdamW's moments in bf16 the re-plan moves them (2 bytes each) as exactly as fp32 ones
+bf16=(--set precision.optimizer_state=bf16)
+mpi 4 "$MOE" train "$SRC/configs/tiny.ini" "${common[@]}" "${bf16[@]}" \
+  --set log.jsonl="$WORK/base16.jsonl" >"$WORK/base16.log" 2>&1 || fail "bf16 moments: exit $?"
+mpi 4 "$MOE" train "$SRC/configs/tiny.ini" "${common[@]}" "${bf16[@]}" \
+  --set log.jsonl="$WORK/auto16.jsonl" --set parallel.placement=auto \
+  --set parallel.replan_interval=10 >"$WORK/auto16.log" 2>&1 || fail "bf16 moments, auto: exit $?"
+grep -q "re-plan at step 10" "$WORK/auto16.log" && pass "re-planned with bf16 moments" ||
+  fail "no re-plan with bf16 moments"
+$PY - "$WORK" "$TOL" <<'PY' && pass "bf16 moments: placement changes no math" || fail "losses differ"
+import json, sys
+d, tol = sys.argv[1], float(sys.argv[2])
+load = lambda n: [json.loads(l) for l in open(f"{d}/{n}.jsonl")]
+base, auto, fp32 = load("base16"), load("auto16"), load("base")
+assert len(base) == len(auto) == 20
+worst = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(base, auto))
+print(f"bf16 moments, auto against contiguous: worst relative loss difference {worst:.2e}")
+assert worst <= tol
+assert [r["loss"] for r in base] != [r["loss"] for r in fp32], "the bf16 moments were used"
 PY
 # a plan for another shape is refused, naming the file
 expect_exit 1 "plan for another ep" -- "$MOE" train "$SRC/configs/tiny.ini" --set model.experts=16 \

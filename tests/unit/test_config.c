@@ -471,10 +471,6 @@ static const rule_case rule_errors[] = {
     {"[precision]\nmode = bf16\n[parallel]\nbackend = cpu\n",
      NULL,
      {"R.ini:4: [parallel] backend = cpu: runs fp32 only, not [precision] mode = bf16 (line 2)"}},
-    {"[parallel]\nplacement = auto\nreplan_interval = 5\n[precision]\noptimizer_state = bf16\n",
-     NULL,
-     {"R.ini:5: [precision] optimizer_state = bf16: cannot run yet with [parallel] placement = "
-      "auto (line 2)"}},
 };
 
 static void test_rules(void **state)
