@@ -88,7 +88,7 @@ void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *
 
 void moe_optimizer_unstep(moe_optimizer *opt) { opt->t--; }
 
-/* Copies n elements of elem bytes between backend memory and the host. */
+/* Copies nbytes between backend memory and the host. */
 static void moments_copy(const moe_backend *be, void *dst, const void *src, size_t nbytes,
                          moe_copy_kind kind)
 {
