@@ -88,27 +88,17 @@ void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *
 
 void moe_optimizer_unstep(moe_optimizer *opt) { opt->t--; }
 
-/* Copies nbytes between backend memory and the host. */
-static void moments_copy(const moe_backend *be, void *dst, const void *src, size_t nbytes,
-                         moe_copy_kind kind)
-{
-    if (be->on_device)
-        be->copy(dst, src, nbytes, kind);
-    else
-        memcpy(dst, src, nbytes);
-}
-
 moe_status moe_optimizer_read(const moe_optimizer *opt, int k, size_t lo, size_t n, real *dst)
 {
     const void *arena = k == 0 ? opt->m : opt->v;
     if (!opt->moments16) {
-        moments_copy(opt->be, dst, (const real *)arena + lo, sizeof(real) * n, MOE_COPY_D2H);
+        opt->be->copy(dst, (const real *)arena + lo, sizeof(real) * n, MOE_COPY_D2H);
         return opt->be->sync();
     }
     uint16_t *tmp = malloc(sizeof(uint16_t) * (n ? n : 1));
     if (!tmp)
         MOE_FAIL(MOE_ERR_NOMEM, "cannot stage %zu optimizer moments", n);
-    moments_copy(opt->be, tmp, (const uint16_t *)arena + lo, sizeof(uint16_t) * n, MOE_COPY_D2H);
+    opt->be->copy(tmp, (const uint16_t *)arena + lo, sizeof(uint16_t) * n, MOE_COPY_D2H);
     for (size_t i = 0; i < n; i++)
         dst[i] = (real)moe_bf16_widen(tmp[i]);
     free(tmp);
@@ -119,7 +109,7 @@ moe_status moe_optimizer_write(moe_optimizer *opt, int k, size_t lo, size_t n, c
 {
     void *arena = k == 0 ? opt->m : opt->v;
     if (!opt->moments16) {
-        moments_copy(opt->be, (real *)arena + lo, src, sizeof(real) * n, MOE_COPY_H2D);
+        opt->be->copy((real *)arena + lo, src, sizeof(real) * n, MOE_COPY_H2D);
         return opt->be->sync();
     }
     uint16_t *tmp = malloc(sizeof(uint16_t) * (n ? n : 1));
@@ -127,7 +117,7 @@ moe_status moe_optimizer_write(moe_optimizer *opt, int k, size_t lo, size_t n, c
         MOE_FAIL(MOE_ERR_NOMEM, "cannot stage %zu optimizer moments", n);
     for (size_t i = 0; i < n; i++)
         tmp[i] = moe_bf16_round((float)src[i]);
-    moments_copy(opt->be, (uint16_t *)arena + lo, tmp, sizeof(uint16_t) * n, MOE_COPY_H2D);
+    opt->be->copy((uint16_t *)arena + lo, tmp, sizeof(uint16_t) * n, MOE_COPY_H2D);
     moe_status st = opt->be->sync(); /* tmp is pageable: the copy has read it */
     free(tmp);
     return st;

@@ -296,7 +296,7 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
 /* The step's one wait: brings back the cross-entropy sum (zeroed behind the copy for the
  * next step) and the sums of squares, then fills the losses summed over ranks (tr->sums,
  * ce from the backend) and the communication times. */
-static moe_status finish_step(moe_trainer *tr, moe_step_result *res)
+moe_status moe_trainer_losses(moe_trainer *tr, moe_step_result *res)
 {
     const moe_backend *be = tr->model->be;
     be->fetch(tr->step_host, tr->model->ce_acc, sizeof(double));
@@ -328,11 +328,6 @@ static moe_status finish_step(moe_trainer *tr, moe_step_result *res)
     return MOE_OK;
 }
 
-moe_status moe_trainer_losses(moe_trainer *tr, moe_step_result *res)
-{
-    return finish_step(tr, res);
-}
-
 /* AdamW is queued before the host knows the gradient norm: the kernel clips with the
  * sums of squares on the backend, or skips the step when they are not finite (the same
  * decision on every rank: the sums are global). Then the step's one wait for the
@@ -349,7 +344,7 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
     moe_optimizer_step(tr->opt, m, &tr->cfg, res->lr, tr->norm_sq, tr->loss_scale);
     MOE_CHECK(be->refresh_shadow());
     moe_model_phase_end(m, tp, MOE_PHASE_OPTIMIZER);
-    MOE_CHECK(finish_step(tr, res));
+    MOE_CHECK(moe_trainer_losses(tr, res));
     const double *sq = tr->step_host + 1;
     double norm = sqrt(sq[0] + sq[1]);
     if (tr->scaling && moe_adamw_factor(sq, tr->cfg.grad_clip, tr->loss_scale) < 0) {
