@@ -165,20 +165,41 @@ static void free_all(void)
     n_blocks = 0;
 }
 
-/* n values of the host pattern (normal, or uniform in [0.1, 1.1) when positive) times
- * scale, tiled: one upload, then device copies that double the filled part. */
-static real *dfill(size_t n, double scale, int positive)
+/* n elements of elem bytes each, tiled from the host pattern pat (PATTERN elements): one
+ * upload, then device copies that double the filled part. */
+static void *dtile(const void *pat, size_t elem, size_t n)
 {
-    real *d = dreal(n);
+    char *d = dmem(elem * n);
     size_t done = n < PATTERN ? n : PATTERN;
-    gpu->copy(d, positive ? pat_pos : pat_normal, sizeof(real) * done, MOE_COPY_H2D);
+    gpu->copy(d, pat, elem * done, MOE_COPY_H2D);
     while (done < n) {
         size_t chunk = done < n - done ? done : n - done;
-        gpu->copy(d + done, d, sizeof(real) * chunk, MOE_COPY_D2D);
+        gpu->copy(d + elem * done, d, elem * chunk, MOE_COPY_D2D);
         done += chunk;
     }
+    return d;
+}
+
+/* n values of the host pattern (normal, or uniform in [0.1, 1.1) when positive) times
+ * scale, tiled. */
+static real *dfill(size_t n, double scale, int positive)
+{
+    real *d = dtile(positive ? pat_pos : pat_normal, sizeof(real), n);
     if (scale != 1.0)
         gpu->scale_inplace(d, (real)scale, n);
+    return d;
+}
+
+/* The same values in bf16 (the optimizer's 16-bit moments). */
+static void *dfill16(size_t n, double scale, int positive)
+{
+    uint16_t *h = malloc(sizeof(uint16_t) * PATTERN);
+    if (!h)
+        die("out of host memory");
+    for (size_t i = 0; i < PATTERN; i++)
+        h[i] = moe_bf16_round((float)((positive ? pat_pos : pat_normal)[i] * scale));
+    void *d = dtile(h, sizeof(uint16_t), n);
+    free(h);
     return d;
 }
 
@@ -949,9 +970,8 @@ static void bench_optimizer(int adamw)
     if (adamw) {
         bf.x = dfill(n, 0.02, 0); /* parameters */
         bf.moments16 = adamw == 2;
-        /* bf16 moments: the first half of each buffer, random bits (the time is the same) */
-        bf.m1 = dfill(n, 1e-3, 0);
-        bf.m2 = dfill(n, 1e-6, 1);
+        bf.m1 = bf.moments16 ? dfill16(n, 1e-3, 0) : dfill(n, 1e-3, 0);
+        bf.m2 = bf.moments16 ? dfill16(n, 1e-6, 1) : dfill(n, 1e-6, 1);
         bf.segs = dupload(offs, sizeof(int64_t) * (n_segs + 1));
         bf.wd = dupload(wd, sizeof(real) * n_segs);
         /* p, g, m, v read; p, m, v written: 4 bytes each, or 2 for bf16 moments */

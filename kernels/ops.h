@@ -259,6 +259,60 @@ MOE_HD static inline double moe_adamw_factor(const double *sq, double clip, doub
     return (double)(float)(c / loss_scale);
 }
 
+/* AdamW's constants for step t, computed once on the host (in double, then rounded to
+ * `real`): b1, 1 - b1, b2, 1 - b2, lr / (1 - b1^t), sqrt(1 - b2^t), lr and eps. */
+typedef struct {
+    real b1, omb1, b2, omb2, step, sqrt_bc2, lr, eps;
+} moe_adamw_consts;
+
+static inline moe_adamw_consts moe_adamw_setup(real lr, real beta1, real beta2, real eps, int t)
+{
+    const double b1 = beta1, b2 = beta2;
+    const moe_adamw_consts c = {beta1,
+                                (real)(1.0 - b1),
+                                beta2,
+                                (real)(1.0 - b2),
+                                (real)((double)lr / (1.0 - pow(b1, t))),
+                                (real)sqrt(1.0 - pow(b2, t)),
+                                lr,
+                                eps};
+    return c;
+}
+
+/* fma of `real` (fmaf for float): the host and the device round alike only where the
+ * step says which products fuse, since CUDA fuses a*b + c on its own and the host does
+ * not. */
+#ifdef MOE_REAL_DOUBLE
+#define MOE_FMA fma
+#define MOE_SQRT sqrt
+#else
+#define MOE_FMA fmaf
+#define MOE_SQRT sqrtf
+#endif
+
+/* 1 - lr*wd, the decoupled weight decay's factor of a tensor. */
+MOE_HD static inline real moe_adamw_decay(const moe_adamw_consts *c, real wd)
+{
+    return MOE_FMA(-c->lr, wd, (real)1);
+}
+
+/* One element of the step, in `real` (float) arithmetic as torch.optim.AdamW's: g is
+ * multiplied by scale (moe_adamw_factor), m and v are updated in place, and the new
+ * parameter is returned: p*decay - step * m / (sqrt(v)/sqrt_bc2 + eps). Every fused
+ * product is an explicit MOE_FMA and nothing else is a multiply feeding an add, so the
+ * host and the device give the same bits. */
+MOE_HD static inline real moe_adamw_elem(real p, real g, real *m, real *v, real decay, real scale,
+                                         const moe_adamw_consts *c)
+{
+    const real gi = g * scale;
+    const real mi = MOE_FMA(c->b1, *m, c->omb1 * gi);
+    const real vi = MOE_FMA(c->b2, *v, (c->omb2 * gi) * gi);
+    *m = mi;
+    *v = vi;
+    const real denom = MOE_SQRT(vi) / c->sqrt_bc2 + c->eps;
+    return MOE_FMA(-c->step, mi / denom, p * decay);
+}
+
 /* bf16 of a float, rounded to nearest even (a NaN stays a NaN), and back (exact): the
  * optimizer's moments in bf16, the same bits on the host and the device. */
 MOE_HD static inline uint16_t moe_bf16_round(float f)

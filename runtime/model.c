@@ -298,6 +298,10 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->aux_psum = TAKE(h, double, (size_t)m->L * m->E);
     m->ce_acc = TAKE(c, double, 1);
     m->logits = TAKE(c, real, (size_t)m->head_rows * m->V);
+    /* on a device the logits' gradient gets its own buffer, which the cross-entropy
+     * backward writes as the LM head GEMMs' 16-bit operand (marked); the cpu writes it
+     * over the logits */
+    m->dlogits = m->be->on_device ? TAKE(c, real, (size_t)m->head_rows * m->V) : m->logits;
     m->rope_cos = TAKE(c, real, (size_t)m->T * (m->Hd / 2));
     m->rope_sin = TAKE(c, real, (size_t)m->T * (m->Hd / 2));
     m->dq = TAKE(c, real, N * D);
@@ -325,8 +329,10 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->load = TAKE(h, int64_t, (size_t)m->L * m->E);
 }
 
-/* The buffers that only GEMMs read, written by SwiGLU: the FFNs' h (each chunk's and
- * layer's) and the backward's da, db scratch. Marked (backend.h mark_operand), a 16-bit
+/* The buffers that only GEMMs read: written by SwiGLU, the FFNs' h (each chunk's and
+ * layer's) and the backward's da, db scratch; by RMSNorm, the attention's input h1; by
+ * the permutation, the experts' input xperm; and by the cross-entropy backward, the
+ * logits' gradient when it is not the logits themselves. Marked (backend.h mark_operand), a 16-bit
  * backend writes them as the GEMM operand at once, so no rounding pass reads them again.
  * on = 0 removes the marks. */
 static moe_status mark_operands(moe_model *m, int on)
@@ -339,10 +345,14 @@ static moe_status mark_operands(moe_model *m, int on)
             MOE_CHECK(m->be->mark_operand(a->fh, on ? N * (size_t)m->Fd : 0));
             MOE_CHECK(m->be->mark_operand(a->sh, on ? N * (size_t)m->Fs : 0));
             MOE_CHECK(m->be->mark_operand(a->eh, on ? Mx * (size_t)m->F : 0));
+            MOE_CHECK(m->be->mark_operand(a->h1, on ? N * (size_t)m->D : 0));
+            MOE_CHECK(m->be->mark_operand(a->xperm, on ? Mx * (size_t)m->D : 0));
         }
     MOE_CHECK(m->be->mark_operand(m->dfa, on ? N * Fmax : 0));
     MOE_CHECK(m->be->mark_operand(m->dfb, on ? N * Fmax : 0));
     MOE_CHECK(m->be->mark_operand(m->dea, on ? Mx * (size_t)m->F : 0));
+    if (m->dlogits && m->dlogits != m->logits)
+        MOE_CHECK(m->be->mark_operand(m->dlogits, on ? (size_t)m->head_rows * m->V : 0));
     return m->be->mark_operand(m->deb, on ? Mx * (size_t)m->F : 0);
 }
 
@@ -982,15 +992,16 @@ void moe_model_fuse_head(moe_model *m, int64_t step_sequences)
 }
 
 /* The LM head's backward for rows [r0, r0 + rows) of the current chunk, whose logits are
- * in m->logits: the gradient of the loss of a step of step_sequences sequences
- * overwrites them in place, then dh and the head's gradient add theirs. */
+ * in m->logits: the gradient of the loss of a step of step_sequences sequences goes to
+ * m->dlogits (the logits themselves on the cpu), then dh and the head's gradient add
+ * theirs. */
 static void head_backward(moe_model *m, int r0, int rows, int64_t step_sequences)
 {
     const real dloss = (real)(m->loss_scale / ((double)step_sequences * m->T));
     const real *h = m->hf + (size_t)r0 * m->D;
-    m->be->cross_entropy_backward(m->logits, m->logits, m->ce_lse + r0, m->targets + r0, dloss,
+    m->be->cross_entropy_backward(m->dlogits, m->logits, m->ce_lse + r0, m->targets + r0, dloss,
                                   rows, m->V);
-    m->be->matmul_backward(m->dh + (size_t)r0 * m->D, m->g.lm_head, m->logits, h, m->p.lm_head,
+    m->be->matmul_backward(m->dh + (size_t)r0 * m->D, m->g.lm_head, m->dlogits, h, m->p.lm_head,
                            rows, m->D, m->V);
 }
 

@@ -191,8 +191,9 @@ typedef struct moe_model {
     moe_layer_acts *acts;            /* L */
     real *hf, *rstdf;                /* final norm (N, D), (N) */
     real *logits, *ce_lse, *ce_loss; /* (head_rows, V), (N), (N) */
-    int head_rows; /* tokens per LM-head chunk (the logits never exist for all N at once);
-                      backward writes the logits' gradient over them, in place */
+    real *dlogits; /* (head_rows, V): their gradient; on a device its own buffer, marked
+                      as a GEMM operand (16-bit there); on the cpu the logits, in place */
+    int head_rows; /* tokens per LM-head chunk (the logits never exist for all N at once) */
     real *rope_cos, *rope_sin; /* (T, Hd/2), computed once */
 
     /* backward scratch, reused across layers */

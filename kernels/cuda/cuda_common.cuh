@@ -214,6 +214,17 @@ template <int V> static __device__ __forceinline__ void moe_store_v(real *p, con
         *p = r.v[0];
 }
 
+/* The same V values rounded to 16 bits (moe_round16) at p (8-byte aligned when V = 4):
+ * the store of a writer whose output is marked as holding its GEMM operand. */
+template <int V>
+static __device__ __forceinline__ void moe_store16_v(uint16_t *p, const moe_fvec<V> &r, int bf16)
+{
+    if constexpr (V == 4)
+        *(uint2 *)p = moe_round16x4(make_float4(r.v[0], r.v[1], r.v[2], r.v[3]), bf16);
+    else
+        *p = moe_round16(r.v[0], bf16);
+}
+
 /* Sum over a block of MOE_CUDA_THREADS threads in a fixed order (so the bits do not depend
  * on scheduling); every thread gets the result. Contains __syncthreads(). */
 static __device__ __forceinline__ double moe_block_sum_d(double v)

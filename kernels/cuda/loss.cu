@@ -6,8 +6,9 @@
  * are then merged in a fixed order (warp butterfly, then the warps in order), so the bits
  * do not depend on scheduling. Backward: overwrites dlogits (which may be the logits:
  * each value is read, then written, by one thread); a 2D grid (x: the row, y: the
- * row's columns), so no thread divides to find its row. Both load float4 when V % 4 == 0
- * and the rows are 16-byte aligned, floats otherwise.
+ * row's columns), so no thread divides to find its row; a separate dlogits marked as a
+ * GEMM operand gets 16-bit values (no rounding pass before the LM head's GEMMs). Both
+ * load float4 when V % 4 == 0 and the rows are 16-byte aligned, floats otherwise.
  *
  * The exponentials are in double in fp32 mode (as the CPU reference), in float in the
  * 16-bit modes (within 1e-6; memory-bound where double is slow, the T4). */
@@ -144,11 +145,13 @@ static __device__ __forceinline__ real ce_grad(real x, F s, int hit, real dloss)
 
 /* dlogits = dloss * (exp(logit - lse) - onehot(target)) over one row (blockIdx.x), its
  * columns (float4 groups when V4) spread over the blocks of blockIdx.y. No __restrict__:
- * dlogits may be logits. */
-template <typename F, bool V4>
-static __device__ __forceinline__ void ce_backward_row(real *dlogits, const real *logits,
-                                                       const real *lse, const int32_t *targets,
-                                                       real dloss, int V)
+ * dlogits may be logits. O16: dlogits is a buffer marked as holding its GEMM operand
+ * (never the logits themselves), written in 16 bits (bf16 or fp16 by `bf16`) as the GEMM
+ * would round the fp32 value. */
+template <typename F, bool V4, bool O16>
+static __global__ void cross_entropy_backward_kernel(real *dlogits, const real *logits,
+                                                     const real *lse, const int32_t *targets,
+                                                     real dloss, int V, int bf16)
 {
     const int n = blockIdx.x;
     const size_t row = (size_t)n * V;
@@ -157,33 +160,26 @@ static __device__ __forceinline__ void ce_backward_row(real *dlogits, const real
     const int first = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
     if (V4) {
         const float4 *l4 = (const float4 *)(logits + row);
-        float4 *d4 = (float4 *)(dlogits + row);
         for (int c = first; c < V / 4; c += stride) {
             const float4 x = l4[c];
             const int v = 4 * c;
-            d4[c] = make_float4(
+            const float4 d = make_float4(
                 ce_grad<F>(x.x, s, v == t, dloss), ce_grad<F>(x.y, s, v + 1 == t, dloss),
                 ce_grad<F>(x.z, s, v + 2 == t, dloss), ce_grad<F>(x.w, s, v + 3 == t, dloss));
+            if (O16)
+                ((uint2 *)dlogits)[row / 4 + c] = moe_round16x4(d, bf16);
+            else
+                ((float4 *)(dlogits + row))[c] = d;
         }
     } else {
-        for (int v = first; v < V; v += stride)
-            dlogits[row + v] = ce_grad<F>(logits[row + v], s, v == t, dloss);
+        for (int v = first; v < V; v += stride) {
+            const real d = ce_grad<F>(logits[row + v], s, v == t, dloss);
+            if (O16)
+                ((uint16_t *)dlogits)[row + v] = moe_round16(d, bf16);
+            else
+                dlogits[row + v] = d;
+        }
     }
-}
-
-template <typename F>
-static __global__ void cross_entropy_backward_kernel(real *dlogits, const real *logits,
-                                                     const real *lse, const int32_t *targets,
-                                                     real dloss, int V)
-{
-    ce_backward_row<F, false>(dlogits, logits, lse, targets, dloss, V);
-}
-
-template <typename F>
-static __global__ void cross_entropy_backward_v4(real *dlogits, const real *logits, const real *lse,
-                                                 const int32_t *targets, real dloss, int V)
-{
-    ce_backward_row<F, true>(dlogits, logits, lse, targets, dloss, V);
 }
 
 extern "C" void cuda_cross_entropy_backward(real *dlogits, const real *logits, const real *lse,
@@ -191,23 +187,30 @@ extern "C" void cuda_cross_entropy_backward(real *dlogits, const real *logits, c
 {
     if (N <= 0 || V <= 0)
         return;
+    int bf16 = 0; /* in place (dlogits = logits) the 16-bit writes would overtake the reads */
+    const int o16 = dlogits != logits && cuda_operand_in_place(dlogits, (size_t)N * V, &bf16);
     const int v4 = V % 4 == 0 && moe_aligned16(logits) && moe_aligned16(dlogits);
     const int cols = v4 ? V / 4 : V; /* items per row */
     const unsigned per_row = (unsigned)((cols + MOE_CUDA_THREADS - 1) / MOE_CUDA_THREADS);
     const dim3 grid((unsigned)N, per_row < 65535 ? per_row : 65535); /* grid.y <= 65535 */
-    if (cuda_gemm_precision() == MOE_PREC_FP32) {
+#define CE_BACKWARD(F, V4, O16)                                                                    \
+    MOE_CUDA_LAUNCH((cross_entropy_backward_kernel<F, V4, O16>), grid, MOE_CUDA_THREADS, 0,        \
+                    dlogits, logits, lse, targets, dloss, V, bf16)
+    if (cuda_gemm_precision() == MOE_PREC_FP32) { /* never o16 */
         if (v4)
-            MOE_CUDA_LAUNCH(cross_entropy_backward_v4<double>, grid, MOE_CUDA_THREADS, 0, dlogits,
-                            logits, lse, targets, dloss, V);
+            CE_BACKWARD(double, true, false);
         else
-            MOE_CUDA_LAUNCH(cross_entropy_backward_kernel<double>, grid, MOE_CUDA_THREADS, 0,
-                            dlogits, logits, lse, targets, dloss, V);
+            CE_BACKWARD(double, false, false);
+    } else if (o16) {
+        if (v4)
+            CE_BACKWARD(float, true, true);
+        else
+            CE_BACKWARD(float, false, true);
     } else {
         if (v4)
-            MOE_CUDA_LAUNCH(cross_entropy_backward_v4<float>, grid, MOE_CUDA_THREADS, 0, dlogits,
-                            logits, lse, targets, dloss, V);
+            CE_BACKWARD(float, true, false);
         else
-            MOE_CUDA_LAUNCH(cross_entropy_backward_kernel<float>, grid, MOE_CUDA_THREADS, 0,
-                            dlogits, logits, lse, targets, dloss, V);
+            CE_BACKWARD(float, false, false);
     }
+#undef CE_BACKWARD
 }

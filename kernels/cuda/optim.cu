@@ -2,8 +2,9 @@
  * fixed grid and a fixed-order reduction, so the same input gives the same bits), added
  * into a double in device memory (sum_into: nothing waits) or copied back (sum_values,
  * sum_squares: waits for the stream), scaling, the finiteness check (also waits) and the
- * fused AdamW step (one pass, in double per element; it reads the sums of squares of the
- * gradients on the device for its clipping factor or skip; over the whole parameter
+ * fused AdamW step (one pass, moe_adamw_elem per element: the CPU's float arithmetic; it
+ * reads the sums of squares of the gradients on the device for its clipping factor or
+ * skip; over the whole parameter
  * arena in a 16-bit precision it also writes the GEMMs' 16-bit shadow, so the refresh
  * that follows has nothing left to do). */
 #include <cuda_bf16.h>
@@ -130,37 +131,11 @@ extern "C" int cuda_all_finite(const real *x, size_t n)
     return host ? !*host : 0;
 }
 
-/* The step's constants; scale multiplies every gradient first. */
-struct adamw_args {
-    double b1, b2, step, sqrt_bc2, lr, eps, scale;
-};
-
-static adamw_args adamw_setup(real lr, real beta1, real beta2, real eps, int t)
-{
-    const double b1 = beta1, b2 = beta2;
-    return {b1,          b2, (double)lr / (1.0 - pow(b1, t)), sqrt(1.0 - pow(b2, t)), (double)lr,
-            (double)eps, 1.0};
-}
-
-/* One element as the CPU reference, in double: the new p (returned), m and v, with
- * the weight decay wdi: p = p*(1 - lr*wdi) - step * m / (sqrt(v)/sqrt_bc2 + eps). */
-static __device__ __forceinline__ real adamw_elem(real pi, real gr, real &m, real &v, real wdi,
-                                                  const adamw_args &a)
-{
-    const double decay = 1.0 - a.lr * (double)wdi;
-    const double gi = a.scale == 1.0 ? (double)gr : __dmul_rn((double)gr, a.scale);
-    const double mi = __dadd_rn(__dmul_rn(a.b1, m), __dmul_rn(1.0 - a.b1, gi));
-    const double vi = __dadd_rn(__dmul_rn(a.b2, v), __dmul_rn(__dmul_rn(1.0 - a.b2, gi), gi));
-    m = (real)mi;
-    v = (real)vi;
-    const double denom = __dadd_rn(__ddiv_rn(sqrt(vi), a.sqrt_bc2), a.eps);
-    return (real)__dsub_rn(__dmul_rn((double)pi, decay), __ddiv_rn(__dmul_rn(a.step, mi), denom));
-}
-
 static __global__ void adamw_kernel(real *p, const real *g, real *m, real *v, size_t n, real wd,
-                                    adamw_args a)
+                                    moe_adamw_consts c)
 {
-    MOE_CUDA_GRID_STRIDE(i, n) { p[i] = adamw_elem(p[i], g[i], m[i], v[i], wd, a); }
+    const real decay = moe_adamw_decay(&c, wd);
+    MOE_CUDA_GRID_STRIDE(i, n) { p[i] = moe_adamw_elem(p[i], g[i], &m[i], &v[i], decay, 1, &c); }
 }
 
 extern "C" void cuda_adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr,
@@ -169,7 +144,7 @@ extern "C" void cuda_adamw_update(real *p, const real *g, real *m, real *v, size
     if (n == 0)
         return;
     MOE_CUDA_LAUNCH(adamw_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0, p, g,
-                    m, v, n, wd, adamw_setup(lr, beta1, beta2, eps, t));
+                    m, v, n, wd, moe_adamw_setup(lr, beta1, beta2, eps, t));
 }
 
 /* Multi-tensor AdamW: one pass over the arena. The segment offsets and weight decays are
@@ -218,17 +193,18 @@ static __device__ __forceinline__ uint2 bf16x4_round(float4 v)
 template <int V4, int M16>
 static __global__ void
 adamw_multi_kernel(real *p, const real *g, void *m, void *v, const int64_t *offsets, const real *wd,
-                   int n_segs, size_t n, adamw_args a, const double *norm_sq, double clip,
+                   int n_segs, size_t n, moe_adamw_consts ac, const double *norm_sq, double clip,
                    double loss_scale, uint16_t *shadow, int bf16)
 {
-    a.scale = moe_adamw_factor(norm_sq, clip, loss_scale);
-    if (a.scale < 0) /* a gradient is not finite: the step is skipped */
+    const double factor = moe_adamw_factor(norm_sq, clip, loss_scale);
+    if (factor < 0) /* a gradient is not finite: the step is skipped */
         return;
-    extern __shared__ int64_t seg_lo[]; /* n_segs offsets, then n_segs decays (as real) */
-    real *seg_wd = (real *)(seg_lo + n_segs);
+    const real scale = (real)factor;
+    extern __shared__ int64_t seg_lo[]; /* n_segs offsets, then n_segs decay factors */
+    real *seg_decay = (real *)(seg_lo + n_segs);
     for (int s = threadIdx.x; s < n_segs; s += blockDim.x) {
         seg_lo[s] = offsets[s];
-        seg_wd[s] = wd[s];
+        seg_decay[s] = moe_adamw_decay(&ac, wd[s]);
     }
     __syncthreads();
     int seg = -1;
@@ -242,7 +218,7 @@ adamw_multi_kernel(real *p, const real *g, void *m, void *v, const int64_t *offs
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 seg = adamw_seg(seg, 4 * c + e, seg_lo, n_segs);
-                pe[e] = adamw_elem(pe[e], ge[e], me[e], ve[e], seg_wd[seg], a);
+                pe[e] = moe_adamw_elem(pe[e], ge[e], &me[e], &ve[e], seg_decay[seg], scale, &ac);
             }
             ((float4 *)p)[c] = pv;
             if (M16) {
@@ -267,7 +243,7 @@ adamw_multi_kernel(real *p, const real *g, void *m, void *v, const int64_t *offs
     for (size_t i = first; i < n; i += stride) {
         seg = adamw_seg(seg, i, seg_lo, n_segs);
         real mi = M16 ? moe_bf16_widen(m16[i]) : mr[i], vi = M16 ? moe_bf16_widen(v16[i]) : vr[i];
-        const real pi = adamw_elem(p[i], g[i], mi, vi, seg_wd[seg], a);
+        const real pi = moe_adamw_elem(p[i], g[i], &mi, &vi, seg_decay[seg], scale, &ac);
         p[i] = pi;
         if (M16) {
             m16[i] = moe_bf16_round(mi);
@@ -299,7 +275,7 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
                       smem);
         return;
     }
-    const adamw_args a = adamw_setup(lr, beta1, beta2, eps, t);
+    const moe_adamw_consts c = moe_adamw_setup(lr, beta1, beta2, eps, t);
     const uintptr_t moments = (uintptr_t)m | (uintptr_t)v;
     const int v4 = ((uintptr_t)p | (uintptr_t)g) % 16 == 0 && moments % (moments16 ? 8 : 16) == 0 &&
                    (uintptr_t)shadow % 8 == 0;
@@ -307,7 +283,7 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
         v4 ? moe_cuda_blocks(n / 4 + 1, MOE_CUDA_THREADS) : moe_cuda_blocks(n, MOE_CUDA_THREADS);
 #define ADAMW_LAUNCH(V4, M16)                                                                      \
     MOE_CUDA_LAUNCH((adamw_multi_kernel<V4, M16>), blocks, MOE_CUDA_THREADS, smem, p, g, m, v,     \
-                    offsets, wd, n_segs, n, a, norm_sq, clip, loss_scale, shadow, bf16)
+                    offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow, bf16)
     if (v4 && moments16)
         ADAMW_LAUNCH(1, 1);
     else if (v4)

@@ -49,9 +49,10 @@ static __device__ __forceinline__ double row_sum(double v)
     return s;
 }
 
-template <int V>
+/* O16: out is marked as holding its GEMM operand: the 16-bit values go there instead. */
+template <int V, bool O16>
 static __global__ void rmsnorm_forward_kernel(real *out, real *rstd, const real *x,
-                                              const real *weight, int N, int D, real eps)
+                                              const real *weight, int N, int D, real eps, int bf16)
 {
     const int row = blockIdx.x * blockDim.y + threadIdx.y;
     const int live = row < N; /* the others still reach row_sum's barrier */
@@ -78,7 +79,10 @@ static __global__ void rmsnorm_forward_kernel(real *out, real *rstd, const real 
 #pragma unroll
         for (int k = 0; k < V; k++)
             ov.v[k] = (real)(xv.v[k] * r * w.v[k]);
-        moe_store_v<V>(o + d, ov);
+        if (O16)
+            moe_store16_v<V>((uint16_t *)out + (size_t)row * D + d, ov, bf16);
+        else
+            moe_store_v<V>(o + d, ov);
     }
     if (threadIdx.x == 0)
         rstd[row] = (real)r;
@@ -89,15 +93,23 @@ extern "C" void cuda_rmsnorm_forward(real *out, real *rstd, const real *x, const
 {
     if (N <= 0 || D <= 0)
         return;
-    if (D % 4 == 0 && moe_aligned16(out) && moe_aligned16(x) && moe_aligned16(weight)) {
-        const dim3 block = row_block(D / 4, FWD_GROUPS);
-        MOE_CUDA_LAUNCH(rmsnorm_forward_kernel<4>, (N + block.y - 1) / block.y, block, 0, out, rstd,
-                        x, weight, N, D, eps);
-    } else {
-        const dim3 block = row_block(D, FWD_GROUPS);
-        MOE_CUDA_LAUNCH(rmsnorm_forward_kernel<1>, (N + block.y - 1) / block.y, block, 0, out, rstd,
-                        x, weight, N, D, eps);
-    }
+    int bf16 = 0;
+    const bool o16 = cuda_operand_in_place(out, (size_t)N * D, &bf16);
+    const int v4 = D % 4 == 0 && moe_aligned16(out) && moe_aligned16(x) && moe_aligned16(weight);
+    const dim3 block = row_block(v4 ? D / 4 : D, FWD_GROUPS);
+    const unsigned grid = (N + block.y - 1) / block.y;
+#define RMS_FORWARD(V, O16)                                                                        \
+    MOE_CUDA_LAUNCH((rmsnorm_forward_kernel<V, O16>), grid, block, 0, out, rstd, x, weight, N, D,  \
+                    eps, bf16)
+    if (v4 && o16)
+        RMS_FORWARD(4, true);
+    else if (v4)
+        RMS_FORWARD(4, false);
+    else if (o16)
+        RMS_FORWARD(1, true);
+    else
+        RMS_FORWARD(1, false);
+#undef RMS_FORWARD
 }
 
 /* dx_d += r * (w_d g_d - x_d * r^2 * sum_j(w_j g_j x_j) / D); rows as the forward's. */

@@ -127,13 +127,21 @@ extern "C" int cuda_moe_route_plan(int *offsets, int32_t *row_token, int32_t *ro
 
 /* ---- permute and combine ------------------------------------------------------------- */
 
+/* out row m = x row row_token[m], in groups of V columns; O16: out is marked as holding
+ * its GEMM operand (the experts' input), so it gets the 16-bit values. */
+template <int V, bool O16>
 static __global__ void permute_kernel(real *out, const real *x, const int32_t *row_token, int M,
-                                      int D)
+                                      int D, int bf16)
 {
-    MOE_CUDA_GRID_STRIDE(e, (size_t)M * D)
+    const int G = D / V; /* groups per row */
+    MOE_CUDA_GRID_STRIDE(e, (size_t)M * G)
     {
-        const size_t m = e / D, d = e % D;
-        out[e] = x[(size_t)row_token[m] * D + d];
+        const size_t m = e / G, d = (e % G) * V;
+        const moe_fvec<V> v = moe_load_v<V>(x + (size_t)row_token[m] * D + d);
+        if (O16)
+            moe_store16_v<V>((uint16_t *)out + m * D + d, v, bf16);
+        else
+            moe_store_v<V>(out + m * D + d, v);
     }
 }
 
@@ -141,8 +149,23 @@ extern "C" void cuda_moe_permute(real *out, const real *x, const int32_t *row_to
 {
     if (M <= 0 || D <= 0)
         return;
-    MOE_CUDA_LAUNCH(permute_kernel, moe_cuda_blocks((size_t)M * D, MOE_CUDA_THREADS),
-                    MOE_CUDA_THREADS, 0, out, x, row_token, M, D);
+    int bf16 = 0;
+    const bool o16 = cuda_operand_in_place(out, (size_t)M * D, &bf16);
+    const int v4 = D % 4 == 0 && moe_aligned16(out) && moe_aligned16(x);
+    const size_t items = (size_t)M * (v4 ? D / 4 : D);
+    const unsigned blocks = moe_cuda_blocks(items, MOE_CUDA_THREADS);
+#define PERMUTE(V, O16)                                                                            \
+    MOE_CUDA_LAUNCH((permute_kernel<V, O16>), blocks, MOE_CUDA_THREADS, 0, out, x, row_token, M,   \
+                    D, bf16)
+    if (v4 && o16)
+        PERMUTE(4, true);
+    else if (v4)
+        PERMUTE(4, false);
+    else if (o16)
+        PERMUTE(1, true);
+    else
+        PERMUTE(1, false);
+#undef PERMUTE
 }
 
 /* dx[token] += dout[row], rows of a token in row order. */

@@ -130,6 +130,148 @@ static void check_in_place(moe_precision p, const char *mode, const float *x, co
     free(b);
 }
 
+/* Whether the 16-bit values in the first 2n bytes of the marked buffer m16 are the bf16
+ * rounding of the fp32 buffer f32's (p bf16; other precisions: 0, nothing to compare). */
+static int bf16_mismatches(moe_precision p, const float *f32, const float *m16, size_t n)
+{
+    if (p != MOE_PREC_BF16)
+        return 0;
+    float *f = malloc(sizeof(float) * n);
+    uint16_t *b16 = malloc(sizeof(uint16_t) * n);
+    to_host(f, f32, n);
+    gpu->copy(b16, m16, sizeof(uint16_t) * n, MOE_COPY_D2H);
+    int bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += b16[i] != moe_bf16_round(f[i]);
+    free(f);
+    free(b16);
+    return bad;
+}
+
+/* The cross-entropy backward into a buffer marked as holding its GEMM operand, against an
+ * unmarked one, for N rows of V logits (V % 4 == 0: the float4 kernel; otherwise the
+ * scalar one): in a 16-bit precision the marked one holds the 16-bit values (in bf16, bit
+ * for bit moe_bf16_round of the fp32 ones) and the LM head's backward GEMMs that read it
+ * give the same bits; in fp32 nothing changes. A marked buffer written in place (the
+ * gradient over its logits) gets the fp32 values: 16-bit writes would overtake the reads.
+ * w (V, I) lies in the parameter arena; h is (N, I). */
+static void check_ce_in_place(moe_precision p, const char *mode, const float *w, int N, int V,
+                              int I)
+{
+    const size_t n = (size_t)N * V;
+    float *logits = malloc(sizeof(float) * n), *hh = malloc(sizeof(float) * (size_t)N * I);
+    int32_t *tg = malloc(sizeof(int32_t) * N);
+    fill(logits, n, 20, 3.0);
+    fill(hh, (size_t)N * I, 21, 1.0);
+    for (int r = 0; r < N; r++)
+        tg[r] = (int32_t)(moe_rng_u64(7, 22, (uint64_t)r) % (uint64_t)V);
+    float *dlog = dev_copy(logits, n), *h = dev_copy(hh, (size_t)N * I);
+    float *lse = gpu->alloc(sizeof(float) * N), *loss = gpu->alloc(sizeof(float) * N);
+    int32_t *dtg = gpu->alloc(sizeof(int32_t) * N);
+    gpu->copy(dtg, tg, sizeof(int32_t) * N, MOE_COPY_H2D);
+    gpu->cross_entropy_forward(loss, lse, dlog, dtg, N, V);
+    float *dl[3], *gx[2], *gw[2];
+    for (int k = 0; k < 3; k++) /* 0: plain, 1: marked, 2: marked and in place */
+        dl[k] = k == 2 ? dev_copy(logits, n) : gpu->alloc(sizeof(float) * n);
+    int st = gpu->mark_operand(dl[1], n) != MOE_OK || gpu->mark_operand(dl[2], n) != MOE_OK;
+    for (int k = 0; k < 3; k++)
+        gpu->cross_entropy_backward(dl[k], k == 2 ? dl[2] : dlog, lse, dtg, 0.01f, N, V);
+    for (int k = 0; k < 2; k++) {
+        gx[k] = gpu->alloc(sizeof(float) * (size_t)N * I);
+        gw[k] = gpu->alloc(sizeof(float) * (size_t)V * I);
+        gpu->zero(gx[k], sizeof(float) * (size_t)N * I);
+        gpu->zero(gw[k], sizeof(float) * (size_t)V * I);
+        gpu->matmul_backward(gx[k], gw[k], dl[k], h, w, N, I, V);
+    }
+    const int want_differ = p != MOE_PREC_FP32;
+    char what[96];
+    snprintf(what, sizeof what, "ce bwd V=%d: dlogits %s", V, want_differ ? "16-bit" : "same");
+    const int bad = st + (differ(dl[0], dl[1], n) != want_differ) + differ(dl[0], dl[2], n) +
+                    bf16_mismatches(p, dl[0], dl[1], n);
+    report(what, mode, bad, 0.0);
+    snprintf(what, sizeof what, "ce bwd V=%d: GEMMs identical", V);
+    report(what, mode, differ(gx[0], gx[1], (size_t)N * I) + differ(gw[0], gw[1], (size_t)V * I),
+           0.0);
+    gpu->mark_operand(dl[1], 0);
+    gpu->mark_operand(dl[2], 0);
+    for (int k = 0; k < 3; k++)
+        gpu->release(dl[k]);
+    for (int k = 0; k < 2; k++) {
+        gpu->release(gx[k]);
+        gpu->release(gw[k]);
+    }
+    gpu->release(dlog);
+    gpu->release(h);
+    gpu->release(lse);
+    gpu->release(loss);
+    gpu->release(dtg);
+    free(logits);
+    free(hh);
+    free(tg);
+}
+
+/* RMSNorm forward (the attention's h1) and the experts' permutation (xperm) into buffers
+ * marked as holding their GEMM operand, against unmarked ones; then the forward and
+ * backward GEMMs that read them (as q = h1 Wq^T, ea = xperm W1^T). In a 16-bit precision
+ * the marked ones hold the 16-bit values (bf16: bit for bit moe_bf16_round of the fp32
+ * ones) and the GEMMs give the same bits; in fp32 nothing changes. D % 4 == 0 takes the
+ * float4 kernels, otherwise the scalar ones. w: the arena, (O, D) weights at its start. */
+static void check_writers_marked(moe_precision p, const char *mode, const float *w, int N, int D,
+                                 int O)
+{
+    const size_t n = (size_t)N * D;
+    float *hx = malloc(sizeof(float) * n), *hw = malloc(sizeof(float) * D);
+    int32_t *rt = malloc(sizeof(int32_t) * N);
+    fill(hx, n, 30, 2.0);
+    fill(hw, D, 31, 1.0);
+    for (int r = 0; r < N; r++) /* a permutation with repeats, as top-k rows */
+        rt[r] = (int32_t)(moe_rng_u64(7, 32, (uint64_t)r) % (uint64_t)N);
+    float *x = dev_copy(hx, n), *nw = dev_copy(hw, D), *rstd = gpu->alloc(sizeof(float) * N);
+    float *dout = dev_copy(hx, n); /* an incoming gradient of (N, O) needs O <= D */
+    int32_t *drt = gpu->alloc(sizeof(int32_t) * N);
+    gpu->copy(drt, rt, sizeof(int32_t) * N, MOE_COPY_H2D);
+    for (int which = 0; which < 2; which++) { /* 0: rmsnorm, 1: permute */
+        float *o[2], *y[2], *gw[2];
+        for (int k = 0; k < 2; k++) {
+            o[k] = gpu->alloc(sizeof(float) * n);
+            y[k] = gpu->alloc(sizeof(float) * (size_t)N * O);
+            gw[k] = gpu->alloc(sizeof(float) * (size_t)O * D);
+            gpu->zero(gw[k], sizeof(float) * (size_t)O * D);
+        }
+        int bad = gpu->mark_operand(o[1], n) != MOE_OK;
+        for (int k = 0; k < 2; k++) {
+            if (which == 0)
+                gpu->rmsnorm_forward(o[k], rstd, x, nw, N, D, 1e-5f);
+            else
+                gpu->moe_permute(o[k], x, drt, N, D);
+            gpu->matmul_forward(y[k], o[k], w, N, D, O);
+            gpu->matmul_backward(NULL, gw[k], dout, o[k], w, N, D, O);
+        }
+        bad += (differ(o[0], o[1], n) != (p != MOE_PREC_FP32)) + bf16_mismatches(p, o[0], o[1], n);
+        char what[96];
+        snprintf(what, sizeof what, "%s D=%d: output %s", which ? "permute" : "rmsnorm", D,
+                 p != MOE_PREC_FP32 ? "16-bit" : "same");
+        report(what, mode, bad, 0.0);
+        snprintf(what, sizeof what, "%s D=%d: GEMMs identical", which ? "permute" : "rmsnorm", D);
+        report(what, mode, differ(y[0], y[1], (size_t)N * O) + differ(gw[0], gw[1], (size_t)O * D),
+               0.0);
+        gpu->mark_operand(o[1], 0);
+        for (int k = 0; k < 2; k++) {
+            gpu->release(o[k]);
+            gpu->release(y[k]);
+            gpu->release(gw[k]);
+        }
+    }
+    gpu->release(x);
+    gpu->release(nw);
+    gpu->release(rstd);
+    gpu->release(dout);
+    gpu->release(drt);
+    free(hx);
+    free(hw);
+    free(rt);
+}
+
 static void check_mode(moe_precision p, const char *mode, double bound)
 {
     const int N = 301, I = 160, O = 224, G = 5;
@@ -191,6 +333,10 @@ static void check_mode(moe_precision p, const char *mode, double bound)
         empty += fabs(got[i]);
     report("grouped empty group untouched", mode, empty, 0.0);
     check_in_place(p, mode, x, dw_, offsets, N, I, O, G);
+    check_ce_in_place(p, mode, dw_, 60, 1000, I); /* (V, I) weights: the arena's start */
+    check_ce_in_place(p, mode, dw_, 60, 999, I);
+    check_writers_marked(p, mode, dw_, 70, 160, 120); /* (O, D) weights: the arena's start */
+    check_writers_marked(p, mode, dw_, 70, 150, 120);
     if (gpu->sync() != MOE_OK) {
         printf("FAIL %s: the backend reported an error\n", mode);
         failures++;
