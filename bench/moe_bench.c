@@ -1048,8 +1048,8 @@ static struct {
 
 static void run_pack(void)
 {
-    gpu->moe_pack_dispatch(a2.rows, a2.send_token, a2.counts, a2.x, a2.idx, a2.wts, a2.slot_row,
-                           a2.erank, a2.elocal, N_, opt.D, opt.K, world, opt.E / world,
+    gpu->moe_pack_dispatch(a2.rows, a2.send_token, NULL, a2.counts, a2.x, a2.idx, a2.wts,
+                           a2.slot_row, a2.erank, a2.elocal, N_, opt.D, opt.K, world, opt.E / world,
                            a2.row_bytes);
     MOE_CK(gpu->queue_wait(gpu->queue_mark(), NULL,
                            NULL)); /* the counts, as the runtime waits for them */

@@ -4,8 +4,8 @@
 
 #include "kernels/ops.h"
 
-void moe_pack_dispatch(char *rows, int32_t *send_token, int *counts, const real *x,
-                       const int32_t *idx, const real *w, const int32_t *slot_row,
+void moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows, int *counts,
+                       const real *x, const int32_t *idx, const real *w, const int32_t *slot_row,
                        const int32_t *expert_rank, const int32_t *expert_local, int N, int D, int K,
                        int P, int El, size_t row_bytes)
 {
@@ -26,6 +26,8 @@ void moe_pack_dispatch(char *rows, int32_t *send_token, int *counts, const real 
                 if (here)
                     send_experts[(size_t)p * El + expert_local[e]]++;
             }
+            if (token_rows)
+                token_rows[(size_t)t * P + p] = hits ? n : -1;
             if (!hits)
                 continue;
             memcpy(row, x + (size_t)t * D, sizeof(real) * (size_t)D);
@@ -56,9 +58,13 @@ void moe_pack_grad_rows(real *rows, const real *dx, const real *dw, int R, int D
     }
 }
 
+/* In row order: token_rows (the inverse map) is not needed. */
 void moe_scatter_grad_rows(real *dx, real *dw, const real *rows, const int32_t *send_token, int n,
-                           int D, int K)
+                           int D, int K, const int32_t *token_rows, int N, int P)
 {
+    (void)token_rows;
+    (void)N;
+    (void)P;
     for (int r = 0; r < n; r++) {
         const real *row = rows + (size_t)r * (D + K);
         real *x = dx + (size_t)send_token[r] * D, *g = dw + (size_t)send_token[r] * K;

@@ -191,7 +191,10 @@ void routing_stats_count(int64_t *tokens, int64_t *load, int64_t *coact, int64_t
  *
  * Builds one row per (token n, destination p) such that some kept slot of n (slot_row
  * >= 0) has its expert on p (expert_rank[e] == p), grouped by p in order, tokens in
- * order within a p. send_token (rows): the token of each row. expert_rank/expert_local:
+ * order within a p. send_token (rows): the token of each row; token_rows (N,P), when not
+ * NULL: its inverse, the row of each (token, destination) or -1 (the slot_row of
+ * moe_permute_backward and moe_scatter_grad_rows for these rows, with K = P).
+ * expert_rank/expert_local:
  * (E), local ids < El. The counts go to host memory, counts[MOE_PACK_COUNTS(P, El)]:
  *   [0, P)            rows per destination (send_rows)
  *   [P, 2P)           kept assignments per destination (what sending a token once saves;
@@ -204,8 +207,8 @@ void routing_stats_count(int64_t *tokens, int64_t *load, int64_t *coact, int64_t
  * queue_wait on a later mark, or sync), so the host can queue more work before it needs
  * them. */
 #define MOE_PACK_COUNTS(P, El) (2 * (P) + 1 + (P) * (El))
-void moe_pack_dispatch(char *rows, int32_t *send_token, int *counts, const real *x,
-                       const int32_t *idx, const real *w, const int32_t *slot_row,
+void moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows, int *counts,
+                       const real *x, const int32_t *idx, const real *w, const int32_t *slot_row,
                        const int32_t *expert_rank, const int32_t *expert_local, int N, int D, int K,
                        int P, int El, size_t row_bytes);
 /* Splits R dispatch rows into x (R,D), w (R,K), lidx (R,K). */
@@ -214,9 +217,12 @@ void moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int 
 /* rows (R, D+K) = [dx | dw] row by row (the gradient rows sent back). */
 void moe_pack_grad_rows(real *rows, const real *dx, const real *dw, int R, int D, int K);
 /* dx (N,D) += dx part and dw (N,K) += dw part of rows (n, D+K), row r for token
- * send_token[r] (several rows may name one token). */
+ * send_token[r] (several rows may name one token), a token's rows in row order.
+ * token_rows (N,P), optional (NULL: not known; then N and P are not read): the inverse of
+ * send_token from moe_pack_dispatch, which lets a backend gather each token's rows
+ * instead of sorting the rows by token (the same sums). */
 void moe_scatter_grad_rows(real *dx, real *dw, const real *rows, const int32_t *send_token, int n,
-                           int D, int K);
+                           int D, int K, const int32_t *token_rows, int N, int P);
 
 /* ---- loss ----------------------------------------------------------------------------- */
 /* losses (N) = lse_n - logits[n, targets[n]], lse (N) saved. logits (N,V). */

@@ -246,6 +246,7 @@ static void carve_chunk(moe_model *m, moe_chunk *ch, carve *c, carve *h)
             a.w = TAKE(c, real, NK);
             a.slot_row = TAKE(c, int32_t, NK);
             a.send_token = TAKE(c, int32_t, N * (size_t)(m->K < m->ep ? m->K : m->ep));
+            a.token_rows = TAKE(c, int32_t, N * (size_t)m->ep);
             a.send_rows = TAKE(h, int, m->ep);
             a.recv_rows = TAKE(h, int, m->ep);
             a.xrecv = TAKE(c, real, R * D);
@@ -779,8 +780,8 @@ static void moe_dispatch_pack(moe_model *m, int l)
     const int N = m->Nc, K = m->K;
     m->be->moe_route_plan(NULL, m->src_row_token, m->src_row_slot, a->slot_row, m->route_scratch,
                           a->idx, a->w, N, m->E, K, N, m->capacity);
-    m->be->moe_pack_dispatch(m->send_buf, a->send_token, ch->pack_counts, a->h2, a->idx, a->w,
-                             a->slot_row, m->expert_rank_dev + (size_t)l * m->E,
+    m->be->moe_pack_dispatch(m->send_buf, a->send_token, a->token_rows, ch->pack_counts, a->h2,
+                             a->idx, a->w, a->slot_row, m->expert_rank_dev + (size_t)l * m->E,
                              m->expert_local_dev + (size_t)l * m->E, N, m->D, K, m->ep, m->El,
                              m->row_bytes);
     ch->mark = m->be->queue_mark();
@@ -952,8 +953,8 @@ static moe_status layer_forward_end(moe_model *m, int l)
         swiglu_ffn_forward(m, out, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N, D, m->Fs);
     else
         m->be->zero(out, sizeof(real) * (size_t)N * D);
-    m->be->moe_permute_backward(out, (const real *)m->recv_buf, a->send_token, a->n_send, D, NULL,
-                                0, 0);
+    m->be->moe_permute_backward(out, (const real *)m->recv_buf, a->send_token, a->n_send, D,
+                                a->token_rows, N, m->ep);
     m->be->add_inplace(out, a->xmid, (size_t)N * D);
     return MOE_OK;
 }
@@ -1176,7 +1177,7 @@ static moe_status layer_backward_end(moe_model *m, int l, int64_t step_sequences
         MOE_CHECK(exchange_finish(m));
         m->be->zero(m->dw, sizeof(real) * (size_t)N * K);
         m->be->moe_scatter_grad_rows(m->dh, m->dw, (const real *)m->recv_buf, a->send_token,
-                                     a->n_send, D, K);
+                                     a->n_send, D, K, a->token_rows, N, m->ep);
         router_backward_layer(m, l, step_sequences);
     }
     m->be->rmsnorm_backward(m->dres, g->ffn_norm, m->dh, a->xmid, w->ffn_norm, a->rstd2, N, D);

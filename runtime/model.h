@@ -83,6 +83,7 @@ typedef struct {
     int64_t *mb_counts;          /* (E): layer_counts of the layer (the whole micro-batch) */
     int32_t *slot_row;           /* (N*K): -1 where the capacity dropped the assignment */
     int32_t *send_token;         /* (N*min(K,ep)): token of each row sent, by destination */
+    int32_t *token_rows;         /* (N, ep): its inverse, the row of each (token, destination) */
     int *send_rows, *recv_rows;  /* (ep): rows sent to / received from each EP peer */
     int n_send, n_recv;
     /* MoE, the side that holds the experts: rows received from every EP peer */

@@ -312,4 +312,71 @@ template <class Op> static void moe_cuda_runs(const Op &op, const int32_t *keys,
                     MOE_CUDA_THREADS, 0, op, s.order, keys, n, W);
 }
 
+/* With the inverse map slot_row (N, K): the row of each (token, slot) or -1. Per (token,
+ * group of V columns) one thread takes the token's rows, sorts them (at most K), and adds
+ * them in row order onto the loaded values: the additions of moe_runs_kernel, without
+ * sorting all rows by token. V = 4 takes an op's float4 forms (load4, value4, store4: ops
+ * with vec4 = true, columns and pointers the caller checked); the additions per column
+ * are the same. */
+#define MOE_GATHER_MAX_K 16
+template <class Op, int V>
+static __global__ void moe_gather_rows_kernel(Op op, const int32_t *slot_row, int N, int K, int W)
+{
+    const int G = W / V;
+    MOE_CUDA_GRID_STRIDE(e, (size_t)N * G)
+    {
+        const int n = (int)(e / G), j = (int)(e % G) * V;
+        int rows[MOE_GATHER_MAX_K], c = 0;
+        for (int k = 0; k < K; k++) {
+            const int r = slot_row[(size_t)n * K + k];
+            if (r < 0)
+                continue;
+            int i = c++;
+            for (; i > 0 && rows[i - 1] > r; i--) /* insertion: ascending rows */
+                rows[i] = rows[i - 1];
+            rows[i] = r;
+        }
+        if (c == 0)
+            continue; /* nothing to add: the value stays as it is */
+        if constexpr (V == 4) {
+            float4 v = op.load4(n, j);
+            for (int i = 0; i < c; i++) {
+                const float4 a = op.value4(rows[i], j);
+                v = make_float4(__fadd_rn(v.x, a.x), __fadd_rn(v.y, a.y), __fadd_rn(v.z, a.z),
+                                __fadd_rn(v.w, a.w));
+            }
+            op.store4(n, j, v);
+        } else {
+            float v = op.load(n, j);
+            for (int i = 0; i < c; i++)
+                v = __fadd_rn(v, op.value(rows[i], j));
+            op.store(n, j, v);
+        }
+    }
+}
+
+/* The token sums of op over the M rows of tokens row_token (columns < W): by gathering
+ * through slot_row (N, K) when given, else by sorting the rows. */
+template <class Op>
+static void moe_cuda_token_sums(const Op &op, const int32_t *row_token, int M, int W,
+                                const int32_t *slot_row, int N, int K)
+{
+    if (slot_row && K <= MOE_GATHER_MAX_K) {
+        if (N <= 0 || W <= 0)
+            return;
+        if constexpr (Op::vec4)
+            if (W % 4 == 0 && op.aligned16()) {
+                MOE_CUDA_LAUNCH((moe_gather_rows_kernel<Op, 4>),
+                                moe_cuda_blocks((size_t)N * (W / 4), MOE_CUDA_THREADS),
+                                MOE_CUDA_THREADS, 0, op, slot_row, N, K, W);
+                return;
+            }
+        MOE_CUDA_LAUNCH((moe_gather_rows_kernel<Op, 1>),
+                        moe_cuda_blocks((size_t)N * W, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0, op,
+                        slot_row, N, K, W);
+        return;
+    }
+    moe_cuda_runs(op, row_token, M, W);
+}
+
 #endif

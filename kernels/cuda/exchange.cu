@@ -3,8 +3,10 @@
  * (destination, token) pair, numbers the flagged pairs with a prefix sum in
  * (destination, token) order -- the reference's order -- fills the rows (the grid covers
  * the most rows there can be; the count stays on the device) and queues one copy of the
- * counts to the host: nothing waits, the caller reads them after fetch_wait. The gradient
- * scatter sorts the rows by token and adds each token's rows in row order (deterministic). */
+ * counts to the host: nothing waits, the caller reads them after fetch_wait; with them,
+ * the inverse map token_rows. The gradient scatter gathers each token's rows through that
+ * map (or, without it, sorts the rows by token) and adds them in row order
+ * (deterministic). */
 #include "kernels/cuda/cuda_common.cuh"
 
 /* Is assignment a (kept) on destination p? */
@@ -39,14 +41,18 @@ static __global__ void dispatch_flags_kernel(int *flags, int *assign, int *exper
     }
 }
 
-/* res: send_rows (P), send_assign (P), rows in all; rowsrc[row] = p*N + t. */
-static __global__ void dispatch_counts_kernel(int *res, int *rowsrc, const int *rowidx,
-                                              const int *assign, int N, int P)
+/* res: send_rows (P), send_assign (P), rows in all; rowsrc[row] = p*N + t; token_rows
+ * (when not NULL) [t*P + p] = the row of (p, t) or -1. */
+static __global__ void dispatch_counts_kernel(int *res, int *rowsrc, int32_t *token_rows,
+                                              const int *rowidx, const int *assign, int N, int P)
 {
     MOE_CUDA_GRID_STRIDE(i, (size_t)P * N)
     {
-        if (rowidx[i + 1] != rowidx[i])
+        const int sent = rowidx[i + 1] != rowidx[i];
+        if (sent)
             rowsrc[rowidx[i]] = (int)i;
+        if (token_rows)
+            token_rows[(i % N) * P + i / N] = sent ? rowidx[i] : -1;
         if (i < (size_t)P) {
             res[i] = rowidx[(i + 1) * N] - rowidx[i * N];
             res[P + i] = assign[i];
@@ -83,8 +89,9 @@ static __global__ void dispatch_fill_kernel(char *rows, int32_t *send_token, con
     }
 }
 
-extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int *counts, const real *x,
-                                       const int32_t *idx, const real *w, const int32_t *slot_row,
+extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows,
+                                       int *counts, const real *x, const int32_t *idx,
+                                       const real *w, const int32_t *slot_row,
                                        const int32_t *expert_rank, const int32_t *expert_local,
                                        int N, int D, int K, int P, int El, size_t row_bytes)
 {
@@ -113,8 +120,8 @@ extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int *cou
     MOE_CUDA_LAUNCH(dispatch_flags_kernel, blocks, MOE_CUDA_THREADS, 0, rowidx, assign,
                     El > 0 ? experts : NULL, idx, slot_row, expert_rank, expert_local, N, K, P, El);
     moe_cuda_scan(rowidx, rowidx, PN, scan);
-    MOE_CUDA_LAUNCH(dispatch_counts_kernel, blocks, MOE_CUDA_THREADS, 0, res, rowsrc, rowidx,
-                    assign, N, P);
+    MOE_CUDA_LAUNCH(dispatch_counts_kernel, blocks, MOE_CUDA_THREADS, 0, res, rowsrc, token_rows,
+                    rowidx, assign, N, P);
     /* the row count stays on the device: the fill covers the most rows there can be */
     MOE_CUDA_LAUNCH(dispatch_fill_kernel,
                     moe_cuda_blocks((size_t)PN * (D + 2 * K), MOE_CUDA_THREADS), MOE_CUDA_THREADS,
@@ -176,6 +183,8 @@ struct scatter_grad {
     real *dx, *dw;
     const real *rows;
     int D, K;
+    static constexpr bool vec4 = false; /* a row's columns go to two arrays */
+    bool aligned16() const { return false; }
     __device__ float *dst(int t, int j) const
     {
         return j < D ? dx + (size_t)t * D + j : dw + (size_t)t * K + (j - D);
@@ -186,8 +195,9 @@ struct scatter_grad {
 };
 
 extern "C" void cuda_moe_scatter_grad_rows(real *dx, real *dw, const real *rows,
-                                           const int32_t *send_token, int n, int D, int K)
+                                           const int32_t *send_token, int n, int D, int K,
+                                           const int32_t *token_rows, int N, int P)
 {
     scatter_grad op = {dx, dw, rows, D, K};
-    moe_cuda_runs(op, send_token, n, D + K);
+    moe_cuda_token_sums(op, send_token, n, D + K, token_rows, N, P);
 }

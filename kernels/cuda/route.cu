@@ -173,60 +173,30 @@ struct permute_grad {
     real *dx;
     const real *dout;
     int D;
+    static constexpr bool vec4 = true;
+    bool aligned16() const { return moe_aligned16(dx) && moe_aligned16(dout); }
     __device__ float load(int n, int j) const { return dx[(size_t)n * D + j]; }
     __device__ float value(int m, int j) const { return dout[(size_t)m * D + j]; }
     __device__ void store(int n, int j, float v) const { dx[(size_t)n * D + j] = v; }
-};
-
-/* With the inverse map: per (token, column) one thread takes the token's rows from
- * slot_row, sorts them (at most K), and adds them in row order onto the loaded value:
- * the additions of moe_runs_kernel, without sorting all rows by token. */
-#define GATHER_MAX_K 16
-template <class Op>
-static __global__ void gather_rows_kernel(Op op, const int32_t *slot_row, int N, int K, int W)
-{
-    MOE_CUDA_GRID_STRIDE(e, (size_t)N * W)
+    __device__ float4 load4(int n, int j) const
     {
-        const int n = (int)(e / W), j = (int)(e % W);
-        int rows[GATHER_MAX_K], c = 0;
-        for (int k = 0; k < K; k++) {
-            const int r = slot_row[(size_t)n * K + k];
-            if (r < 0)
-                continue;
-            int i = c++;
-            for (; i > 0 && rows[i - 1] > r; i--) /* insertion: ascending rows */
-                rows[i] = rows[i - 1];
-            rows[i] = r;
-        }
-        if (c == 0)
-            continue; /* nothing to add: the value stays as it is */
-        float v = op.load(n, j);
-        for (int i = 0; i < c; i++)
-            v = __fadd_rn(v, op.value(rows[i], j));
-        op.store(n, j, v);
+        return *(const float4 *)(dx + (size_t)n * D + j);
     }
-}
-
-/* The token sums of op: by gathering through slot_row when given, else by sorting. */
-template <class Op>
-static void token_sums(const Op &op, const int32_t *row_token, int M, int W,
-                       const int32_t *slot_row, int N, int K)
-{
-    if (slot_row && K <= GATHER_MAX_K) {
-        if (N > 0 && W > 0)
-            MOE_CUDA_LAUNCH(gather_rows_kernel<Op>,
-                            moe_cuda_blocks((size_t)N * W, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
-                            op, slot_row, N, K, W);
-        return;
+    __device__ float4 value4(int m, int j) const
+    {
+        return *(const float4 *)(dout + (size_t)m * D + j);
     }
-    moe_cuda_runs(op, row_token, M, W);
-}
+    __device__ void store4(int n, int j, float4 v) const
+    {
+        *(float4 *)(dx + (size_t)n * D + j) = v;
+    }
+};
 
 extern "C" void cuda_moe_permute_backward(real *dx, const real *dout, const int32_t *row_token,
                                           int M, int D, const int32_t *slot_row, int N, int K)
 {
     permute_grad op = {dx, dout, D};
-    token_sums(op, row_token, M, D, slot_row, N, K);
+    moe_cuda_token_sums(op, row_token, M, D, slot_row, N, K);
 }
 
 /* y[token] += w[token, slot] * expert_out[row], rows of a token in row order. */
@@ -235,6 +205,8 @@ struct combine_sum {
     const real *expert_out, *w;
     const int32_t *row_token, *row_slot;
     int D, K;
+    static constexpr bool vec4 = true;
+    bool aligned16() const { return moe_aligned16(y) && moe_aligned16(expert_out); }
     __device__ float load(int n, int j) const { return y[(size_t)n * D + j]; }
     __device__ float value(int m, int j) const
     {
@@ -242,6 +214,15 @@ struct combine_sum {
         return __fmul_rn(wk, expert_out[(size_t)m * D + j]);
     }
     __device__ void store(int n, int j, float v) const { y[(size_t)n * D + j] = v; }
+    __device__ float4 load4(int n, int j) const { return *(const float4 *)(y + (size_t)n * D + j); }
+    __device__ float4 value4(int m, int j) const
+    {
+        const real wk = w[(size_t)row_token[m] * K + row_slot[m]];
+        const float4 e = *(const float4 *)(expert_out + (size_t)m * D + j);
+        return make_float4(__fmul_rn(wk, e.x), __fmul_rn(wk, e.y), __fmul_rn(wk, e.z),
+                           __fmul_rn(wk, e.w));
+    }
+    __device__ void store4(int n, int j, float4 v) const { *(float4 *)(y + (size_t)n * D + j) = v; }
 };
 
 extern "C" void cuda_moe_combine_forward(real *y, const real *expert_out, const real *w,
@@ -249,20 +230,28 @@ extern "C" void cuda_moe_combine_forward(real *y, const real *expert_out, const 
                                          int D, int K, const int32_t *slot_row, int N)
 {
     combine_sum op = {y, expert_out, w, row_token, row_slot, D, K};
-    token_sums(op, row_token, M, D, slot_row, N, K);
+    moe_cuda_token_sums(op, row_token, M, D, slot_row, N, K);
 }
 
-/* dexpert_out[row] += w * dy[token]: one thread per element. */
+/* dexpert_out[row] += w * dy[token]: one thread per group of V elements of a row. */
+template <int V>
 static __global__ void combine_dexpert_kernel(real *dexpert_out, const real *dy, const real *w,
                                               const int32_t *row_token, const int32_t *row_slot,
                                               int M, int D, int K)
 {
-    MOE_CUDA_GRID_STRIDE(e, (size_t)M * D)
+    const int G = D / V;
+    MOE_CUDA_GRID_STRIDE(e, (size_t)M * G)
     {
-        const size_t m = e / D, d = e % D;
+        const size_t m = e / G, d = (e % G) * V;
         const size_t n = row_token[m];
         const real wk = w[n * K + row_slot[m]];
-        dexpert_out[e] = __fadd_rn(dexpert_out[e], __fmul_rn(wk, dy[n * D + d]));
+        real *o = dexpert_out + m * D + d;
+        moe_fvec<V> ov = moe_load_v<V>(o);
+        const moe_fvec<V> g = moe_load_v<V>(dy + n * D + d);
+#pragma unroll
+        for (int k = 0; k < V; k++)
+            ov.v[k] = __fadd_rn(ov.v[k], __fmul_rn(wk, g.v[k]));
+        moe_store_v<V>(o, ov);
     }
 }
 
@@ -293,9 +282,16 @@ extern "C" void cuda_moe_combine_backward(real *dexpert_out, real *dw, const rea
 {
     if (M <= 0)
         return;
-    if (dexpert_out && D > 0)
-        MOE_CUDA_LAUNCH(combine_dexpert_kernel, moe_cuda_blocks((size_t)M * D, MOE_CUDA_THREADS),
-                        MOE_CUDA_THREADS, 0, dexpert_out, dy, w, row_token, row_slot, M, D, K);
+    if (dexpert_out && D > 0) {
+        if (D % 4 == 0 && moe_aligned16(dexpert_out) && moe_aligned16(dy))
+            MOE_CUDA_LAUNCH(combine_dexpert_kernel<4>,
+                            moe_cuda_blocks((size_t)M * (D / 4), MOE_CUDA_THREADS),
+                            MOE_CUDA_THREADS, 0, dexpert_out, dy, w, row_token, row_slot, M, D, K);
+        else
+            MOE_CUDA_LAUNCH(combine_dexpert_kernel<1>,
+                            moe_cuda_blocks((size_t)M * D, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
+                            dexpert_out, dy, w, row_token, row_slot, M, D, K);
+    }
     if (dw)
         MOE_CUDA_LAUNCH(combine_dw_kernel,
                         (M + MOE_CUDA_THREADS / 32 - 1) / (MOE_CUDA_THREADS / 32), MOE_CUDA_THREADS,

@@ -808,11 +808,12 @@ static void test_exchange(int N, int E, int K, int P, int D, int capacity, const
     for (int i = 0; i < nc; i++)
         counts[i] = gcounts[i] = POISON_INT;
     float *x = frand((size_t)N * D, -1, 1);
-    cpu->moe_pack_dispatch(rows, st, counts, x, idx, w, slot_row, erank, elocal, N, D, K, P, per,
-                           row_bytes);
-    gpu->moe_pack_dispatch(drows, dst, gcounts, DEVF(x, (size_t)N * D), DEVI(idx, NK), DEVF(w, NK),
-                           DEVI(slot_row, NK), DEVI(erank, E), DEVI(elocal, E), N, D, K, P, per,
-                           row_bytes);
+    int32_t *trows = ipoison((size_t)N * P), *dtrows = DEVI(trows, (size_t)N * P);
+    cpu->moe_pack_dispatch(rows, st, trows, counts, x, idx, w, slot_row, erank, elocal, N, D, K, P,
+                           per, row_bytes);
+    gpu->moe_pack_dispatch(drows, dst, dtrows, gcounts, DEVF(x, (size_t)N * D), DEVI(idx, NK),
+                           DEVF(w, NK), DEVI(slot_row, NK), DEVI(erank, E), DEVI(elocal, E), N, D,
+                           K, P, per, row_bytes);
     const long mark = gpu->queue_mark();
     if (gpu->queue_wait(mark, NULL, NULL) != MOE_OK)
         fail_now("queue_wait after moe_pack_dispatch");
@@ -825,6 +826,7 @@ static void test_exchange(int N, int E, int K, int P, int D, int capacity, const
         return;
     }
     check_i("send_token", HOSTI(dst, n), st, n);
+    check_i("token_rows", HOSTI(dtrows, (size_t)N * P), trows, (size_t)N * P);
     grows = host_of(drows, nbytes);
     for (int r = 0; r < n; r++) {
         const float *a = (const float *)(grows + r * row_bytes);
@@ -855,15 +857,31 @@ static void test_exchange(int N, int E, int K, int P, int D, int capacity, const
     gpu_done();
     check_f("rows", HOSTF(dgrow, nw), grow, nw, (size_t)(D + K), EXACT);
 
-    begin("moe_scatter_grad_rows", name);
     float *srows = frand(nw, -1, 1);
-    float *sdx = frand((size_t)N * D, -1, 1), *sdw = frand(NK, -1, 1);
-    float *dsdx = DEVF(sdx, (size_t)N * D), *dsdw = DEVF(sdw, NK);
-    cpu->moe_scatter_grad_rows(sdx, sdw, srows, st, n, D, K);
-    gpu->moe_scatter_grad_rows(dsdx, dsdw, DEVF(srows, nw), DEVI(st, n), n, D, K);
-    gpu_done();
-    check_f("dx", HOSTF(dsdx, (size_t)N * D), sdx, (size_t)N * D, D, EXACT);
-    check_f("dw", HOSTF(dsdw, NK), sdw, NK, K, EXACT);
+    /* twice: rows sorted by token (no inverse map), and gathered through token_rows; the
+     * forward's sums of the returned rows (moe_permute_backward) likewise */
+    for (int gather = 0; gather < 2; gather++) {
+        begin("moe_scatter_grad_rows", name);
+        float *sdx = frand((size_t)N * D, -1, 1), *sdw = frand(NK, -1, 1);
+        float *dsdx = DEVF(sdx, (size_t)N * D), *dsdw = DEVF(sdw, NK);
+        cpu->moe_scatter_grad_rows(sdx, sdw, srows, st, n, D, K, NULL, 0, 0);
+        gpu->moe_scatter_grad_rows(dsdx, dsdw, DEVF(srows, nw), DEVI(st, n), n, D, K,
+                                   gather ? dtrows : NULL, N, P);
+        gpu_done();
+        check_f(gather ? "dx (gathered)" : "dx (sorted)", HOSTF(dsdx, (size_t)N * D), sdx,
+                (size_t)N * D, D, EXACT);
+        check_f(gather ? "dw (gathered)" : "dw (sorted)", HOSTF(dsdw, NK), sdw, NK, K, EXACT);
+
+        begin("moe_permute_backward of returned rows", name);
+        float *rx = frand((size_t)N * D, -1, 1), *drx = DEVF(rx, (size_t)N * D);
+        float *ret = frand((size_t)n * D, -1, 1);
+        cpu->moe_permute_backward(rx, ret, st, n, D, NULL, 0, 0);
+        gpu->moe_permute_backward(drx, DEVF(ret, (size_t)n * D), DEVI(st, n), n, D,
+                                  gather ? dtrows : NULL, N, P);
+        gpu_done();
+        check_f(gather ? "y (gathered)" : "y (sorted)", HOSTF(drx, (size_t)N * D), rx,
+                (size_t)N * D, D, EXACT);
+    }
     free_all();
 }
 

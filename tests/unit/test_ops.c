@@ -138,13 +138,17 @@ static void test_pack_dispatch(void **state)
     const size_t row_bytes = sizeof(real) * (D + PK) + sizeof(int32_t) * PK;
     char rows[PN * P * sizeof(real) * (D + 2 * PK)];
     int counts[MOE_PACK_COUNTS(P, El)];
-    moe_pack_dispatch(rows, send_token, counts, x, plan_idx, plan_w, slot_row, erank, elocal, PN, D,
-                      PK, P, El, row_bytes);
+    int32_t token_rows[PN * P];
+    moe_pack_dispatch(rows, send_token, token_rows, counts, x, plan_idx, plan_w, slot_row, erank,
+                      elocal, PN, D, PK, P, El, row_bytes);
     /* rows per rank | assignments per rank | rows | per (rank, local expert) */
     const int want[MOE_PACK_COUNTS(P, El)] = {4, 2, 6, 2, 6, 2, 4, 2, 0};
     const int32_t want_token[6] = {0, 1, 2, 3, 1, 3};
     assert_memory_equal(counts, want, sizeof want);
     assert_memory_equal(send_token, want_token, sizeof want_token);
+    /* the inverse, (token, rank): t0 row 0 | -, t1 1 | 4, t2 2 | -, t3 3 | 5 */
+    const int32_t want_rows[PN * P] = {0, -1, 1, 4, 2, -1, 3, 5};
+    assert_memory_equal(token_rows, want_rows, sizeof want_rows);
     /* row 4: token 1 to rank 1, its slot 0 (e1) elsewhere, slot 1 (e2) local 0 there */
     const real *r4 = (const real *)(rows + 4 * row_bytes);
     const int32_t *l4 = (const int32_t *)(r4 + D + PK);
