@@ -333,9 +333,9 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
 /* The buffers that only GEMMs read: written by SwiGLU, the FFNs' h (each chunk's and
  * layer's) and the backward's da, db scratch; by RMSNorm, the attention's input h1; by
  * the permutation, the experts' input xperm; and by the cross-entropy backward, the
- * logits' gradient when it is not the logits themselves. Marked (backend.h mark_operand), a 16-bit
- * backend writes them as the GEMM operand at once, so no rounding pass reads them again.
- * on = 0 removes the marks. */
+ * logits' gradient when it is not the logits themselves. Marked (backend.h
+ * mark_operand), a 16-bit backend writes them as the GEMM operand at once, so no rounding
+ * pass reads them again. on = 0 removes the marks. */
 static moe_status mark_operands(moe_model *m, int on)
 {
     const size_t N = (size_t)m->Nc, Mx = (size_t)m->Mmax;

@@ -99,18 +99,11 @@ static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, c
     }
 }
 
-template <typename F>
+template <typename F, bool V4>
 static __global__ void cross_entropy_forward_kernel(real *losses, real *lse, const real *logits,
                                                     const int32_t *targets, int V)
 {
-    ce_forward_row<F, false>(losses, lse, logits, targets, V);
-}
-
-template <typename F>
-static __global__ void cross_entropy_forward_v4(real *losses, real *lse, const real *logits,
-                                                const int32_t *targets, int V)
-{
-    ce_forward_row<F, true>(losses, lse, logits, targets, V);
+    ce_forward_row<F, V4>(losses, lse, logits, targets, V);
 }
 
 extern "C" void cuda_cross_entropy_forward(real *losses, real *lse, const real *logits,
@@ -119,21 +112,21 @@ extern "C" void cuda_cross_entropy_forward(real *losses, real *lse, const real *
     if (N <= 0 || V <= 0)
         return;
     const int v4 = V % 4 == 0 && moe_aligned16(logits);
+#define CE_FORWARD(F, V4)                                                                          \
+    MOE_CUDA_LAUNCH((cross_entropy_forward_kernel<F, V4>), N, MOE_CUDA_THREADS, 0, losses, lse,    \
+                    logits, targets, V)
     if (cuda_gemm_precision() == MOE_PREC_FP32) {
         if (v4)
-            MOE_CUDA_LAUNCH(cross_entropy_forward_v4<double>, N, MOE_CUDA_THREADS, 0, losses, lse,
-                            logits, targets, V);
+            CE_FORWARD(double, true);
         else
-            MOE_CUDA_LAUNCH(cross_entropy_forward_kernel<double>, N, MOE_CUDA_THREADS, 0, losses,
-                            lse, logits, targets, V);
+            CE_FORWARD(double, false);
     } else {
         if (v4)
-            MOE_CUDA_LAUNCH(cross_entropy_forward_v4<float>, N, MOE_CUDA_THREADS, 0, losses, lse,
-                            logits, targets, V);
+            CE_FORWARD(float, true);
         else
-            MOE_CUDA_LAUNCH(cross_entropy_forward_kernel<float>, N, MOE_CUDA_THREADS, 0, losses,
-                            lse, logits, targets, V);
+            CE_FORWARD(float, false);
     }
+#undef CE_FORWARD
 }
 
 /* dloss * (exp(x - s) - hit) for one logit x of a row of lse s. */
