@@ -139,9 +139,11 @@ static const void *weight_operand(const real *w)
     return shadow + (w - master);
 }
 
-/* Buffers that hold their GEMM operand themselves (backend.h mark_operand): a short table
- * searched by address (a model marks a few per layer and chunk). */
-#define OPERAND_MARKS 512
+/* Buffers that hold their GEMM operand themselves (backend.h mark_operand): a table
+ * searched by address. A model marks up to 5 per layer and chunk (3 in a MoE layer
+ * without shared experts) and 5 more: 2048 covers 32 layers in 16 chunks; the search is
+ * as long as the table is full (17 entries at the bench shape). */
+#define OPERAND_MARKS 2048
 static struct {
     const void *p;
     size_t n;
