@@ -5,8 +5,11 @@
  * random data (never zeros).
  * Bound: relative error of each output, as ||gpu - ref|| / ||ref|| over the tensor,
  * <= 1e-2 in bf16 and <= 5e-3 in fp16 (8 and 11 significand bits; the products sum in
- * fp32). The fp32 mode is checked too (<= 1e-5). Also: bf16 is refused below sm_80, and a
- * weight outside the registered arena is reported. Without a GPU: SKIP, exit 77. */
+ * fp32). The fp32 mode is checked too (<= 1e-5). Also: bf16 is refused below sm_80, a
+ * weight outside the registered arena is reported, and every writer of a buffer marked as
+ * holding its GEMM operand (SwiGLU, the cross-entropy backward, RMSNorm, the permutation)
+ * stores the bits the rounding would give, and the GEMMs reading it give the same bits.
+ * Without a GPU: SKIP, exit 77. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
