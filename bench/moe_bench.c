@@ -155,10 +155,28 @@ static void sync_or_die(const char *what)
         die("the backend reported a failure during %s", what);
 }
 
-/* Releases every block, and the 16-bit shadow of the last GEMM benchmark. */
+/* Buffers marked as holding their GEMM operand (backend.h mark_operand), as the model
+ * marks its SwiGLU outputs; unmarked by free_all. */
+#define MAX_MARKS 8
+static void *marked[MAX_MARKS];
+static int n_marked;
+
+static void mark(void *p, size_t n)
+{
+    if (n_marked == MAX_MARKS)
+        die("more than %d marked buffers in one benchmark", MAX_MARKS);
+    MOE_CK(gpu->mark_operand(p, n));
+    marked[n_marked++] = p;
+}
+
+/* Releases every block (unmarked first), and the 16-bit shadow of the last GEMM
+ * benchmark. */
 static void free_all(void)
 {
     sync_or_die("a benchmark");
+    for (int i = 0; i < n_marked; i++)
+        MOE_CK(gpu->mark_operand(marked[i], 0));
+    n_marked = 0;
     MOE_CK(gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0));
     for (int i = 0; i < n_blocks; i++)
         gpu->release(blocks[i]);
@@ -699,14 +717,14 @@ static void bench_grouped(int bwd)
 static void bench_grouped_fwd(void) { bench_grouped(0); }
 static void bench_grouped_bwd(void) { bench_grouped(1); }
 
-/* Every expert's SwiGLU FFN as runtime/model.c runs it: grouped gate, grouped up, SwiGLU,
- * grouped down; backward in reverse. Weights: one block w1 (E,F,D) | w3 | w2 (E,D,F). */
+/* Every expert's SwiGLU FFN as runtime/model.c runs it: grouped gate and up (paired),
+ * SwiGLU, grouped down; backward in reverse. Weights: one block w1 (E,F,D) | w3 | w2
+ * (E,D,F). h, da and db are marked as the model marks them. */
 static void run_experts_ffn(void)
 {
     const int M = M_, D = opt.D, F = opt.F, E = opt.E;
     const size_t W = (size_t)E * F * D;
-    gpu->grouped_matmul_forward(bf.a, bf.x, bf.w, bf.offsets, E, D, F);
-    gpu->grouped_matmul_forward(bf.b, bf.x, bf.w + W, bf.offsets, E, D, F);
+    gpu->grouped_matmul_forward2(bf.a, bf.b, bf.x, bf.w, bf.w + W, bf.offsets, E, D, F);
     gpu->swiglu_forward(bf.h, bf.a, bf.b, (size_t)M * F);
     gpu->grouped_matmul_forward(bf.out, bf.h, bf.w + 2 * W, bf.offsets, E, F, D);
 }
@@ -718,8 +736,8 @@ static void run_experts_ffn_bwd(void)
     gpu->grouped_matmul_backward(bf.dh, bf.dw + 2 * W, bf.dout, bf.h, bf.w + 2 * W, bf.offsets, E,
                                  F, D);
     gpu->swiglu_backward(bf.da, bf.db, bf.dh, bf.a, bf.b, (size_t)M * F);
-    gpu->grouped_matmul_backward(bf.dx, bf.dw, bf.da, bf.x, bf.w, bf.offsets, E, D, F);
-    gpu->grouped_matmul_backward(bf.dx, bf.dw + W, bf.db, bf.x, bf.w + W, bf.offsets, E, D, F);
+    gpu->grouped_matmul_backward2(bf.dx, bf.dw, bf.dw + W, bf.da, bf.db, bf.x, bf.w, bf.w + W,
+                                  bf.offsets, E, D, F);
 }
 
 static void bench_experts_ffn(int bwd)
@@ -747,6 +765,12 @@ static void bench_experts_ffn(int bwd)
         bf.dw = dreal(3 * W);
     }
     use_precision(bf.w, 3 * W, MF);
+    mark(bf.h, MF);
+    if (bwd) { /* h holds its operand, written as the forward writes it */
+        mark(bf.da, MF);
+        mark(bf.db, MF);
+        gpu->swiglu_forward(bf.h, bf.a, bf.b, MF);
+    }
     double ms = time_gpu(bwd ? run_experts_ffn_bwd : run_experts_ffn);
     double flops = (bwd ? 12.0 : 6.0) * M * (double)D * F; /* the GEMMs only */
     char shape[64];

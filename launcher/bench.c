@@ -27,8 +27,9 @@ double moe_bench_flops_per_token(const moe_config *cfg)
     return 3.0 * (2.0 * params + L * 2.0 * T * D);
 }
 
-/* n steps; comm (may be NULL) += their communication times, 6 values as moe_step_result */
-static moe_status steps(moe_trainer *tr, int n, moe_step_result *last, double *comm)
+/* n steps; comm (may be NULL) += their communication times, 6 values as moe_step_result;
+ * rows (may be NULL) += the expert rows this rank computed */
+static moe_status steps(moe_trainer *tr, int n, moe_step_result *last, double *comm, double *rows)
 {
     for (int i = 0; i < n; i++) {
         MOE_CHECK(moe_trainer_accumulate(tr, last));
@@ -41,13 +42,15 @@ static moe_status steps(moe_trainer *tr, int n, moe_step_result *last, double *c
             comm[4] += last->counts_s;
             comm[5] += last->counts_exposed_s;
         }
+        if (rows)
+            *rows += (double)last->expert_rows;
     }
     return tr->model->be->sync();
 }
 
 static void print_report(const moe_trainer *tr, double step_s, const double *ph, const double *comm,
-                         double rate, double mem_max, long allocs, const moe_step_result *last,
-                         int warmup, int phase_steps, FILE *out);
+                         const double *spread, double rate, double mem_max, long allocs,
+                         const moe_step_result *last, int warmup, int phase_steps, FILE *out);
 
 moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profile_steps, FILE *out)
 {
@@ -56,13 +59,17 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     moe_step_result r;
     memset(&r, 0, sizeof r);
     double sync = 0; /* a maximum over the world: every rank leaves it together */
-    MOE_CHECK(steps(tr, warmup, &r, NULL));
+    MOE_CHECK(steps(tr, warmup, &r, NULL, NULL));
+    /* placement = auto: one re-plan from the warm-up's routing, so the timed steps run
+     * with the experts grouped and the ranks' loads balanced */
+    if (tr->routing && strcmp(cfg->placement, "auto") == 0 && m->ep > 1)
+        MOE_CHECK(moe_trainer_replan(tr, tr->rank == 0 ? out : stderr));
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
     const long allocs0 = m->be->allocations();
     const double t0 = moe_clock_seconds();
-    double comm[6] = {0};
-    MOE_CHECK(steps(tr, cfg->steps, &r, comm));
+    double comm[6] = {0}, rows = 0;
+    MOE_CHECK(steps(tr, cfg->steps, &r, comm, &rows));
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
     const double step_s = (moe_clock_seconds() - t0) / cfg->steps;
@@ -70,7 +77,7 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
 
     memset(m->phase_s, 0, sizeof m->phase_s);
     m->timing = 1;
-    MOE_CHECK(steps(tr, phase_steps, &r, NULL));
+    MOE_CHECK(steps(tr, phase_steps, &r, NULL, NULL));
     m->timing = 0;
     double ph[MOE_PHASES];
     for (int p = 0; p < MOE_PHASES; p++)
@@ -86,14 +93,25 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &mem_max, 1));
     for (int i = 0; i < 6; i++)
         comm[i] /= cfg->steps;
+    /* the spread over ranks of the expert rows computed and of the exposed exchange:
+     * min, max (as max of the negated) and sum; a rank with more rows keeps the others
+     * waiting in the exchanges */
+    double spread[6] = {-rows / cfg->steps, rows / cfg->steps, -comm[1], comm[1], 0, 0};
+    spread[4] = rows / cfg->steps;
+    spread[5] = comm[1];
+    if (tr->comm) {
+        MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, spread, 4));
+        MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, spread + 4, 2));
+    }
     if (tr->comm) /* the slowest rank's */
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, comm, 6));
     if (tr->rank == 0)
-        print_report(tr, step_s, ph, comm, rate, mem_max, allocs, &r, warmup, phase_steps, out);
+        print_report(tr, step_s, ph, comm, spread, rate, mem_max, allocs, &r, warmup, phase_steps,
+                     out);
     /* more steps with every kernel timed; rank 0 prints the table */
     if (m->be->profile && profile_steps > 0) {
         m->be->profile(1, NULL);
-        MOE_CHECK(steps(tr, profile_steps, &r, NULL));
+        MOE_CHECK(steps(tr, profile_steps, &r, NULL, NULL));
         if (tr->rank == 0)
             fprintf(out, "kernels of %d more steps (each piece of stream work between events):\n",
                     profile_steps);
@@ -103,8 +121,8 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
 }
 
 static void print_report(const moe_trainer *tr, double step_s, const double *ph, const double *comm,
-                         double rate, double mem_max, long allocs, const moe_step_result *last,
-                         int warmup, int phase_steps, FILE *out)
+                         const double *spread, double rate, double mem_max, long allocs,
+                         const moe_step_result *last, int warmup, int phase_steps, FILE *out)
 {
     const moe_model *m = tr->model;
     const moe_config *cfg = &tr->cfg;
@@ -151,6 +169,14 @@ static void print_report(const moe_trainer *tr, double step_s, const double *ph,
             1e3 * ctot, 1e3 * cexp, ctot > 0 ? fmax(0.0, 100.0 * (1.0 - cexp / ctot)) : 100.0,
             1e3 * comm[0], 1e3 * comm[1], 1e3 * comm[4], 1e3 * comm[5], 1e3 * comm[2],
             1e3 * comm[3]);
+    if (tr->world > 1) {
+        const double mean = spread[4] / tr->world;
+        fprintf(out,
+                "  ranks                 expert rows per step min %.0f max %.0f (max/mean %.3f); "
+                "exposed exchange min %.2f max %.2f mean %.2f ms\n",
+                -spread[0], spread[1], mean > 0 ? spread[1] / mean : 0.0, -1e3 * spread[2],
+                1e3 * spread[3], 1e3 * spread[5] / tr->world);
+    }
     fprintf(out, "  allocations           %ld by the backend during the timed steps (rank 0)\n",
             allocs);
     fprintf(out, "  memory                %.2f GiB %s (largest rank)\n", mem_max / 1073741824.0,

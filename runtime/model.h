@@ -125,6 +125,7 @@ typedef struct {
     int64_t dropped;         /* assignments dropped by the capacity */
     int64_t a2a_bytes;       /* bytes this rank sent to other ranks in token exchanges */
     int64_t a2a_bytes_saved; /* bytes not sent because a token goes once to a rank */
+    int64_t expert_rows;     /* expert rows this rank's experts computed (all MoE layers) */
 } moe_fwd_stats;
 
 struct moe_comm;

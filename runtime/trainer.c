@@ -281,6 +281,7 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
         sums[3] += (double)fs.dropped;
         sums[4] += (double)fs.a2a_bytes;
         sums[5] += (double)fs.a2a_bytes_saved;
+        res->expert_rows += fs.expert_rows;
     }
     {
         moe_comm_set_context(tr->comm, "gradient reduction", -1);

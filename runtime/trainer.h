@@ -45,6 +45,7 @@ typedef struct {
      * exchange and the gradient reduction, each total and exposed */
     double exchange_s, exchange_exposed_s, reduction_s, reduction_exposed_s;
     double counts_s, counts_exposed_s; /* of the exchange: the count exchanges (moe_comm_times) */
+    int64_t expert_rows; /* rows this rank's experts computed in the step (not summed) */
 } moe_step_result;
 
 /* A gradient bucket: the tensors of one backward stage, dense and expert ranges. */
