@@ -717,14 +717,15 @@ static void bench_grouped(int bwd)
 static void bench_grouped_fwd(void) { bench_grouped(0); }
 static void bench_grouped_bwd(void) { bench_grouped(1); }
 
-/* Every expert's SwiGLU FFN as runtime/model.c runs it: grouped gate and up (paired),
+/* Every expert's SwiGLU FFN as runtime/model.c runs it: grouped gate, grouped up,
  * SwiGLU, grouped down; backward in reverse. Weights: one block w1 (E,F,D) | w3 | w2
  * (E,D,F). h, da and db are marked as the model marks them. */
 static void run_experts_ffn(void)
 {
     const int M = M_, D = opt.D, F = opt.F, E = opt.E;
     const size_t W = (size_t)E * F * D;
-    gpu->grouped_matmul_forward2(bf.a, bf.b, bf.x, bf.w, bf.w + W, bf.offsets, E, D, F);
+    gpu->grouped_matmul_forward(bf.a, bf.x, bf.w, bf.offsets, E, D, F);
+    gpu->grouped_matmul_forward(bf.b, bf.x, bf.w + W, bf.offsets, E, D, F);
     gpu->swiglu_forward(bf.h, bf.a, bf.b, (size_t)M * F);
     gpu->grouped_matmul_forward(bf.out, bf.h, bf.w + 2 * W, bf.offsets, E, F, D);
 }
@@ -736,8 +737,8 @@ static void run_experts_ffn_bwd(void)
     gpu->grouped_matmul_backward(bf.dh, bf.dw + 2 * W, bf.dout, bf.h, bf.w + 2 * W, bf.offsets, E,
                                  F, D);
     gpu->swiglu_backward(bf.da, bf.db, bf.dh, bf.a, bf.b, (size_t)M * F);
-    gpu->grouped_matmul_backward2(bf.dx, bf.dw, bf.dw + W, bf.da, bf.db, bf.x, bf.w, bf.w + W,
-                                  bf.offsets, E, D, F);
+    gpu->grouped_matmul_backward(bf.dx, bf.dw, bf.da, bf.x, bf.w, bf.offsets, E, D, F);
+    gpu->grouped_matmul_backward(bf.dx, bf.dw + W, bf.db, bf.x, bf.w + W, bf.offsets, E, D, F);
 }
 
 static void bench_experts_ffn(int bwd)

@@ -32,8 +32,6 @@ extern "C" {
     X(matmul_backward)                                                                             \
     X(grouped_matmul_forward)                                                                      \
     X(grouped_matmul_backward)                                                                     \
-    X(grouped_matmul_forward2)                                                                     \
-    X(grouped_matmul_backward2)                                                                    \
     X(swiglu_forward)                                                                              \
     X(swiglu_backward)                                                                             \
     X(rope_tables)                                                                                 \

@@ -102,18 +102,3 @@ void grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x
                         O);
     }
 }
-
-void grouped_matmul_forward2(real *out0, real *out1, const real *x, const real *w0, const real *w1,
-                             const int *offsets, int G, int I, int O)
-{
-    grouped_matmul_forward(out0, x, w0, offsets, G, I, O);
-    grouped_matmul_forward(out1, x, w1, offsets, G, I, O);
-}
-
-void grouped_matmul_backward2(real *dx, real *dw0, real *dw1, const real *dout0, const real *dout1,
-                              const real *x, const real *w0, const real *w1, const int *offsets,
-                              int G, int I, int O)
-{
-    grouped_matmul_backward(dx, dw0, dout0, x, w0, offsets, G, I, O);
-    grouped_matmul_backward(dx, dw1, dout1, x, w1, offsets, G, I, O);
-}

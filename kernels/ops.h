@@ -72,15 +72,6 @@ void grouped_matmul_forward(real *out, const real *x, const real *w, const int *
                             int I, int O);
 void grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x, const real *w,
                              const int *offsets, int G, int I, int O);
-/* The two grouped products of one input that the SwiGLU experts make (w1 and w3): out0
- * = x W0^T and out1 = x W1^T per group; the backward adds dout0 W0 + dout1 W1 to dx and
- * each product's gradient to dw0, dw1 (the same sums, in that order, as two
- * grouped_matmul calls). A backend may pair each group's two GEMMs into one call. */
-void grouped_matmul_forward2(real *out0, real *out1, const real *x, const real *w0, const real *w1,
-                             const int *offsets, int G, int I, int O);
-void grouped_matmul_backward2(real *dx, real *dw0, real *dw1, const real *dout0, const real *dout1,
-                              const real *x, const real *w0, const real *w1, const int *offsets,
-                              int G, int I, int O);
 
 /* ---- SwiGLU: h = silu(a) * b, silu(a) = a * sigmoid(a) ---------------------------- */
 /* a, b, h: n elements each (a gate, b up projection). */

@@ -214,10 +214,8 @@ static const void *rounded_operand(const real *x, size_t n, int i)
 typedef struct {
     int ta, tb, m, n, k, lda, ldb, ldc;
     int align_a, align_b, align_c, accumulate;
-    int operand_type;     /* cudaDataType_t of A and B */
-    int exact;            /* n and k are the real sizes, not buckets */
-    int batch, pad;       /* strided batch of `batch` products (1: one), pad zero */
-    long long sa, sb, sc; /* their strides in elements (A and B: the operand type) */
+    int operand_type; /* cudaDataType_t of A and B */
+    int exact;        /* n and k are the real sizes, not buckets */
 } gemm_key;
 
 typedef struct {
@@ -274,23 +272,6 @@ static int alignment(const void *p)
     return al;
 }
 
-/* A strided batch (k->batch > 1): the count and each layout's stride. 0 on failure. */
-static int layouts_batch(gemm_plan *p, const gemm_key *k)
-{
-    if (k->batch <= 1)
-        return 1;
-    const int32_t count = k->batch;
-    const int64_t stride[3] = {k->sa, k->sb, k->sc};
-    cublasLtMatrixLayout_t l[3] = {p->la, p->lb, p->lc};
-    for (int i = 0; i < 3; i++)
-        if (!MOE_LT_OK(cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                                                        &count, sizeof count)) ||
-            !MOE_LT_OK(cublasLtMatrixLayoutSetAttribute(
-                l[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride[i], sizeof stride[i])))
-            return 0;
-    return 1;
-}
-
 static int plan_build(gemm_plan *p, const gemm_key *k)
 {
     cublasLtMatmulPreference_t pref = NULL;
@@ -315,7 +296,7 @@ static int plan_build(gemm_plan *p, const gemm_key *k)
         !MOE_LT_OK(cublasLtMatrixLayoutCreate(&p->lb, (cudaDataType_t)k->operand_type,
                                               k->tb ? k->n : k->k, k->tb ? k->k : k->n, k->ldb)) ||
         !MOE_LT_OK(cublasLtMatrixLayoutCreate(&p->lc, CUDA_R_32F, k->m, k->n, k->ldc)) ||
-        !layouts_batch(p, k) || !MOE_LT_OK(cublasLtMatmulPreferenceCreate(&pref)) ||
+        !MOE_LT_OK(cublasLtMatmulPreferenceCreate(&pref)) ||
         !MOE_LT_OK(cublasLtMatmulPreferenceSetAttribute(
             pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_limit, sizeof ws_limit)) ||
         !MOE_LT_OK(cublasLtMatmulPreferenceSetAttribute(
@@ -415,36 +396,16 @@ static void *lane_workspace(int lane, size_t *nbytes)
     return lane ? side_ws[lane - 1] : ws;
 }
 
-/* Strides of a strided batch of 2 (the second product's operands sa, sb, sc elements
- * after the first's); batch 1: one product. */
-typedef struct {
-    int batch;
-    long long sa, sb, sc;
-} gemm_strides;
-
-static const gemm_strides one_product = {1, 0, 0, 0};
-
-/* The alignment of a batch's operand: of its first matrix and of the stride's bytes. */
-static int batch_alignment(const void *p, long long stride, size_t elem, int batch)
-{
-    const int a = alignment(p);
-    if (batch <= 1 || stride == 0)
-        return a;
-    const int b = alignment((const void *)(uintptr_t)((unsigned long long)stride * elem));
-    return a < b ? a : b;
-}
-
 static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A, int lda,
-                    const void *B, int ldb, real *C, int ldc, int accumulate, gemm_strides bs)
+                    const void *B, int ldb, real *C, int ldc, int accumulate)
 {
     if (m <= 0 || n <= 0 || !A || !B)
         return;
-    if (k <= 0) { /* an empty sum: only single products come here (grouped skips them) */
+    if (k <= 0) { /* an empty sum */
         if (!accumulate)
             MOE_CUDA_OK(cudaMemsetAsync(C, 0, sizeof(real) * (size_t)m * n, lane_stream(lane)));
         return;
     }
-    const size_t op_elem = prec == MOE_PREC_FP32 ? sizeof(real) : sizeof(uint16_t);
     gemm_key key;
     memset(&key, 0, sizeof key);
     key.ta = ta;
@@ -455,15 +416,11 @@ static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A
     key.lda = lda;
     key.ldb = ldb;
     key.ldc = ldc;
-    key.align_a = batch_alignment(A, bs.sa, op_elem, bs.batch);
-    key.align_b = batch_alignment(B, bs.sb, op_elem, bs.batch);
-    key.align_c = batch_alignment(C, bs.sc, sizeof(real), bs.batch);
+    key.align_a = alignment(A);
+    key.align_b = alignment(B);
+    key.align_c = alignment(C);
     key.accumulate = accumulate;
     key.operand_type = (int)operand_type();
-    key.batch = bs.batch;
-    key.sa = bs.sa;
-    key.sb = bs.sb;
-    key.sc = bs.sc;
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     size_t ws_bytes = 0;
     void *ws = lane_workspace(lane, &ws_bytes);
@@ -495,7 +452,7 @@ static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A
 static void gemm(int ta, int tb, int m, int n, int k, const void *A, int lda, const void *B,
                  int ldb, real *C, int ldc, int accumulate)
 {
-    gemm_on(0, ta, tb, m, n, k, A, lda, B, ldb, C, ldc, accumulate, one_product);
+    gemm_on(0, ta, tb, m, n, k, A, lda, B, ldb, C, ldc, accumulate);
 }
 
 /* out (N,O) = x (N,I) W^T: out^T = op_T(W stored I x O) x^T. The operands are already in
@@ -554,8 +511,6 @@ typedef struct {
     int m[GROUPED_MAX], nn[GROUPED_MAX], k[GROUPED_MAX];
     int lda[GROUPED_MAX], ldb[GROUPED_MAX], ldc[GROUPED_MAX], size[GROUPED_MAX];
     float alpha[GROUPED_MAX], beta[GROUPED_MAX];
-    unsigned char pair[GROUPED_MAX];   /* problem i and i + 1 run as one strided batch of 2 */
-    gemm_strides strides[GROUPED_MAX]; /* of the pair that problem i starts */
     grouped_ptrs ptr;
 } grouped_batch;
 
@@ -563,8 +518,6 @@ static cublasHandle_t blas;      /* the grouped GEMMs' handle, on the backend's 
 static void **ptr_table;         /* device, 3 * GROUPED_MAX pointers */
 static int grouped_refused[3];   /* per operand precision: cuBLAS refused the grouped form */
 static long n_grouped, n_single; /* grouped calls made; GEMMs made one by one */
-static long n_paired;            /* of those, calls that ran a pair as one strided batch */
-static int pairing = 1;          /* MOE_GEMM_PAIR=0 turns pairs off (a benchmark knob) */
 
 static __global__ void fill_pointers_kernel(void **dst, grouped_ptrs src, int n3)
 {
@@ -590,8 +543,6 @@ static int grouped_ready(void)
         blas = NULL;
         return 0;
     }
-    const char *pair_env = getenv("MOE_GEMM_PAIR");
-    pairing = !(pair_env && strcmp(pair_env, "0") == 0);
     const char *env = getenv("MOE_GEMM_STREAMS"); /* 1 .. 1 + SIDE_LANES; a benchmark knob */
     int want = env ? atoi(env) : 1 + SIDE_LANES;
     want = want < 1 ? 1 : want > 1 + SIDE_LANES ? 1 + SIDE_LANES : want;
@@ -641,27 +592,20 @@ static void grouped_flush(grouped_batch *g)
         }
         grouped_refused[prec_slot()] = 1; /* this precision: one GEMM per group from now */
     }
-    /* one by one (a pair as one strided batch), over the lanes in turn: the side streams
-     * start after what the backend's stream holds (fork) and the backend's stream goes on
-     * after all of them (join) */
-    int calls = 0;
-    for (int i = 0; i < n; i++, calls++)
-        i += g->pair[i];
-    const int use = calls < lanes ? calls : lanes;
+    /* one by one, over the lanes in turn: the side streams start after what the backend's
+     * stream holds (fork) and the backend's stream goes on after all of them (join) */
+    const int use = n < lanes ? n : lanes;
     if (use > 1) {
         MOE_CUDA_PROF_BEGIN("cuBLASLt GEMMs on several streams"); /* the inner ones nest */
         MOE_CUDA_OK(cudaEventRecord(fork_ev, moe_cuda_stream()));
         for (int l = 1; l < use; l++)
             MOE_CUDA_OK(cudaStreamWaitEvent(side_stream[l - 1], fork_ev, 0));
     }
-    for (int i = 0, j = 0; i < n; i++, j++) {
-        const gemm_strides bs = g->pair[i] ? g->strides[i] : one_product;
-        gemm_on(j % use, g->ta[i] == CUBLAS_OP_T, g->tb[i] == CUBLAS_OP_T, g->m[i], g->nn[i],
+    for (int i = 0; i < n; i++) {
+        gemm_on(i % use, g->ta[i] == CUBLAS_OP_T, g->tb[i] == CUBLAS_OP_T, g->m[i], g->nn[i],
                 g->k[i], g->ptr.p[i], g->lda[i], g->ptr.p[GROUPED_MAX + i], g->ldb[i],
-                (real *)g->ptr.p[2 * GROUPED_MAX + i], g->ldc[i], g->beta[i] != 0.0f, bs);
-        n_single += bs.batch;
-        n_paired += bs.batch > 1;
-        i += g->pair[i];
+                (real *)g->ptr.p[2 * GROUPED_MAX + i], g->ldc[i], g->beta[i] != 0.0f);
+        n_single++;
     }
     if (use > 1) {
         for (int l = 1; l < use; l++) {
@@ -693,50 +637,15 @@ static void grouped_add(grouped_batch *g, int ta, int tb, int m, int n, int k, c
     g->ptr.p[i] = A;
     g->ptr.p[GROUPED_MAX + i] = B;
     g->ptr.p[2 * GROUPED_MAX + i] = C;
-    g->pair[i] = 0;
     if (g->n == GROUPED_MAX)
         grouped_flush(g);
 }
 
-/* The stride from p0 to p1 in elements of elem bytes; -1 where it is not a whole,
- * non-negative number of them. */
-static long long elem_stride(const void *p0, const void *p1, size_t elem)
-{
-    if ((const char *)p1 < (const char *)p0)
-        return -1;
-    const size_t bytes = (size_t)((const char *)p1 - (const char *)p0);
-    return bytes % elem ? -1 : (long long)(bytes / elem);
-}
-
-/* Adds two problems of one shape, C0 = op(A0) op(B0) and C1 = op(A1) op(B1) (+ C): a
- * strided batch of 2 where the strides are whole and non-negative (and pairing is on),
- * else two problems. */
-static void grouped_add2(grouped_batch *g, int ta, int tb, int m, int n, int k, const void *A0,
-                         const void *A1, int lda, const void *B0, const void *B1, int ldb, real *C0,
-                         real *C1, int ldc, int accumulate)
-{
-    if (m <= 0 || n <= 0 || k <= 0 || !A0 || !A1 || !B0 || !B1)
-        return;
-    if (g->n + 2 > GROUPED_MAX)
-        grouped_flush(g);
-    const size_t op_elem = prec == MOE_PREC_FP32 ? sizeof(real) : sizeof(uint16_t);
-    const gemm_strides bs = {2, elem_stride(A0, A1, op_elem), elem_stride(B0, B1, op_elem),
-                             elem_stride(C0, C1, sizeof(real))};
-    const int i = g->n;
-    grouped_add(g, ta, tb, m, n, k, A0, lda, B0, ldb, C0, ldc, accumulate); /* no flush: i + 1 */
-    if (pairing && bs.sa >= 0 && bs.sb >= 0 && bs.sc > 0) { /* sc 0: one output, not a pair */
-        g->pair[i] = 1;
-        g->strides[i] = bs;
-    }
-    grouped_add(g, ta, tb, m, n, k, A1, lda, B1, ldb, C1, ldc, accumulate); /* may flush both */
-}
-
 /* Counts of grouped calls and of GEMMs run one by one (for tests and benchmarks). */
-extern "C" void moe_cuda_grouped_counts(long *grouped_calls, long *single_gemms, long *paired)
+extern "C" void moe_cuda_grouped_counts(long *grouped_calls, long *single_gemms)
 {
     *grouped_calls = n_grouped;
     *single_gemms = n_single;
-    *paired = n_paired;
 }
 
 static grouped_batch batch; /* one at a time: the backend runs on one host thread */
@@ -773,65 +682,6 @@ extern "C" void cuda_grouped_matmul_backward(real *dx, real *dw, const real *dou
                         at(douto, (size_t)m0 * O), O, dw + (size_t)g * O * I, I, 1);
     }
     grouped_flush(&batch);
-}
-
-/* The experts' w1 and w3 (ops.h grouped_matmul_forward2): per group one strided batch of
- * 2, the input shared (stride 0), the weights and outputs a fixed distance apart. */
-extern "C" void cuda_grouped_matmul_forward2(real *out0, real *out1, const real *x, const real *w0,
-                                             const real *w1, const int *offsets, int G, int I,
-                                             int O)
-{
-    const void *xo = rounded_operand(x, (size_t)offsets[G] * I, 0);
-    const void *wo0 = weight_operand(w0), *wo1 = weight_operand(w1);
-    for (int g = 0; g < G; g++) {
-        const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
-        if (rows > 0)
-            grouped_add2(&batch, 1, 0, O, rows, I, at(wo0, (size_t)g * O * I),
-                         at(wo1, (size_t)g * O * I), I, at(xo, (size_t)m0 * I),
-                         at(xo, (size_t)m0 * I), I, out0 + (size_t)m0 * O, out1 + (size_t)m0 * O, O,
-                         0);
-    }
-    grouped_flush(&batch);
-}
-
-/* dx += dout0 W0 (with the pairs of weight gradients), then dx += dout1 W1: two calls, as
- * the problems of one call may run at once and these two add into the same dx. Both output
- * gradients must be operands at once: in fp32, or each marked (in place); otherwise two
- * grouped_matmul_backward calls (both would round into one workspace). */
-extern "C" void cuda_grouped_matmul_backward2(real *dx, real *dw0, real *dw1, const real *dout0,
-                                              const real *dout1, const real *x, const real *w0,
-                                              const real *w1, const int *offsets, int G, int I,
-                                              int O)
-{
-    const size_t M = (size_t)offsets[G];
-    int bf16 = 0;
-    if (!dw0 || !dw1 ||
-        (prec != MOE_PREC_FP32 && (!cuda_operand_in_place(dout0, M * O, &bf16) ||
-                                   !cuda_operand_in_place(dout1, M * O, &bf16)))) {
-        cuda_grouped_matmul_backward(dx, dw0, dout0, x, w0, offsets, G, I, O);
-        cuda_grouped_matmul_backward(dx, dw1, dout1, x, w1, offsets, G, I, O);
-        return;
-    }
-    const void *douto0 = rounded_operand(dout0, M * O, 1),
-               *douto1 = rounded_operand(dout1, M * O, 1);
-    const void *xo = rounded_operand(x, M * I, 0);
-    for (int h = 0; h < 2; h++) {
-        const void *wo = dx ? weight_operand(h ? w1 : w0) : NULL, *douto = h ? douto1 : douto0;
-        for (int g = 0; g < G; g++) {
-            const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
-            if (rows <= 0)
-                continue;
-            if (dx)
-                grouped_add(&batch, 0, 0, I, rows, O, at(wo, (size_t)g * O * I), I,
-                            at(douto, (size_t)m0 * O), O, dx + (size_t)m0 * I, I, 1);
-            if (h == 0)
-                grouped_add2(&batch, 0, 1, I, O, rows, at(xo, (size_t)m0 * I),
-                             at(xo, (size_t)m0 * I), I, at(douto0, (size_t)m0 * O),
-                             at(douto1, (size_t)m0 * O), O, dw0 + (size_t)g * O * I,
-                             dw1 + (size_t)g * O * I, I, 1);
-        }
-        grouped_flush(&batch);
-    }
 }
 
 /* ---- the bench's GEMM ceiling -------------------------------------------------------- */

@@ -159,7 +159,7 @@ static void *host_blocks[MAX_BLOCKS], *dev_blocks[MAX_BLOCKS];
 static int n_host, n_dev;
 
 /* Grouped calls and one-by-one GEMMs of the grouped matmuls so far (matmul.cu). */
-void moe_cuda_grouped_counts(long *grouped_calls, long *single_gemms, long *paired);
+void moe_cuda_grouped_counts(long *grouped_calls, long *single_gemms);
 
 static void *hmem(size_t nbytes)
 {
@@ -431,41 +431,6 @@ static void test_grouped(int G, const int *rows, int I, int O, const char *name)
         /* whole dw: an empty group's slice must be untouched on both sides */
         check_f("dw", HOSTF(dgw, GOI), gw, GOI, I, GEMM_K(M));
     }
-    free_all();
-}
-
-/* The paired form of the experts' w1 and w3 (fp32 here; the paired 16-bit path is
- * test_cuda_precision's): two weights of the arena-free kind, one input. */
-static void test_grouped2(int G, const int *rows, int I, int O, const char *name)
-{
-    int *offsets = hmem(sizeof(int) * (G + 1));
-    offsets[0] = 0;
-    for (int g = 0; g < G; g++)
-        offsets[g + 1] = offsets[g] + rows[g];
-    const int M = offsets[G];
-    const size_t MI = (size_t)M * I, MO = (size_t)M * O, GOI = (size_t)G * O * I;
-    float *x = frand(MI, -0.5, 0.5), *w0 = frand(GOI, -0.5, 0.5), *w1 = frand(GOI, -0.5, 0.5);
-    float *dx_ = DEVF(x, MI), *dw0_ = DEVF(w0, GOI), *dw1_ = DEVF(w1, GOI);
-
-    begin("grouped_matmul_forward2", name);
-    float *out0 = fnan(MO), *out1 = fnan(MO), *dout0 = DEVF(out0, MO), *dout1 = DEVF(out1, MO);
-    cpu->grouped_matmul_forward2(out0, out1, x, w0, w1, offsets, G, I, O);
-    gpu->grouped_matmul_forward2(dout0, dout1, dx_, dw0_, dw1_, offsets, G, I, O);
-    gpu_done();
-    check_f("out0", HOSTF(dout0, MO), out0, MO, O, GEMM_K(I));
-    check_f("out1", HOSTF(dout1, MO), out1, MO, O, GEMM_K(I));
-
-    begin("grouped_matmul_backward2", name);
-    float *g0 = frand(MO, -0.5, 0.5), *g1 = frand(MO, -0.5, 0.5);
-    float *dg0 = DEVF(g0, MO), *dg1 = DEVF(g1, MO);
-    float *gx = frand(MI, -1, 1), *gw0 = frand(GOI, -1, 1), *gw1 = frand(GOI, -1, 1);
-    float *dgx = DEVF(gx, MI), *dgw0 = DEVF(gw0, GOI), *dgw1 = DEVF(gw1, GOI);
-    cpu->grouped_matmul_backward2(gx, gw0, gw1, g0, g1, x, w0, w1, offsets, G, I, O);
-    gpu->grouped_matmul_backward2(dgx, dgw0, dgw1, dg0, dg1, dx_, dw0_, dw1_, offsets, G, I, O);
-    gpu_done();
-    check_f("dx", HOSTF(dgx, MI), gx, MI, I, GEMM_K(2 * O));
-    check_f("dw0", HOSTF(dgw0, GOI), gw0, GOI, I, GEMM_K(M)); /* empty groups untouched */
-    check_f("dw1", HOSTF(dgw1, GOI), gw1, GOI, I, GEMM_K(M));
     free_all();
 }
 
@@ -1152,10 +1117,8 @@ int main(void)
     for (int g = 0; g < 300; g++)
         g4[g] = (g * 37) % 11 == 3 ? 0 : 1 + (g * 13) % 9;
     test_grouped(300, g4, 24, 40, "300 groups");
-    test_grouped2(8, g2, 64, 128, "tiny w1 and w3");
-    test_grouped2(300, g4, 24, 40, "300 groups");
-    long grouped_calls = 0, single_gemms = 0, paired = 0;
-    moe_cuda_grouped_counts(&grouped_calls, &single_gemms, &paired);
+    long grouped_calls = 0, single_gemms = 0;
+    moe_cuda_grouped_counts(&grouped_calls, &single_gemms);
     printf("grouped GEMMs (fp32): %ld grouped calls, %ld GEMMs one by one\n", grouped_calls,
            single_gemms);
     begin("grouped_matmul_forward", "one grouped call per op (not one GEMM per group)");

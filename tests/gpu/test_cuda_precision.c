@@ -275,98 +275,6 @@ static void check_writers_marked(moe_precision p, const char *mode, const float 
     free(rt);
 }
 
-void moe_cuda_grouped_counts(long *grouped_calls, long *single_gemms, long *paired);
-
-static long paired_calls(void)
-{
-    long grouped = 0, single = 0, paired = 0;
-    moe_cuda_grouped_counts(&grouped, &single, &paired);
-    return paired;
-}
-
-/* The experts' paired products (grouped_matmul_forward2 / backward2: w0 and w1 of one
- * input, each group's two GEMMs one strided batch of 2 in a 16-bit precision) against
- * the CPU's, with the weights the arena's first two (G, Oh, I) blocks. The backward runs
- * twice: from output gradients in plain buffers (not paired: both would round into one
- * workspace) and from marked ones (written by SwiGLU's backward; paired). In a 16-bit
- * precision the paired calls must have run; in fp32 the grouped form may take them. */
-static void check_pair(moe_precision p, const char *mode, double bound, const float *x,
-                       const float *w, const float *dx_, const float *dw_, const int *offsets,
-                       int N, int I, int O, int G)
-{
-    const int Oh = O / 2;
-    const size_t no = (size_t)N * Oh, ni = (size_t)N * I, nw = (size_t)G * Oh * I;
-    float *h[5], *ref[5], *got = malloc(sizeof(float) * (ni > nw ? ni : nw));
-    for (int a = 0; a < 5; a++) { /* SwiGLU's a, b, dh; then da, db as fp32 */
-        h[a] = malloc(sizeof(float) * no);
-        fill(h[a], no, 30 + a, 1.0);
-    }
-    ref[0] = malloc(sizeof(float) * no); /* out0, out1, dx, dw0, dw1 */
-    ref[1] = malloc(sizeof(float) * no);
-    ref[2] = calloc(ni, sizeof(float));
-    ref[3] = calloc(nw, sizeof(float));
-    ref[4] = calloc(nw, sizeof(float));
-    char what[80];
-    int bad_pairs = 0;
-
-    float *out0 = gpu->alloc(sizeof(float) * no), *out1 = gpu->alloc(sizeof(float) * no);
-    long before = paired_calls();
-    moe_backend_cpu.grouped_matmul_forward2(ref[0], ref[1], x, w, w + nw, offsets, G, I, Oh);
-    gpu->grouped_matmul_forward2(out0, out1, dx_, dw_, dw_ + nw, offsets, G, I, Oh);
-    bad_pairs += p != MOE_PREC_FP32 && paired_calls() == before;
-    to_host(got, out0, no);
-    report("pair forward out0", mode, rel_err(got, ref[0], no), bound);
-    to_host(got, out1, no);
-    report("pair forward out1", mode, rel_err(got, ref[1], no), bound);
-
-    float *a_in = dev_copy(h[0], no), *b_in = dev_copy(h[1], no), *dh = dev_copy(h[2], no);
-    float *gx = gpu->alloc(sizeof(float) * ni), *gw0 = gpu->alloc(sizeof(float) * nw),
-          *gw1 = gpu->alloc(sizeof(float) * nw);
-    float *ga[2], *gb[2];
-    for (int k = 0; k < 2; k++) { /* 0: plain buffers, 1: marked */
-        ga[k] = gpu->alloc(sizeof(float) * no);
-        gb[k] = gpu->alloc(sizeof(float) * no);
-    }
-    int st = gpu->mark_operand(ga[1], no) != MOE_OK || gpu->mark_operand(gb[1], no) != MOE_OK;
-    for (int k = 0; k < 2; k++)
-        gpu->swiglu_backward(ga[k], gb[k], dh, a_in, b_in, no);
-    to_host(h[3], ga[0], no);
-    to_host(h[4], gb[0], no);
-    moe_backend_cpu.grouped_matmul_backward2(ref[2], ref[3], ref[4], h[3], h[4], x, w, w + nw,
-                                             offsets, G, I, Oh);
-    for (int k = 0; k < 2; k++) {
-        gpu->zero(gx, sizeof(float) * ni);
-        gpu->zero(gw0, sizeof(float) * nw);
-        gpu->zero(gw1, sizeof(float) * nw);
-        before = paired_calls();
-        gpu->grouped_matmul_backward2(gx, gw0, gw1, ga[k], gb[k], dx_, dw_, dw_ + nw, offsets, G, I,
-                                      Oh);
-        const int paired = paired_calls() > before;
-        bad_pairs += p != MOE_PREC_FP32 && paired != k;
-        const char *which = k ? "marked" : "plain";
-        const float *dev[3] = {gx, gw0, gw1};
-        const char *names[3] = {"dx", "dw0", "dw1"};
-        for (int a = 0; a < 3; a++) {
-            const size_t n = a ? nw : ni;
-            to_host(got, dev[a], n);
-            snprintf(what, sizeof what, "pair backward %s (%s)", names[a], which);
-            report(what, mode, rel_err(got, ref[2 + a], n), bound);
-        }
-    }
-    snprintf(what, sizeof what, "pairs %s", p != MOE_PREC_FP32 ? "paired where they can" : "-");
-    report(what, mode, bad_pairs + st, 0.0);
-    gpu->mark_operand(ga[1], 0);
-    gpu->mark_operand(gb[1], 0);
-    float *rel[] = {out0, out1, a_in, b_in, dh, gx, gw0, gw1, ga[0], ga[1], gb[0], gb[1]};
-    for (size_t i = 0; i < sizeof rel / sizeof *rel; i++)
-        gpu->release(rel[i]);
-    for (int a = 0; a < 5; a++) {
-        free(h[a]);
-        free(ref[a]);
-    }
-    free(got);
-}
-
 static void check_mode(moe_precision p, const char *mode, double bound)
 {
     const int N = 301, I = 160, O = 224, G = 5;
@@ -428,7 +336,6 @@ static void check_mode(moe_precision p, const char *mode, double bound)
         empty += fabs(got[i]);
     report("grouped empty group untouched", mode, empty, 0.0);
     check_in_place(p, mode, x, dw_, offsets, N, I, O, G);
-    check_pair(p, mode, bound, x, w, dx_, dw_, offsets, N, I, O, G);
     check_ce_in_place(p, mode, dw_, 60, 1000, I); /* (V, I) weights: the arena's start */
     check_ce_in_place(p, mode, dw_, 60, 999, I);
     check_writers_marked(p, mode, dw_, 70, 160, 120); /* (O, D) weights: the arena's start */

@@ -284,50 +284,6 @@ static void test_grouped_matmul_backward(void **state)
     pool_free(&pl);
 }
 
-/* The paired form (the experts' w1 and w3): loss = R0 . out0 + R1 . out1. */
-typedef struct {
-    real *out0, *out1, *x, *w0, *w1, *R0, *R1;
-    const int *offsets;
-    int M, I, O, G;
-} mm2_ctx;
-
-static double mm2_loss(void *c)
-{
-    mm2_ctx *m = c;
-    grouped_matmul_forward2(m->out0, m->out1, m->x, m->w0, m->w1, m->offsets, m->G, m->I, m->O);
-    return dot(m->R0, m->out0, (size_t)m->M * m->O) + dot(m->R1, m->out1, (size_t)m->M * m->O);
-}
-
-static void test_grouped_matmul_backward2(void **state)
-{
-    (void)state;
-    pool pl = {0};
-    enum { G = 3, M = 6, I = 5, O = 3 };
-    static const int offsets[G + 1] = {0, 2, 2, 6}; /* group 1 empty */
-    size_t nx = M * I, nw = G * O * I, no = M * O;
-    mm2_ctx m = {buf_zero(&pl, no),
-                 buf_zero(&pl, no),
-                 buf_rand(&pl, nx, 0.1, 1),
-                 buf_rand(&pl, nw, 0.1, 1),
-                 buf_rand(&pl, nw, 0.1, 1),
-                 buf_rand(&pl, no, 0.1, 1),
-                 buf_rand(&pl, no, 0.1, 1),
-                 offsets,
-                 M,
-                 I,
-                 O,
-                 G};
-    real *dx0 = buf_rand(&pl, nx, 0.1, 1), *dx = buf_copy(&pl, dx0, nx);
-    real *dwa0 = buf_rand(&pl, nw, 0.1, 1), *dwa = buf_copy(&pl, dwa0, nw);
-    real *dwb0 = buf_rand(&pl, nw, 0.1, 1), *dwb = buf_copy(&pl, dwb0, nw);
-    grouped_matmul_backward2(dx, dwa, dwb, m.R0, m.R1, m.x, m.w0, m.w1, offsets, G, I, O);
-    assert_true(check_fd("dx", m.x, added(&pl, dx, dx0, nx), nx, I, mm2_loss, &m));
-    assert_true(check_fd("dw0", m.w0, added(&pl, dwa, dwa0, nw), nw, I, mm2_loss, &m));
-    assert_true(check_fd("dw1", m.w1, added(&pl, dwb, dwb0, nw), nw, I, mm2_loss, &m));
-    assert_memory_equal(dwb + O * I, dwb0 + O * I, O * I * sizeof(real)); /* the empty group */
-    pool_free(&pl);
-}
-
 /* ---- swiglu --------------------------------------------------------------------- */
 
 typedef struct {
@@ -797,7 +753,6 @@ int main(void)
         cmocka_unit_test(test_rmsnorm_backward),
         cmocka_unit_test(test_matmul_backward),
         cmocka_unit_test(test_grouped_matmul_backward),
-        cmocka_unit_test(test_grouped_matmul_backward2),
         cmocka_unit_test(test_swiglu_backward),
         cmocka_unit_test(test_rope_backward),
         cmocka_unit_test(test_attention_backward),
