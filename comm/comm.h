@@ -158,6 +158,21 @@ typedef struct {
 } moe_comm_times;
 void moe_comm_take_times(moe_comm *c, moe_comm_times *out);
 
+/* The same times by where the compute stream (on the CPU, the host) waited: the context
+ * of the wait (moe_comm_set_context: phase and layer), e.g. "forward combine of layer
+ * 2". Accumulated over every wait since the last moe_comm_take_sites, which copies up to
+ * cap of them into out (in the order they first occurred: the same on every rank of a
+ * step), empties the table and returns how many there were. Times are read as
+ * moe_comm_take_times reads them: call it after a step's last synchronisation. At most
+ * MOE_COMM_SITES places; later new ones are counted under the last. Local. */
+#define MOE_COMM_SITES 64
+typedef struct {
+    char name[64];
+    double total_s, exposed_s;
+    long count;
+} moe_comm_site;
+int moe_comm_take_sites(moe_comm *c, moe_comm_site *out, int cap);
+
 /* Blocking element-wise maximum of n doubles over group g, in place. */
 moe_status moe_comm_max_doubles(moe_comm *c, moe_group g, double *vals, int n);
 

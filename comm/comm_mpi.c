@@ -50,6 +50,16 @@ struct moe_comm {
     int exchange_repeat;   /* moe_comm_set_exchange_repeat */
     int ep_hosts;          /* hosts the EP group spans */
     moe_comm_times times;  /* since the last moe_comm_take_times */
+    /* per handle: the context of its wait, where its times are counted */
+    const char **wait_phase;
+    int *wait_layer;
+    struct {
+        const char *phase;
+        int layer;
+        double total, exposed;
+        long count;
+    } sites[MOE_COMM_SITES]; /* since the last moe_comm_take_sites */
+    int n_sites;
 };
 
 /* is_device: an NCCL operation in flight, or waited for with its times still to read
@@ -239,13 +249,15 @@ moe_status moe_comm_create(moe_comm **out, int ep)
     c->req_peer = malloc(sizeof(int) * pool);
     c->n_req = malloc(sizeof(int) * POOL_HANDLES);
     c->what = calloc(POOL_HANDLES, sizeof *c->what);
+    c->wait_phase = calloc(POOL_HANDLES, sizeof *c->wait_phase);
+    c->wait_layer = calloc(POOL_HANDLES, sizeof *c->wait_layer);
     c->group = calloc(POOL_HANDLES, sizeof *c->group);
     c->reduction = calloc(POOL_HANDLES, 1);
     c->scratch = malloc(sizeof(MPI_Request) * 2 * (size_t)ep);
     c->scratch_peer = malloc(sizeof(int) * 2 * (size_t)ep);
     c->is_device = calloc(POOL_HANDLES, 1);
-    if (!c->req || !c->req_peer || !c->n_req || !c->what || !c->group || !c->reduction ||
-        !c->scratch || !c->scratch_peer || !c->is_device) {
+    if (!c->req || !c->req_peer || !c->n_req || !c->what || !c->wait_phase || !c->wait_layer ||
+        !c->group || !c->reduction || !c->scratch || !c->scratch_peer || !c->is_device) {
         st = MOE_ERR_NOMEM;
         moe_log_at(__FILE__, __LINE__, "cannot allocate the request pool");
         goto fail;
@@ -273,6 +285,8 @@ void moe_comm_destroy(moe_comm *c)
     free(c->req_peer);
     free(c->n_req);
     free(c->what);
+    free(c->wait_phase);
+    free(c->wait_layer);
     free(c->group);
     free(c->reduction);
     free(c->scratch);
@@ -304,6 +318,56 @@ void moe_comm_set_context(moe_comm *c, const char *phase, int layer)
     c->ctx_layer = layer;
 }
 
+/* Adds n operations' times to their place (phase and layer of their wait). */
+static void site_add(moe_comm *c, const char *phase, int layer, double total, double exposed,
+                     long n)
+{
+    int i = 0;
+    while (i < c->n_sites && !(c->sites[i].layer == layer &&
+                               (c->sites[i].phase == phase ||
+                                (c->sites[i].phase && phase && !strcmp(c->sites[i].phase, phase)))))
+        i++;
+    if (i == c->n_sites) {
+        if (c->n_sites == MOE_COMM_SITES)
+            i = MOE_COMM_SITES - 1; /* full: the last place takes the rest */
+        else {
+            c->n_sites++;
+            c->sites[i].phase = phase;
+            c->sites[i].layer = layer;
+            c->sites[i].total = c->sites[i].exposed = 0;
+            c->sites[i].count = 0;
+        }
+    }
+    c->sites[i].total += total;
+    c->sites[i].exposed += exposed;
+    c->sites[i].count += n;
+}
+
+static const char counts_site[] = "token-count exchanges (every layer)";
+
+int moe_comm_take_sites(moe_comm *c, moe_comm_site *out, int cap)
+{
+    if (!c)
+        return 0;
+    moe_comm_times t;
+    moe_comm_take_times(c, &t); /* reads the device times due into the sites */
+    c->times = t;               /* ... and leaves the step's totals for their reader */
+    const int n = c->n_sites;
+    for (int i = 0; i < n && i < cap; i++) {
+        if (c->sites[i].layer >= 0)
+            snprintf(out[i].name, sizeof out[i].name, "%s of layer %d",
+                     c->sites[i].phase ? c->sites[i].phase : "?", c->sites[i].layer);
+        else
+            snprintf(out[i].name, sizeof out[i].name, "%s",
+                     c->sites[i].phase ? c->sites[i].phase : "outside a phase");
+        out[i].total_s = c->sites[i].total;
+        out[i].exposed_s = c->sites[i].exposed;
+        out[i].count = c->sites[i].count;
+    }
+    c->n_sites = 0;
+    return n;
+}
+
 /* Adds the times of every waited-for NCCL operation and frees their slots. */
 static moe_status read_device_times(moe_comm *c)
 {
@@ -313,6 +377,8 @@ static moe_status read_device_times(moe_comm *c)
         MOE_CHECK(moe_nccl_gaps(c->nccl, &idle));
         c->times.exchange_exposed_s += idle;
         c->times.counts_exposed_s += idle;
+        if (idle > 0)
+            site_add(c, counts_site, -1, 0, idle, 0);
     }
     for (int h = 0; h < POOL_HANDLES; h++) {
         if (c->is_device[h] != DEVICE_TIMES_DUE)
@@ -320,6 +386,7 @@ static moe_status read_device_times(moe_comm *c)
         double total = 0, exposed = 0;
         c->is_device[h] = DEVICE_NONE;
         MOE_CHECK(moe_nccl_times(c->nccl, h, &total, &exposed));
+        site_add(c, c->wait_phase[h], c->wait_layer[h], total, exposed, 1);
         if (c->reduction[h]) {
             c->times.reduction_s += total;
             c->times.reduction_exposed_s += exposed;
@@ -386,6 +453,8 @@ moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h)
         c->is_device[h] = DEVICE_NONE;
         MOE_CHECK(moe_nccl_wait(c->nccl, h, c->timeout_s, what));
         c->is_device[h] = DEVICE_TIMES_DUE; /* read by read_device_times */
+        c->wait_phase[h] = c->ctx_phase;
+        c->wait_layer[h] = c->ctx_layer;
     }
 #endif
     if (n > 0) { /* MPI requests: what the host spends in the wait (MPI may move the data
@@ -394,6 +463,7 @@ moe_status moe_comm_wait(moe_comm *c, moe_comm_handle h)
         const double t0 = moe_clock_seconds();
         MOE_CHECK(poll_requests(c, c->req + at, c->req_peer + at, n, c->what[h], c->group[h]));
         exposed = total = moe_clock_seconds() - t0;
+        site_add(c, c->ctx_phase, c->ctx_layer, total, exposed, 1);
     }
     if (reduction) {
         c->times.reduction_s += total;
@@ -541,13 +611,15 @@ moe_status moe_comm_exchange_counts(moe_comm *c, const int64_t *send, int64_t *r
     c->times.exchange_s += took;
     c->times.counts_s += took;
 #ifdef MOE_HAVE_CUDA
-    if (c->nccl) /* exposed: what the compute stream sat idle meanwhile (read later) */
+    if (c->nccl) { /* exposed: what the compute stream sat idle meanwhile (read later) */
         MOE_CHECK(moe_nccl_gap_end(c->nccl, gap));
-    else
+        site_add(c, counts_site, -1, took, 0, 1);
+    } else
 #endif
     { /* the host computes: all of it is exposed */
         c->times.exchange_exposed_s += took;
         c->times.counts_exposed_s += took;
+        site_add(c, counts_site, -1, took, took, 1);
     }
     return MOE_OK;
 }

@@ -49,8 +49,32 @@ static moe_status steps(moe_trainer *tr, int n, moe_step_result *last, double *c
 }
 
 static void print_report(const moe_trainer *tr, double step_s, const double *ph, const double *comm,
-                         const double *spread, double rate, double mem_max, long allocs,
-                         const moe_step_result *last, int warmup, int phase_steps, FILE *out);
+                         const double *spread, const moe_comm_site *sites, int n_sites, double rate,
+                         double mem_max, long allocs, const moe_step_result *last, int warmup,
+                         int phase_steps, FILE *out);
+static void print_sites(const moe_comm_site *sites, int n, FILE *out);
+
+/* Per step, and per place the largest over the ranks (the places come in the same order
+ * on every rank; where their number differs, each rank keeps its own). */
+static moe_status sites_slowest(moe_trainer *tr, moe_comm_site *sites, int *n_sites, int steps)
+{
+    double v[2 * MOE_COMM_SITES], nn[2] = {*n_sites, -*n_sites};
+    if (tr->comm)
+        MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, nn, 2));
+    const int same = tr->comm && nn[0] == -nn[1];
+    for (int i = 0; i < *n_sites; i++) {
+        v[2 * i] = sites[i].total_s / steps;
+        v[2 * i + 1] = sites[i].exposed_s / steps;
+    }
+    if (same && *n_sites > 0)
+        MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, v, 2 * *n_sites));
+    for (int i = 0; i < *n_sites; i++) {
+        sites[i].total_s = v[2 * i];
+        sites[i].exposed_s = v[2 * i + 1];
+        sites[i].count /= steps;
+    }
+    return MOE_OK;
+}
 
 moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profile_steps, FILE *out)
 {
@@ -66,6 +90,7 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
         MOE_CHECK(moe_trainer_replan(tr, tr->rank == 0 ? out : stderr));
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
+    moe_comm_take_sites(tr->comm, NULL, 0); /* from the timed steps on */
     const long allocs0 = m->be->allocations();
     const double t0 = moe_clock_seconds();
     double comm[6] = {0}, rows = 0;
@@ -73,6 +98,11 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
     const double step_s = (moe_clock_seconds() - t0) / cfg->steps;
+    moe_comm_site sites[MOE_COMM_SITES];
+    int n_sites = moe_comm_take_sites(tr->comm, sites, MOE_COMM_SITES);
+    if (n_sites > MOE_COMM_SITES)
+        n_sites = MOE_COMM_SITES;
+    MOE_CHECK(sites_slowest(tr, sites, &n_sites, cfg->steps));
     const long allocs = m->be->allocations() - allocs0; /* in the timed steps */
 
     memset(m->phase_s, 0, sizeof m->phase_s);
@@ -106,8 +136,8 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     if (tr->comm) /* the slowest rank's */
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, comm, 6));
     if (tr->rank == 0)
-        print_report(tr, step_s, ph, comm, spread, rate, mem_max, allocs, &r, warmup, phase_steps,
-                     out);
+        print_report(tr, step_s, ph, comm, spread, sites, n_sites, rate, mem_max, allocs, &r,
+                     warmup, phase_steps, out);
     /* more steps with every kernel timed; rank 0 prints the table */
     if (m->be->profile && profile_steps > 0) {
         m->be->profile(1, NULL);
@@ -121,8 +151,9 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
 }
 
 static void print_report(const moe_trainer *tr, double step_s, const double *ph, const double *comm,
-                         const double *spread, double rate, double mem_max, long allocs,
-                         const moe_step_result *last, int warmup, int phase_steps, FILE *out)
+                         const double *spread, const moe_comm_site *sites, int n_sites, double rate,
+                         double mem_max, long allocs, const moe_step_result *last, int warmup,
+                         int phase_steps, FILE *out)
 {
     const moe_model *m = tr->model;
     const moe_config *cfg = &tr->cfg;
@@ -177,6 +208,7 @@ static void print_report(const moe_trainer *tr, double step_s, const double *ph,
                 -spread[0], spread[1], mean > 0 ? spread[1] / mean : 0.0, -1e3 * spread[2],
                 1e3 * spread[3], 1e3 * spread[5] / tr->world);
     }
+    print_sites(sites, n_sites, out);
     fprintf(out, "  allocations           %ld by the backend during the timed steps (rank 0)\n",
             allocs);
     fprintf(out, "  memory                %.2f GiB %s (largest rank)\n", mem_max / 1073741824.0,
@@ -188,4 +220,31 @@ static void print_report(const moe_trainer *tr, double step_s, const double *ph,
             tps, tps_gpu, 1e3 * step_s, moe_bench_flops_per_token(cfg), flops / 1e12,
             rate > 0 ? flops / rate : 0.0, 1e3 * sum,
             1e3 * (ph[MOE_PHASE_EXCHANGE] + ph[MOE_PHASE_REDUCTION]), 1e3 * ctot, 1e3 * cexp);
+}
+
+/* The places where communication was exposed, the largest first (at most 8 and those of
+ * at least 1% of the exposed total). */
+static void print_sites(const moe_comm_site *sites, int n, FILE *out)
+{
+    int order[MOE_COMM_SITES];
+    double all = 0;
+    for (int i = 0; i < n; i++) {
+        order[i] = i;
+        all += sites[i].exposed_s;
+    }
+    if (n == 0 || all <= 0)
+        return;
+    for (int i = 1; i < n; i++) /* insertion sort by exposed time, descending */
+        for (int j = i; j > 0 && sites[order[j]].exposed_s > sites[order[j - 1]].exposed_s; j--) {
+            const int t = order[j];
+            order[j] = order[j - 1];
+            order[j - 1] = t;
+        }
+    fprintf(out, "  exposed by place (ms per step, the slowest rank per place; total, exposed, "
+                 "operations):\n");
+    for (int i = 0; i < n && i < 8 && sites[order[i]].exposed_s >= 0.01 * all; i++) {
+        const moe_comm_site *s = &sites[order[i]];
+        fprintf(out, "    %-42s %8.2f %8.2f %5ld\n", s->name, 1e3 * s->total_s, 1e3 * s->exposed_s,
+                s->count);
+    }
 }

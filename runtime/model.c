@@ -910,7 +910,7 @@ static moe_status layer_forward_send(moe_model *m, int l, moe_fwd_stats *stats)
 {
     if (l < m->cfg.dense_layers)
         return MOE_OK;
-    moe_comm_set_context(m->comm, "forward", l); /* named by a timeout (comm.h) */
+    moe_comm_set_context(m->comm, "forward dispatch", l); /* named by a timeout (comm.h) */
     return moe_dispatch_send(m, l, stats);
 }
 
@@ -920,7 +920,7 @@ static moe_status layer_forward_experts(moe_model *m, int l)
     moe_layer_acts *a = &m->acts[l];
     if (l < m->cfg.dense_layers)
         return MOE_OK;
-    moe_comm_set_context(m->comm, "forward", l);
+    moe_comm_set_context(m->comm, "forward dispatch", l);
     MOE_CHECK(exchange_finish(m));
     m->be->moe_unpack_dispatch(a->xrecv, a->lw, a->lidx, m->recv_buf, a->n_recv, m->D, m->K,
                                m->row_bytes);
@@ -934,7 +934,7 @@ static moe_status layer_forward_return(moe_model *m, int l)
     moe_layer_acts *a = &m->acts[l];
     if (l < m->cfg.dense_layers)
         return MOE_OK;
-    moe_comm_set_context(m->comm, "forward", l);
+    moe_comm_set_context(m->comm, "forward combine", l);
     return exchange_start(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows,
                           sizeof(real) * m->D);
 }
@@ -948,7 +948,7 @@ static moe_status layer_forward_end(moe_model *m, int l)
     real *out = m->x[l + 1];
     if (l < m->cfg.dense_layers)
         return MOE_OK;
-    moe_comm_set_context(m->comm, "forward", l);
+    moe_comm_set_context(m->comm, "forward combine", l);
     MOE_CHECK(exchange_finish(m));
     if (m->Fs > 0)
         swiglu_ffn_forward(m, out, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N, D, m->Fs);
@@ -1138,7 +1138,7 @@ static moe_status layer_backward_begin(moe_model *m, int l)
     const moe_layer_view *g = &m->g.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int N = m->Nc, D = m->D;
-    moe_comm_set_context(m->comm, "backward", l); /* named by a timeout (comm.h) */
+    moe_comm_set_context(m->comm, "backward dispatch", l); /* named by a timeout (comm.h) */
     m->be->zero(m->dh, sizeof(real) * (size_t)N * D);
     if (l < m->cfg.dense_layers) {
         swiglu_ffn_backward(m, m->dh, g->w1, g->w3, g->w2, m->dres, a->h2, a->fa, a->fb, a->fh,
@@ -1158,9 +1158,10 @@ static moe_status layer_backward_experts(moe_model *m, int l)
     moe_layer_acts *a = &m->acts[l];
     if (l < m->cfg.dense_layers)
         return MOE_OK;
-    moe_comm_set_context(m->comm, "backward", l);
+    moe_comm_set_context(m->comm, "backward dispatch", l);
     MOE_CHECK(exchange_finish(m));
     moe_experts_backward(m, l, m->dyrecv, (real *)m->send_buf);
+    moe_comm_set_context(m->comm, "backward combine", l);
     return exchange_start(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows,
                           sizeof(real) * (m->D + m->K));
 }
@@ -1174,7 +1175,7 @@ static moe_status layer_backward_end(moe_model *m, int l, int64_t step_sequences
     const int N = m->Nc, D = m->D, K = m->K;
     const size_t ND = (size_t)N * D;
     if (l >= m->cfg.dense_layers) {
-        moe_comm_set_context(m->comm, "backward", l);
+        moe_comm_set_context(m->comm, "backward combine", l);
         MOE_CHECK(exchange_finish(m));
         m->be->zero(m->dw, sizeof(real) * (size_t)N * K);
         m->be->moe_scatter_grad_rows(m->dh, m->dw, (const real *)m->recv_buf, a->send_token,

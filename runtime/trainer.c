@@ -616,6 +616,13 @@ moe_status moe_trainer_replan(moe_trainer *tr, FILE *out)
     st = moe_model_move_experts(m, table, extra, extra_elem, 2);
     if (st == MOE_OK)
         st = m->be->refresh_shadow();
+    if (st == MOE_OK)
+        st = m->be->sync();
+    if (st == MOE_OK) { /* the moves' exchanges are not the next step's communication */
+        moe_comm_times moved;
+        moe_comm_take_times(tr->comm, &moved);
+        moe_comm_take_sites(tr->comm, NULL, 0);
+    }
     if (st == MOE_OK && tr->rank == 0)
         fprintf(out,
                 "re-plan at step %d: experts grouped by co-activation, objective %.0f -> %.0f "

@@ -41,6 +41,26 @@ for path, world in ((sys.argv[1], 1), (sys.argv[2], 2)):
         assert r["comm_ms"] == 0 and r["comm_exposed_ms"] == 0, r
     else:
         assert r["exposed_comm_ms"] > 0 and r["comm_ms"] > 0, r
+        # every assignment is an expert row on one rank: 8 sequences of 64 tokens per
+        # rank, top-2, 2 MoE layers, no capacity: min + max over the 2 ranks is all of them
+        rk = [l for l in text.splitlines() if l.startswith("  ranks ")]
+        assert len(rk) == 1, text
+        w = rk[0].split()
+        lo, hi = float(w[w.index("min") + 1]), float(w[w.index("max") + 1])
+        assert lo <= hi and lo + hi == 2 * 8 * 64 * K * (L - Ld), rk
+        # the places: MoE layers 1 and 2 only (layer 0 is dense), each exposed <= total
+        i = text.index("  exposed by place")
+        places = [l for l in text[i:].splitlines()[1:] if l.startswith("    ")]
+        assert places, text[i:]
+        import re
+        for l in places:
+            m = re.match(r"    (.+?)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9]+)$", l)
+            assert m, l
+            name, tot, exp = m.group(1), float(m.group(2)), float(m.group(3))
+            assert re.fullmatch(r"(forward|backward) (dispatch|combine) of layer [12]|gradient "
+                                r"reduction|gradient norm|token-count exchanges \(every layer\)",
+                                name), name
+            assert 0 < exp <= tot + 0.011, l
     # a2a_chunks = auto: one chunk here (the EP group is on one host), exchanges sent once
     assert ", 1 chunk per micro-batch, exchange sent 1x," in text, text.splitlines()[0]
 print("flops/token", want)

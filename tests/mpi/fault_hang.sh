@@ -11,7 +11,7 @@ rc=$?
 took=$(($(date +%s) - start))
 if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $took -lt 30 ]; then pass "the job ended with status $rc in ${took}s"
 else fail "status $rc after ${took}s (124 = hung until the timeout)"; fi
-expect_err "timeout after 5 s in the token-count exchange of layer 1 \(forward\): no message from rank 2" \
+expect_err "timeout after 5 s in the token-count exchange of layer 1 \(forward dispatch\): no message from rank 2" \
   "the silent rank, the operation and the layer are named"
 grep -m1 "timeout after" "$WORK/err" | sed 's/^/    /'
 # a collective cannot name one rank: with ep 2 the ranks of the other EP group time out
