@@ -6,6 +6,8 @@
  * sums added in lane order (a fixed order that gcc vectorizes without -ffast-math);
  * dx and dw are sums of scaled rows (contiguous inner loops, no reduction to reorder):
  * dx in parallel over rows of x, dw over rows of dw, each summing n in increasing order. */
+#include <string.h>
+
 #include "kernels/ops.h"
 
 #define LANES 16
@@ -91,8 +93,10 @@ void grouped_matmul_forward(real *out, const real *x, const real *w, const int *
 }
 
 void grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x, const real *w,
-                             const int *offsets, int G, int I, int O)
+                             const int *offsets, int G, int I, int O, int dw_first)
 {
+    if (dw && dw_first)
+        memset(dw, 0, sizeof(real) * (size_t)G * O * I);
     for (int g = 0; g < G; g++) {
         int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
         if (rows <= 0)

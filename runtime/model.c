@@ -999,6 +999,8 @@ void moe_model_fuse_head(moe_model *m, int64_t step_sequences)
     m->head_sequences = step_sequences;
 }
 
+void moe_model_fresh_expert_grads(moe_model *m) { m->expert_grads_fresh = 1; }
+
 /* The LM head's backward for rows [r0, r0 + rows) of the current chunk, whose logits are
  * in m->logits: the gradient of the loss of a step of step_sequences sequences goes to
  * m->dlogits (the logits themselves on the cpu), then dh and the head's gradient add
@@ -1116,19 +1118,20 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
     const moe_layer_view *g = &m->g.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int R = a->n_recv, D = m->D, K = m->K, F = m->F, M = a->n_rows;
+    const int first = m->expert_grads_fresh && m->cur == 0; /* chunks run in order */
     m->be->zero(m->deout, sizeof(real) * (size_t)M * D);
     m->be->zero(m->dlw, sizeof(real) * (size_t)R * K);
     m->be->moe_combine_backward(m->deout, m->dlw, dy, a->eout, a->lw, a->row_token, a->row_slot, M,
                                 D, K);
     m->be->zero(m->deh, sizeof(real) * (size_t)M * F);
     m->be->zero(m->dxperm, sizeof(real) * (size_t)M * D);
-    m->be->grouped_matmul_backward(m->deh, g->ew2, m->deout, a->eh, w->ew2, a->offsets, m->El, F,
-                                   D);
+    m->be->grouped_matmul_backward(m->deh, g->ew2, m->deout, a->eh, w->ew2, a->offsets, m->El, F, D,
+                                   first);
     m->be->swiglu_backward(m->dea, m->deb, m->deh, a->ea, a->eb, (size_t)M * F); /* overwrites */
     m->be->grouped_matmul_backward(m->dxperm, g->ew1, m->dea, a->xperm, w->ew1, a->offsets, m->El,
-                                   D, F);
+                                   D, F, first);
     m->be->grouped_matmul_backward(m->dxperm, g->ew3, m->deb, a->xperm, w->ew3, a->offsets, m->El,
-                                   D, F);
+                                   D, F, first);
     m->be->zero(m->dxrecv, sizeof(real) * (size_t)R * D);
     m->be->moe_permute_backward(m->dxrecv, m->dxperm, a->row_token, M, D, a->lslot_row, R, K);
     m->be->moe_pack_grad_rows(out, m->dxrecv, m->dlw, R, D, K);
@@ -1281,6 +1284,7 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
         use_chunk(m, i);
         m->be->embedding_backward(m->g.embedding, m->dres, m->tokens, Nc, D);
     }
+    m->expert_grads_fresh = 0;
     grad_ready(m, -1);
     return MOE_OK;
 }

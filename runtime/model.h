@@ -164,6 +164,7 @@ typedef struct moe_model {
     double loss_scale;          /* backward seeds are multiplied by it (fp16 loss scaling); 1 */
     int64_t head_sequences;     /* > 0: the next forward runs the LM head's backward too */
     int64_t head_done;          /* the step size it ran for, until the backward that follows */
+    int expert_grads_fresh;     /* the next backward writes the expert gradients, not adds */
     size_t max_gemm_operand;    /* elements of the largest activation operand of any GEMM */
     int ep, ep_rank;            /* expert-parallel degree and this rank's place in its EP group */
     int *expert_rank;           /* (L, E): EP rank holding each expert of each layer */
@@ -285,7 +286,8 @@ moe_status moe_model_take_ce(moe_model *m, double *ce_sum);
 
 /* Backward of the last forward, accumulating into m->grads the gradient of the step
  * loss (see the top of this file), times m->loss_scale, for a step of `step_sequences`
- * sequences in all.
+ * sequences in all. After moe_model_fresh_expert_grads, the expert gradients (the
+ * parameters from n_dense on) are written instead, whatever they held.
  * Collective over the EP group (token exchanges). Calls m->grad_ready after each
  * stage when set. */
 moe_status moe_model_backward(moe_model *m, int64_t step_sequences);
@@ -295,6 +297,11 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences);
  * logits is still in memory, so the backward need not compute them again. The backward
  * that follows must be for the same step_sequences. Gradients are identical either way. */
 void moe_model_fuse_head(moe_model *m, int64_t step_sequences);
+
+/* The next backward is a step's first: it writes the expert gradients [n_dense, n_params)
+ * (its first chunk's weight-gradient GEMMs overwrite, empty experts' slices are zeroed),
+ * so the caller need zero only the dense ones. Later backwards add, as before. */
+void moe_model_fresh_expert_grads(moe_model *m);
 
 /* The logits (N, V) of the last forward, recomputed chunk by chunk into host memory. */
 moe_status moe_model_logits(moe_model *m, real *host);

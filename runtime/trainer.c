@@ -251,7 +251,9 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     res->micro_batches = accum;
     res->sequences = S;
     MOE_CHECK(moe_fault_check(&tr->fault, tr->rank, tr->step));
-    m->be->zero(m->grads, sizeof(real) * m->n_params);
+    /* the dense gradients; the first backward writes the experts' (the larger part) */
+    m->be->zero(m->grads, sizeof(real) * m->n_dense);
+    moe_model_fresh_expert_grads(m);
     /* ce (on the backend, m->ce_acc, until apply), aux, z, dropped, a2a bytes, a2a saved:
      * summed over micro-batches here, over ranks in apply */
     double *sums = tr->sums;

@@ -663,23 +663,34 @@ extern "C" void cuda_grouped_matmul_forward(real *out, const real *x, const real
     grouped_flush(&batch);
 }
 
+/* dw_first: the weight gradients are written (beta 0: their old contents are not read),
+ * and the slices of empty groups zeroed, each run of them with one memset. */
 extern "C" void cuda_grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x,
-                                             const real *w, const int *offsets, int G, int I, int O)
+                                             const real *w, const int *offsets, int G, int I, int O,
+                                             int dw_first)
 {
-    const size_t M = (size_t)offsets[G];
+    const size_t M = (size_t)offsets[G], OI = (size_t)O * I;
     const void *douto = rounded_operand(dout, M * O, 1);
     const void *xo = dw ? rounded_operand(x, M * I, 0) : NULL;
     const void *wo = dx ? weight_operand(w) : NULL;
     for (int g = 0; g < G; g++) { /* as linear_backward, per group */
         const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
-        if (rows <= 0)
+        if (rows <= 0) {
+            if (dw && dw_first && (g == 0 || offsets[g] > offsets[g - 1])) { /* a run starts */
+                int e = g + 1;
+                while (e < G && offsets[e + 1] == offsets[e])
+                    e++;
+                MOE_CUDA_OK(cudaMemsetAsync(dw + (size_t)g * OI, 0, sizeof(real) * OI * (e - g),
+                                            moe_cuda_stream()));
+            }
             continue;
+        }
         if (dx)
-            grouped_add(&batch, 0, 0, I, rows, O, at(wo, (size_t)g * O * I), I,
+            grouped_add(&batch, 0, 0, I, rows, O, at(wo, (size_t)g * OI), I,
                         at(douto, (size_t)m0 * O), O, dx + (size_t)m0 * I, I, 1);
         if (dw)
             grouped_add(&batch, 0, 1, I, O, rows, at(xo, (size_t)m0 * I), I,
-                        at(douto, (size_t)m0 * O), O, dw + (size_t)g * O * I, I, 1);
+                        at(douto, (size_t)m0 * O), O, dw + (size_t)g * OI, I, !dw_first);
     }
     grouped_flush(&batch);
 }

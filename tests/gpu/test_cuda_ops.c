@@ -419,12 +419,12 @@ static void test_grouped(int G, const int *rows, int I, int O, const char *name)
 
     begin("grouped_matmul_backward", name);
     float *g = frand(MO, -0.5, 0.5), *dg = DEVF(g, MO);
-    for (int variant = 0; variant < 2; variant++) { /* both, dw only */
+    for (int variant = 0; variant < 3; variant++) { /* both, dw only, dw written over NaN */
         float *gx = variant == 0 ? frand(MI, -1, 1) : NULL;
-        float *gw = frand(GOI, -1, 1);
+        float *gw = variant == 2 ? fnan(GOI) : frand(GOI, -1, 1);
         float *dgx = gx ? DEVF(gx, MI) : NULL, *dgw = DEVF(gw, GOI);
-        cpu->grouped_matmul_backward(gx, gw, g, x, w, offsets, G, I, O);
-        gpu->grouped_matmul_backward(dgx, dgw, dg, dx_, dw_, offsets, G, I, O);
+        cpu->grouped_matmul_backward(gx, gw, g, x, w, offsets, G, I, O, variant == 2);
+        gpu->grouped_matmul_backward(dgx, dgw, dg, dx_, dw_, offsets, G, I, O, variant == 2);
         gpu_done();
         if (gx)
             check_f("dx", HOSTF(dgx, MI), gx, MI, I, GEMM_K(O));

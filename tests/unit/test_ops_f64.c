@@ -276,11 +276,18 @@ static void test_grouped_matmul_backward(void **state)
                 G};
     real *dx0 = buf_rand(&pl, nx, 0.1, 1), *dx = buf_copy(&pl, dx0, nx);
     real *dw0 = buf_rand(&pl, nw, 0.1, 1), *dw = buf_copy(&pl, dw0, nw);
-    grouped_matmul_backward(dx, dw, m.R, m.x, m.w, offsets, G, I, O);
+    grouped_matmul_backward(dx, dw, m.R, m.x, m.w, offsets, G, I, O, 0);
     assert_true(check_fd("dx", m.x, added(&pl, dx, dx0, nx), nx, I, mm_loss, &m));
     assert_true(check_fd("dw", m.w, added(&pl, dw, dw0, nw), nw, I, mm_loss, &m));
     /* the empty group's weight gradient is untouched, bit for bit */
     assert_memory_equal(dw + O * I, dw0 + O * I, O * I * sizeof(real));
+    /* dw_first: dw written whatever it held (the sum from zero), the empty group zeroed */
+    real *dwz = buf_zero(&pl, nw), *dwf = buf_rand(&pl, nw, 0.1, 1);
+    grouped_matmul_backward(NULL, dwz, m.R, m.x, m.w, offsets, G, I, O, 0);
+    grouped_matmul_backward(NULL, dwf, m.R, m.x, m.w, offsets, G, I, O, 1);
+    assert_memory_equal(dwf, dwz, nw * sizeof(real));
+    for (int i = 0; i < O * I; i++)
+        assert_true(dwf[O * I + i] == 0);
     pool_free(&pl);
 }
 
