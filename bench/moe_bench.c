@@ -687,7 +687,7 @@ static void run_grouped(void)
 static void run_grouped_bwd(void)
 {
     gpu->grouped_matmul_backward(bf.dx, bf.dw, bf.dout, bf.x, bf.w, bf.offsets, opt.E, opt.D, opt.F,
-                                 1); /* dw written, as in a step's first backward */
+                                 MOE_WRITE_DW); /* as in a step's first backward */
 }
 
 static void bench_grouped(int bwd)
@@ -735,10 +735,12 @@ static void run_experts_ffn_bwd(void)
     const int M = M_, D = opt.D, F = opt.F, E = opt.E;
     const size_t W = (size_t)E * F * D;
     gpu->grouped_matmul_backward(bf.dh, bf.dw + 2 * W, bf.dout, bf.h, bf.w + 2 * W, bf.offsets, E,
-                                 F, D, 1); /* weight gradients written, as in a step's first */
+                                 F, D, MOE_WRITE_DW | MOE_WRITE_DX); /* as the model */
     gpu->swiglu_backward(bf.da, bf.db, bf.dh, bf.a, bf.b, (size_t)M * F);
-    gpu->grouped_matmul_backward(bf.dx, bf.dw, bf.da, bf.x, bf.w, bf.offsets, E, D, F, 1);
-    gpu->grouped_matmul_backward(bf.dx, bf.dw + W, bf.db, bf.x, bf.w + W, bf.offsets, E, D, F, 1);
+    gpu->grouped_matmul_backward(bf.dx, bf.dw, bf.da, bf.x, bf.w, bf.offsets, E, D, F,
+                                 MOE_WRITE_DW | MOE_WRITE_DX);
+    gpu->grouped_matmul_backward(bf.dx, bf.dw + W, bf.db, bf.x, bf.w + W, bf.offsets, E, D, F,
+                                 MOE_WRITE_DW);
 }
 
 static void bench_experts_ffn(int bwd)

@@ -93,10 +93,12 @@ void grouped_matmul_forward(real *out, const real *x, const real *w, const int *
 }
 
 void grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x, const real *w,
-                             const int *offsets, int G, int I, int O, int dw_first)
+                             const int *offsets, int G, int I, int O, int write)
 {
-    if (dw && dw_first)
+    if (dw && (write & MOE_WRITE_DW))
         memset(dw, 0, sizeof(real) * (size_t)G * O * I);
+    if (dx && (write & MOE_WRITE_DX))
+        memset(dx, 0, sizeof(real) * (size_t)offsets[G] * I);
     for (int g = 0; g < G; g++) {
         int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
         if (rows <= 0)

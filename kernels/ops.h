@@ -68,13 +68,16 @@ void matmul_backward(real *dx, real *dw, const real *dout, const real *x, const 
 /* ---- grouped linear: rows offsets[g]..offsets[g+1] of x use weight g ------------- */
 /* x (M,I), w (G,O,I), out (M,O); offsets (G+1), offsets[0] = 0, offsets[G] = M.
  * Groups with no rows are skipped (their weight gradient stays untouched). The backward
- * adds to dx and dw, except with dw_first: then dw is written, not added to (its
- * contents before are ignored; an empty group's slice is zeroed), for the first
- * contribution to a gradient in a step. */
+ * adds to dx and dw, except where `write` says (flags): MOE_WRITE_DW, dw is written, not
+ * added to (its contents before are ignored, an empty group's slice is zeroed: the first
+ * contribution to a gradient in a step); MOE_WRITE_DX, dx (M,I) likewise (every row
+ * belongs to a group). */
+#define MOE_WRITE_DW 1
+#define MOE_WRITE_DX 2
 void grouped_matmul_forward(real *out, const real *x, const real *w, const int *offsets, int G,
                             int I, int O);
 void grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x, const real *w,
-                             const int *offsets, int G, int I, int O, int dw_first);
+                             const int *offsets, int G, int I, int O, int write);
 
 /* ---- SwiGLU: h = silu(a) * b, silu(a) = a * sigmoid(a) ---------------------------- */
 /* a, b, h: n elements each (a gate, b up projection). */

@@ -1118,18 +1118,18 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
     const moe_layer_view *g = &m->g.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int R = a->n_recv, D = m->D, K = m->K, F = m->F, M = a->n_rows;
-    const int first = m->expert_grads_fresh && m->cur == 0; /* chunks run in order */
+    /* the weight gradients are written by a step's first chunk (chunks run in order) */
+    const int first = m->expert_grads_fresh && m->cur == 0 ? MOE_WRITE_DW : 0;
     m->be->zero(m->deout, sizeof(real) * (size_t)M * D);
     m->be->zero(m->dlw, sizeof(real) * (size_t)R * K);
     m->be->moe_combine_backward(m->deout, m->dlw, dy, a->eout, a->lw, a->row_token, a->row_slot, M,
                                 D, K);
-    m->be->zero(m->deh, sizeof(real) * (size_t)M * F);
-    m->be->zero(m->dxperm, sizeof(real) * (size_t)M * D);
+    /* deh and dxperm are written by their first GEMM (every row has its expert) */
     m->be->grouped_matmul_backward(m->deh, g->ew2, m->deout, a->eh, w->ew2, a->offsets, m->El, F, D,
-                                   first);
+                                   first | MOE_WRITE_DX);
     m->be->swiglu_backward(m->dea, m->deb, m->deh, a->ea, a->eb, (size_t)M * F); /* overwrites */
     m->be->grouped_matmul_backward(m->dxperm, g->ew1, m->dea, a->xperm, w->ew1, a->offsets, m->El,
-                                   D, F, first);
+                                   D, F, first | MOE_WRITE_DX);
     m->be->grouped_matmul_backward(m->dxperm, g->ew3, m->deb, a->xperm, w->ew3, a->offsets, m->El,
                                    D, F, first);
     m->be->zero(m->dxrecv, sizeof(real) * (size_t)R * D);

@@ -663,12 +663,14 @@ extern "C" void cuda_grouped_matmul_forward(real *out, const real *x, const real
     grouped_flush(&batch);
 }
 
-/* dw_first: the weight gradients are written (beta 0: their old contents are not read),
- * and the slices of empty groups zeroed, each run of them with one memset. */
+/* write (ops.h): the weight gradients (MOE_WRITE_DW) or the input gradient (MOE_WRITE_DX)
+ * are written with beta 0, so their old contents are not read; the weight gradients'
+ * slices of empty groups are zeroed, each run of them with one memset. */
 extern "C" void cuda_grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x,
                                              const real *w, const int *offsets, int G, int I, int O,
-                                             int dw_first)
+                                             int write)
 {
+    const int dw_first = (write & MOE_WRITE_DW) != 0, dx_first = (write & MOE_WRITE_DX) != 0;
     const size_t M = (size_t)offsets[G], OI = (size_t)O * I;
     const void *douto = rounded_operand(dout, M * O, 1);
     const void *xo = dw ? rounded_operand(x, M * I, 0) : NULL;
@@ -687,7 +689,7 @@ extern "C" void cuda_grouped_matmul_backward(real *dx, real *dw, const real *dou
         }
         if (dx)
             grouped_add(&batch, 0, 0, I, rows, O, at(wo, (size_t)g * OI), I,
-                        at(douto, (size_t)m0 * O), O, dx + (size_t)m0 * I, I, 1);
+                        at(douto, (size_t)m0 * O), O, dx + (size_t)m0 * I, I, !dx_first);
         if (dw)
             grouped_add(&batch, 0, 1, I, O, rows, at(xo, (size_t)m0 * I), I,
                         at(douto, (size_t)m0 * O), O, dw + (size_t)g * OI, I, !dw_first);

@@ -419,12 +419,13 @@ static void test_grouped(int G, const int *rows, int I, int O, const char *name)
 
     begin("grouped_matmul_backward", name);
     float *g = frand(MO, -0.5, 0.5), *dg = DEVF(g, MO);
-    for (int variant = 0; variant < 3; variant++) { /* both, dw only, dw written over NaN */
-        float *gx = variant == 0 ? frand(MI, -1, 1) : NULL;
+    for (int variant = 0; variant < 3; variant++) { /* both, dw only, both written over NaN */
+        const int write = variant == 2 ? MOE_WRITE_DW | MOE_WRITE_DX : 0;
+        float *gx = variant == 1 ? NULL : variant == 2 ? fnan(MI) : frand(MI, -1, 1);
         float *gw = variant == 2 ? fnan(GOI) : frand(GOI, -1, 1);
         float *dgx = gx ? DEVF(gx, MI) : NULL, *dgw = DEVF(gw, GOI);
-        cpu->grouped_matmul_backward(gx, gw, g, x, w, offsets, G, I, O, variant == 2);
-        gpu->grouped_matmul_backward(dgx, dgw, dg, dx_, dw_, offsets, G, I, O, variant == 2);
+        cpu->grouped_matmul_backward(gx, gw, g, x, w, offsets, G, I, O, write);
+        gpu->grouped_matmul_backward(dgx, dgw, dg, dx_, dw_, offsets, G, I, O, write);
         gpu_done();
         if (gx)
             check_f("dx", HOSTF(dgx, MI), gx, MI, I, GEMM_K(O));

@@ -9,7 +9,7 @@
  * weight outside the registered arena is reported, and every writer of a buffer marked as
  * holding its GEMM operand (SwiGLU, the cross-entropy backward, RMSNorm, the permutation)
  * stores the bits the rounding would give, and the GEMMs reading it give the same bits;
- * the grouped backward's dw_first writes the weight gradient without reading it.
+ * the grouped backward's write flags write dx and dw without reading them.
  * Without a GPU: SKIP, exit 77. */
 #include <math.h>
 #include <stdio.h>
@@ -101,7 +101,8 @@ static void check_in_place(moe_precision p, const char *mode, const float *x, co
         gpu->swiglu_backward(ga[k], gb[k], dh, da_in, db_in, n);
         /* a backward whose output gradient is da (db), whose input is h: (N, I) both, so
          * the weights are (G, I, I), the start of the (G, O, I) arena */
-        gpu->grouped_matmul_backward(gx[k], gw[k], ga[k], h[k], dw_, offsets, G, I, I, 1);
+        gpu->grouped_matmul_backward(gx[k], gw[k], ga[k], h[k], dw_, offsets, G, I, I,
+                                     MOE_WRITE_DW | MOE_WRITE_DX);
         gpu->grouped_matmul_backward(gx[k], gw[k], gb[k], h[k], dw_, offsets, G, I, I, 0);
     }
     char what[96];
@@ -336,13 +337,21 @@ static void check_mode(moe_precision p, const char *mode, double bound)
     for (size_t i = (size_t)O * I; i < (size_t)2 * O * I; i++)
         empty += fabs(got[i]);
     report("grouped empty group untouched", mode, empty, 0.0);
-    /* dw_first: dw written over NaN (so never read), the empty group's slice zeroed */
-    for (size_t i = 0; i < nw; i++)
-        got[i] = NAN;
+    /* written: dx and dw over NaN (so never read), the empty group's dw slice zeroed */
+    for (size_t i = 0; i < nw || i < (size_t)N * I; i++) {
+        if (i < nw)
+            got[i] = NAN;
+        if (i < (size_t)N * I)
+            gotx[i] = NAN;
+    }
     gpu->copy(dgw, got, sizeof(float) * nw, MOE_COPY_H2D);
-    gpu->grouped_matmul_backward(NULL, dgw, ddout, dx_, dw_, offsets, G, I, O, 1);
+    gpu->copy(dgx, gotx, sizeof(float) * N * I, MOE_COPY_H2D);
+    gpu->grouped_matmul_backward(dgx, dgw, ddout, dx_, dw_, offsets, G, I, O,
+                                 MOE_WRITE_DW | MOE_WRITE_DX);
     to_host(got, dgw, nw);
     report("grouped_backward dw written", mode, rel_err(got, ref, nw), bound);
+    to_host(gotx, dgx, (size_t)N * I);
+    report("grouped_backward dx written", mode, rel_err(gotx, refx, (size_t)N * I), bound);
     check_in_place(p, mode, x, dw_, offsets, N, I, O, G);
     check_ce_in_place(p, mode, dw_, 60, 1000, I); /* (V, I) weights: the arena's start */
     check_ce_in_place(p, mode, dw_, 60, 999, I);

@@ -281,11 +281,13 @@ static void test_grouped_matmul_backward(void **state)
     assert_true(check_fd("dw", m.w, added(&pl, dw, dw0, nw), nw, I, mm_loss, &m));
     /* the empty group's weight gradient is untouched, bit for bit */
     assert_memory_equal(dw + O * I, dw0 + O * I, O * I * sizeof(real));
-    /* dw_first: dw written whatever it held (the sum from zero), the empty group zeroed */
+    /* written: dx and dw whatever they held (the sums from zero), the empty group zeroed */
     real *dwz = buf_zero(&pl, nw), *dwf = buf_rand(&pl, nw, 0.1, 1);
-    grouped_matmul_backward(NULL, dwz, m.R, m.x, m.w, offsets, G, I, O, 0);
-    grouped_matmul_backward(NULL, dwf, m.R, m.x, m.w, offsets, G, I, O, 1);
+    real *dxz = buf_zero(&pl, nx), *dxf = buf_rand(&pl, nx, 0.1, 1);
+    grouped_matmul_backward(dxz, dwz, m.R, m.x, m.w, offsets, G, I, O, 0);
+    grouped_matmul_backward(dxf, dwf, m.R, m.x, m.w, offsets, G, I, O, MOE_WRITE_DW | MOE_WRITE_DX);
     assert_memory_equal(dwf, dwz, nw * sizeof(real));
+    assert_memory_equal(dxf, dxz, nx * sizeof(real));
     for (int i = 0; i < O * I; i++)
         assert_true(dwf[O * I + i] == 0);
     pool_free(&pl);
