@@ -1077,7 +1077,7 @@ static void run_pack(void)
 {
     gpu->moe_pack_dispatch(a2.rows, a2.send_token, NULL, a2.counts, a2.x, a2.idx, a2.wts,
                            a2.slot_row, a2.erank, a2.elocal, N_, opt.D, opt.K, world, opt.E / world,
-                           a2.row_bytes);
+                           a2.row_bytes, MOE_ROW_FP32);
     MOE_CK(gpu->queue_wait(gpu->queue_mark(), NULL,
                            NULL)); /* the counts, as the runtime waits for them */
     for (int p = 0; p < world; p++)
@@ -1126,7 +1126,8 @@ static void run_exchange_nccl(void)
 
 static void run_unpack(void)
 {
-    gpu->moe_unpack_dispatch(a2.xr, a2.wr, a2.lidx, a2.recv, a2.n_recv, opt.D, opt.K, a2.row_bytes);
+    gpu->moe_unpack_dispatch(a2.xr, a2.wr, a2.lidx, a2.recv, a2.n_recv, opt.D, opt.K, a2.row_bytes,
+                             MOE_ROW_FP32);
 }
 
 static void run_unpermute(void)

@@ -7,20 +7,22 @@
 void moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows, int *counts,
                        const real *x, const int32_t *idx, const real *w, const int32_t *slot_row,
                        const int32_t *expert_rank, const int32_t *expert_local, int N, int D, int K,
-                       int P, int El, size_t row_bytes)
+                       int P, int El, size_t row_bytes, int x16)
 {
+    const size_t tb = moe_dispatch_token_bytes(D, x16);
     int n = 0;
     int *send_rows = counts, *send_assign = counts + P, *send_experts = counts + 2 * P + 1;
     memset(counts, 0, sizeof(int) * (size_t)MOE_PACK_COUNTS(P, El));
     for (int p = 0; p < P; p++) {
         for (int t = 0; t < N; t++) {
-            real *row = (real *)(rows + (size_t)n * row_bytes);
-            int32_t *lid = (int32_t *)(row + D + K);
+            char *row = rows + (size_t)n * row_bytes;
+            real *wt = (real *)(row + tb);
+            int32_t *lid = (int32_t *)(wt + K);
             int hits = 0;
             for (int k = 0; k < K; k++) {
                 int a = t * K + k, e = idx[a];
                 int here = slot_row[a] >= 0 && expert_rank[e] == p;
-                row[D + k] = here ? w[a] : 0;
+                wt[k] = here ? w[a] : 0;
                 lid[k] = here ? expert_local[e] : -1;
                 hits += here;
                 if (here)
@@ -30,7 +32,13 @@ void moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows, int
                 token_rows[(size_t)t * P + p] = hits ? n : -1;
             if (!hits)
                 continue;
-            memcpy(row, x + (size_t)t * D, sizeof(real) * (size_t)D);
+            const real *xt = x + (size_t)t * D;
+            if (x16 == MOE_ROW_FP32)
+                memcpy(row, xt, sizeof(real) * (size_t)D);
+            else
+                for (int j = 0; j < D; j++)
+                    ((uint16_t *)row)[j] =
+                        x16 == MOE_ROW_BF16 ? moe_bf16_round(xt[j]) : moe_fp16_round(xt[j]);
             send_token[n++] = t;
             send_rows[p]++;
             send_assign[p] += hits;
@@ -40,13 +48,21 @@ void moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows, int
 }
 
 void moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int R, int D, int K,
-                         size_t row_bytes)
+                         size_t row_bytes, int x16)
 {
+    const size_t tb = moe_dispatch_token_bytes(D, x16);
     for (int r = 0; r < R; r++) {
-        const real *row = (const real *)(rows + (size_t)r * row_bytes);
-        memcpy(x + (size_t)r * D, row, sizeof(real) * (size_t)D);
-        memcpy(w + (size_t)r * K, row + D, sizeof(real) * (size_t)K);
-        memcpy(lidx + (size_t)r * K, row + D + K, sizeof(int32_t) * (size_t)K);
+        const char *row = rows + (size_t)r * row_bytes;
+        real *xr = x + (size_t)r * D;
+        if (x16 == MOE_ROW_FP32)
+            memcpy(xr, row, sizeof(real) * (size_t)D);
+        else
+            for (int j = 0; j < D; j++)
+                xr[j] = x16 == MOE_ROW_BF16 ? moe_bf16_widen(((const uint16_t *)row)[j])
+                                            : moe_fp16_widen(((const uint16_t *)row)[j]);
+        memcpy(w + (size_t)r * K, row + tb, sizeof(real) * (size_t)K);
+        memcpy(lidx + (size_t)r * K, row + tb + sizeof(real) * (size_t)K,
+               sizeof(int32_t) * (size_t)K);
     }
 }
 

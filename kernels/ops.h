@@ -191,9 +191,13 @@ void routing_stats_count(int64_t *tokens, int64_t *load, int64_t *coact, int64_t
                          const int32_t *idx, const int32_t *prev_idx, int N, int E, int K);
 
 /* ---- packing rows for the exchange between ranks --------------------------------- */
-/* Row layout of a dispatch row (row_bytes bytes, row_bytes >= D*sizeof(real) +
- * K*sizeof(real) + K*4): D reals (the token), K reals (the weight of each slot whose
- * expert is on the destination, else 0), K int32 (that expert's local id there, else -1).
+/* Row layout of a dispatch row (row_bytes bytes, row_bytes >= moe_dispatch_row_bytes(D,
+ * K, x16)): the token, D reals (x16 MOE_ROW_FP32) or D 16-bit values (MOE_ROW_BF16,
+ * MOE_ROW_FP16: rounded to nearest even, padded to 4 bytes); then K reals (the weight of
+ * each slot whose expert is on the destination, else 0) and K int32 (that expert's local
+ * id there, else -1). The 16-bit forms carry exactly what a 16-bit GEMM precision reads
+ * of the experts' input (its operand is the same rounding of the same value), in half
+ * the bytes.
  *
  * Builds one row per (token n, destination p) such that some kept slot of n (slot_row
  * >= 0) has its expert on p (expert_rank[e] == p), grouped by p in order, tokens in
@@ -213,13 +217,25 @@ void routing_stats_count(int64_t *tokens, int64_t *load, int64_t *coact, int64_t
  * queue_wait on a later mark, or sync), so the host can queue more work before it needs
  * them. */
 #define MOE_PACK_COUNTS(P, El) (2 * (P) + 1 + (P) * (El))
+enum { MOE_ROW_FP32 = 0, MOE_ROW_BF16 = 1, MOE_ROW_FP16 = 2 };
+/* Bytes of the token part of a dispatch row, and of the whole row (a multiple of 8). */
+MOE_HD static inline size_t moe_dispatch_token_bytes(int D, int x16)
+{
+    return x16 == MOE_ROW_FP32 ? sizeof(real) * (size_t)D : ((size_t)D * 2 + 3) & ~(size_t)3;
+}
+MOE_HD static inline size_t moe_dispatch_row_bytes(int D, int K, int x16)
+{
+    return (moe_dispatch_token_bytes(D, x16) + (size_t)K * (sizeof(real) + sizeof(int32_t)) + 7) &
+           ~(size_t)7;
+}
 void moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows, int *counts,
                        const real *x, const int32_t *idx, const real *w, const int32_t *slot_row,
                        const int32_t *expert_rank, const int32_t *expert_local, int N, int D, int K,
-                       int P, int El, size_t row_bytes);
-/* Splits R dispatch rows into x (R,D), w (R,K), lidx (R,K). */
+                       int P, int El, size_t row_bytes, int x16);
+/* Splits R dispatch rows into x (R,D) (16-bit tokens widened, exactly), w (R,K), lidx
+ * (R,K). */
 void moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int R, int D, int K,
-                         size_t row_bytes);
+                         size_t row_bytes, int x16);
 /* rows (R, D+K) = [dx | dw] row by row (the gradient rows sent back). */
 void moe_pack_grad_rows(real *rows, const real *dx, const real *dw, int R, int D, int K);
 /* dx (N,D) += dx part and dw (N,K) += dw part of rows (n, D+K), row r for token
@@ -344,6 +360,53 @@ MOE_HD static inline float moe_bf16_widen(uint16_t b)
         uint32_t u;
         float f;
     } c = {(uint32_t)b << 16};
+    return c.f;
+}
+
+/* IEEE half of a float, rounded to nearest even (overflow to infinity, subnormals kept, a
+ * NaN stays a NaN), and back (exact): the host's form of what the device's
+ * __float2half_rn and __half2float do (tests/gpu compares them bit for bit). */
+MOE_HD static inline uint16_t moe_fp16_round(float f)
+{
+    union {
+        float f;
+        uint32_t u;
+    } c = {f};
+    const uint32_t sign = (c.u >> 16) & 0x8000u, a = c.u & 0x7fffffffu;
+    if (a > 0x7f800000u) /* NaN */
+        return (uint16_t)(sign | 0x7e00u);
+    if (a >= 0x477ff000u) /* 65520 and up round to infinity */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a >= 0x38800000u) { /* a normal half (2^-14 and up): rebias, round 13 bits off */
+        const uint32_t r = a - 0x38000000u;
+        return (uint16_t)(sign | ((r + 0x0fffu + ((r >> 13) & 1u)) >> 13));
+    }
+    if (a < 0x33000000u) /* below 2^-25: zero */
+        return (uint16_t)sign;
+    /* a subnormal half: the value in units of 2^-24 is mant * 2^(e - 126), e <= 112 */
+    const uint32_t e = a >> 23, mant = (a & 0x7fffffu) | 0x800000u, shift = 126 - e;
+    uint32_t q = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u)))
+        q++; /* may carry into the smallest normal, which is its right encoding */
+    return (uint16_t)(sign | q);
+}
+
+MOE_HD static inline float moe_fp16_widen(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    union {
+        uint32_t u;
+        float f;
+    } c;
+    if (e == 31)
+        c.u = sign | 0x7f800000u | (m << 13);
+    else if (e != 0)
+        c.u = sign | ((e + 112u) << 23) | (m << 13);
+    else { /* zero or subnormal: m * 2^-24, exact in a float */
+        c.f = (float)m * 5.9604644775390625e-8f;
+        c.u |= sign;
+    }
     return c.f;
 }
 

@@ -546,8 +546,9 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
         head_logits = (size_t)atoi(head_env) << 18;
     m->head_rows = (int)(head_logits / (size_t)m->V);
     m->head_rows = m->head_rows < 1 ? 1 : m->head_rows > m->Nc ? m->Nc : m->head_rows;
-    m->row_bytes =
-        ((size_t)(m->D + m->K) * sizeof(real) + (size_t)m->K * sizeof(int32_t) + 7) & ~(size_t)7;
+    m->row_bytes = moe_dispatch_row_bytes(m->D, m->K, MOE_ROW_FP32); /* the largest row */
+    m->row_x16 = MOE_ROW_FP32;
+    m->dispatch_bytes = m->row_bytes;
     m->capacity = cfg->capacity_factor > 0
                       ? (int)ceil(cfg->capacity_factor * m->Nc * m->K / (double)m->E)
                       : -1;
@@ -789,7 +790,7 @@ static void moe_dispatch_pack(moe_model *m, int l)
     m->be->moe_pack_dispatch(m->send_buf, a->send_token, a->token_rows, ch->pack_counts, a->h2,
                              a->idx, a->w, a->slot_row, m->expert_rank_dev + (size_t)l * m->E,
                              m->expert_local_dev + (size_t)l * m->E, N, m->D, K, m->ep, m->El,
-                             m->row_bytes);
+                             m->dispatch_bytes, m->row_x16);
     ch->mark = m->be->queue_mark();
 }
 
@@ -817,9 +818,10 @@ static moe_status moe_dispatch_send(moe_model *m, int l, moe_fwd_stats *stats)
     for (int p = 0; p < ep; p++) {
         if (p == m->ep_rank)
             continue;
-        stats->a2a_bytes += 2 * (int64_t)send_rows[p] * D * (int64_t)sizeof(real);
-        stats->a2a_bytes_saved +=
-            2 * (int64_t)(send_assign[p] - send_rows[p]) * D * (int64_t)sizeof(real);
+        const int64_t token = (int64_t)moe_dispatch_token_bytes(D, m->row_x16) +
+                              (int64_t)D * (int64_t)sizeof(real); /* there and back */
+        stats->a2a_bytes += (int64_t)send_rows[p] * token;
+        stats->a2a_bytes_saved += (int64_t)(send_assign[p] - send_rows[p]) * token;
     }
 
     /* per peer: rows, then assignments per local expert there */
@@ -857,7 +859,8 @@ static moe_status moe_dispatch_send(moe_model *m, int l, moe_fwd_stats *stats)
     if (a->n_rows > m->Mmax)
         MOE_FAIL(MOE_ERR_COMM, "layer %d: %d expert rows announced, more than the %d sized for", l,
                  a->n_rows, m->Mmax);
-    return exchange_start(m, m->send_buf, a->send_rows, m->recv_buf, a->recv_rows, m->row_bytes);
+    return exchange_start(m, m->send_buf, a->send_rows, m->recv_buf, a->recv_rows,
+                          m->dispatch_bytes);
 }
 
 /* Experts' side: groups the received rows' slots by local expert, runs the grouped
@@ -929,7 +932,7 @@ static moe_status layer_forward_experts(moe_model *m, int l)
     moe_comm_set_context(m->comm, "forward dispatch", l);
     MOE_CHECK(exchange_finish(m));
     m->be->moe_unpack_dispatch(a->xrecv, a->lw, a->lidx, m->recv_buf, a->n_recv, m->D, m->K,
-                               m->row_bytes);
+                               m->dispatch_bytes, m->row_x16);
     moe_experts_forward(m, l, (real *)m->send_buf);
     return MOE_OK;
 }
@@ -1000,6 +1003,14 @@ void moe_model_fuse_head(moe_model *m, int64_t step_sequences)
 }
 
 void moe_model_fresh_expert_grads(moe_model *m) { m->expert_grads_fresh = 1; }
+
+void moe_model_set_precision(moe_model *m, int p)
+{
+    m->row_x16 = p == MOE_PREC_BF16   ? MOE_ROW_BF16
+                 : p == MOE_PREC_FP16 ? MOE_ROW_FP16
+                                      : MOE_ROW_FP32;
+    m->dispatch_bytes = moe_dispatch_row_bytes(m->D, m->K, m->row_x16);
+}
 
 /* The LM head's backward for rows [r0, r0 + rows) of the current chunk, whose logits are
  * in m->logits: the gradient of the loss of a step of step_sequences sequences goes to

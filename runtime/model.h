@@ -209,11 +209,13 @@ typedef struct moe_model {
     real *dw, *dprobs, *drlogits;          /* (N, K), (N, E), (N, E) */
     char *send_buf, *recv_buf;             /* packed exchange rows: max(rows) * row_bytes */
     size_t row_bytes;                      /* D reals + K reals + K int32, 8-aligned */
-    int Rmax, Mmax;                        /* rows received / expert rows, worst case */
-    int *route_scratch;                    /* (Rmax*K + E + 1) */
-    size_t *xc_size;   /* (4*ep): byte counts and displacements of the exchange starting
-                          (comm reads them when it starts, so the chunks share them) */
-    int64_t *xc_count; /* (2*ep*(1+El)): rows, then per local expert, sent and received */
+    int row_x16;                           /* the token part of dispatch rows (ops.h MOE_ROW_*) */
+    size_t dispatch_bytes; /* a dispatch row: moe_dispatch_row_bytes(D, K, row_x16) */
+    int Rmax, Mmax;        /* rows received / expert rows, worst case */
+    int *route_scratch;    /* (Rmax*K + E + 1) */
+    size_t *xc_size;       /* (4*ep): byte counts and displacements of the exchange starting
+                              (comm reads them when it starts, so the chunks share them) */
+    int64_t *xc_count;     /* (2*ep*(1+El)): rows, then per local expert, sent and received */
     int32_t *src_row_token, *src_row_slot; /* (N*K) */
     int64_t *layer_counts; /* (L, E): top-k assignments per expert in this micro-batch */
     double *aux_psum;      /* (L, E): the router's probability sums in this micro-batch */
@@ -302,6 +304,11 @@ void moe_model_fuse_head(moe_model *m, int64_t step_sequences);
  * (its first chunk's weight-gradient GEMMs overwrite, empty experts' slices are zeroed),
  * so the caller need zero only the dense ones. Later backwards add, as before. */
 void moe_model_fresh_expert_grads(moe_model *m);
+
+/* The GEMM precision the backend runs: in bf16 / fp16 the dispatch rows carry the token
+ * in that 16-bit form (ops.h MOE_ROW_*), half the bytes, the same bits as the experts'
+ * GEMM operand it becomes. */
+void moe_model_set_precision(moe_model *m, int p); /* a moe_precision (kernels/backend.h) */
 
 /* The logits (N, V) of the last forward, recomputed chunk by chunk into host memory. */
 moe_status moe_model_logits(moe_model *m, real *host);

@@ -154,6 +154,7 @@ static moe_status setup_precision(moe_trainer *tr)
                  "or later (T4 is sm_75); use fp16 (with dynamic loss scaling) or auto",
                  cc);
     tr->precision = p;
+    moe_model_set_precision(tr->model, p);
     tr->scaling = p == MOE_PREC_FP16;
     tr->loss_scale = tr->scaling ? tr->cfg.loss_scale_init : 1.0;
     tr->model->loss_scale = tr->loss_scale;

@@ -66,24 +66,32 @@ static __global__ void dispatch_fill_kernel(char *rows, int32_t *send_token, con
                                             const real *x, const int32_t *idx, const real *w,
                                             const int32_t *slot_row, const int32_t *expert_rank,
                                             const int32_t *expert_local, const int *n_rows, int N,
-                                            int D, int K, size_t row_bytes)
+                                            int D, int K, size_t row_bytes, int x16)
 {
     const int W = D + 2 * K, n = *n_rows;
+    const size_t tb = moe_dispatch_token_bytes(D, x16);
     MOE_CUDA_GRID_STRIDE(e, (size_t)n * W)
     {
         const int r = (int)(e / W), j = (int)(e % W);
         const int src = rowsrc[r], p = src / N, t = src % N;
-        real *row = (real *)(rows + (size_t)r * row_bytes);
+        char *row = rows + (size_t)r * row_bytes;
+        real *wt = (real *)(row + tb);
         if (j == 0)
             send_token[r] = t;
         if (j < D) {
-            row[j] = x[(size_t)t * D + j];
+            const real v = x[(size_t)t * D + j];
+            if (x16 == MOE_ROW_FP32)
+                ((real *)row)[j] = v;
+            else if (x16 == MOE_ROW_BF16)
+                ((__nv_bfloat16 *)row)[j] = __float2bfloat16_rn(v);
+            else
+                ((__half *)row)[j] = __float2half_rn(v);
         } else if (j < D + K) {
             const int a = t * K + (j - D);
-            row[j] = on_dest(idx, slot_row, expert_rank, a, p) ? w[a] : (real)0;
+            wt[j - D] = on_dest(idx, slot_row, expert_rank, a, p) ? w[a] : (real)0;
         } else {
             const int a = t * K + (j - D - K);
-            ((int32_t *)row)[j] =
+            ((int32_t *)(wt + K))[j - D - K] =
                 on_dest(idx, slot_row, expert_rank, a, p) ? expert_local[idx[a]] : -1;
         }
     }
@@ -93,7 +101,8 @@ extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int32_t 
                                        int *counts, const real *x, const int32_t *idx,
                                        const real *w, const int32_t *slot_row,
                                        const int32_t *expert_rank, const int32_t *expert_local,
-                                       int N, int D, int K, int P, int El, size_t row_bytes)
+                                       int N, int D, int K, int P, int El, size_t row_bytes,
+                                       int x16)
 {
     const size_t n_counts = (size_t)MOE_PACK_COUNTS(P, El);
     if (N <= 0 || P <= 0) {
@@ -126,35 +135,40 @@ extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int32_t 
     MOE_CUDA_LAUNCH(dispatch_fill_kernel,
                     moe_cuda_blocks((size_t)PN * (D + 2 * K), MOE_CUDA_THREADS), MOE_CUDA_THREADS,
                     0, rows, send_token, rowsrc, x, idx, w, slot_row, expert_rank, expert_local,
-                    res + 2 * P, N, D, K, row_bytes);
+                    res + 2 * P, N, D, K, row_bytes, x16);
     moe_cuda_fetch_async(counts, res, sizeof(int) * n_counts);
 }
 
 /* x (R,D), w (R,K), lidx (R,K) from the rows: one thread per value. */
 static __global__ void unpack_kernel(real *x, real *w, int32_t *lidx, const char *rows, int R,
-                                     int D, int K, size_t row_bytes)
+                                     int D, int K, size_t row_bytes, int x16)
 {
     const int W = D + 2 * K;
+    const size_t tb = moe_dispatch_token_bytes(D, x16);
     MOE_CUDA_GRID_STRIDE(e, (size_t)R * W)
     {
         const int r = (int)(e / W), j = (int)(e % W);
-        const real *row = (const real *)(rows + (size_t)r * row_bytes);
+        const char *row = rows + (size_t)r * row_bytes;
+        const real *wt = (const real *)(row + tb);
         if (j < D)
-            x[(size_t)r * D + j] = row[j];
+            x[(size_t)r * D + j] = x16 == MOE_ROW_FP32 ? ((const real *)row)[j]
+                                   : x16 == MOE_ROW_BF16
+                                       ? __bfloat162float(((const __nv_bfloat16 *)row)[j])
+                                       : __half2float(((const __half *)row)[j]);
         else if (j < D + K)
-            w[(size_t)r * K + j - D] = row[j];
+            w[(size_t)r * K + j - D] = wt[j - D];
         else
-            lidx[(size_t)r * K + j - D - K] = ((const int32_t *)row)[j];
+            lidx[(size_t)r * K + j - D - K] = ((const int32_t *)(wt + K))[j - D - K];
     }
 }
 
 extern "C" void cuda_moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int R,
-                                         int D, int K, size_t row_bytes)
+                                         int D, int K, size_t row_bytes, int x16)
 {
     if (R <= 0 || D + 2 * K <= 0)
         return;
     MOE_CUDA_LAUNCH(unpack_kernel, moe_cuda_blocks((size_t)R * (D + 2 * K), MOE_CUDA_THREADS),
-                    MOE_CUDA_THREADS, 0, x, w, lidx, rows, R, D, K, row_bytes);
+                    MOE_CUDA_THREADS, 0, x, w, lidx, rows, R, D, K, row_bytes, x16);
 }
 
 static __global__ void pack_grad_kernel(real *rows, const real *dx, const real *dw, int R, int D,

@@ -811,10 +811,10 @@ static void test_exchange(int N, int E, int K, int P, int D, int capacity, const
     float *x = frand((size_t)N * D, -1, 1);
     int32_t *trows = ipoison((size_t)N * P), *dtrows = DEVI(trows, (size_t)N * P);
     cpu->moe_pack_dispatch(rows, st, trows, counts, x, idx, w, slot_row, erank, elocal, N, D, K, P,
-                           per, row_bytes);
+                           per, row_bytes, MOE_ROW_FP32);
     gpu->moe_pack_dispatch(drows, dst, dtrows, gcounts, DEVF(x, (size_t)N * D), DEVI(idx, NK),
                            DEVF(w, NK), DEVI(slot_row, NK), DEVI(erank, E), DEVI(elocal, E), N, D,
-                           K, P, per, row_bytes);
+                           K, P, per, row_bytes, MOE_ROW_FP32);
     const long mark = gpu->queue_mark();
     if (gpu->queue_wait(mark, NULL, NULL) != MOE_OK)
         fail_now("queue_wait after moe_pack_dispatch");
@@ -842,12 +842,57 @@ static void test_exchange(int N, int E, int K, int P, int D, int capacity, const
     int32_t *ul = ipoison((size_t)n * K);
     float *dux = DEVF(ux, (size_t)n * D), *duw = DEVF(uw, (size_t)n * K);
     int32_t *dul = DEVI(ul, (size_t)n * K);
-    cpu->moe_unpack_dispatch(ux, uw, ul, rows, n, D, K, row_bytes);
-    gpu->moe_unpack_dispatch(dux, duw, dul, dev(rows, nbytes), n, D, K, row_bytes);
+    cpu->moe_unpack_dispatch(ux, uw, ul, rows, n, D, K, row_bytes, MOE_ROW_FP32);
+    gpu->moe_unpack_dispatch(dux, duw, dul, dev(rows, nbytes), n, D, K, row_bytes, MOE_ROW_FP32);
     gpu_done();
     check_f("x", HOSTF(dux, (size_t)n * D), ux, (size_t)n * D, D, EXACT);
     check_f("w", HOSTF(duw, (size_t)n * K), uw, (size_t)n * K, K, EXACT);
     check_i("lidx", HOSTI(dul, (size_t)n * K), ul, (size_t)n * K);
+
+    /* the 16-bit token forms: the device rounds with __float2bfloat16_rn / __float2half_rn,
+     * the host with its own functions (ops.h), so equal bits check both; the tokens
+     * include values the half overflows on, its subnormals and ties */
+    float *xe = frand((size_t)N * D, -1, 1);
+    for (size_t i = 0; i < (size_t)N * D; i++)
+        xe[i] *= i % 5 == 1 ? 1e5f : i % 5 == 2 ? 3e-6f : 1.0f;
+    for (size_t i = 0; i + 3 < (size_t)N * D; i += 97) {
+        xe[i] = 1.0f + 0x1p-11f; /* ties of fp16 and of bf16 */
+        xe[i + 1] = 1.0f + 0x3p-8f;
+        xe[i + 2] = 0x3p-25f;
+        xe[i + 3] = 65520.0f;
+    }
+    for (int x16 = MOE_ROW_BF16; x16 <= MOE_ROW_FP16; x16++) {
+        begin("moe_pack_dispatch", x16 == MOE_ROW_BF16 ? "bf16 tokens" : "fp16 tokens");
+        const size_t rb = moe_dispatch_row_bytes(D, K, x16), tb = moe_dispatch_token_bytes(D, x16);
+        char *r16 = hmem(max_rows * rb), *dr16 = dev(r16, max_rows * rb);
+        int32_t *st16 = ipoison(max_rows), *dst16 = DEVI(st16, max_rows);
+        int *c16 = hmem(sizeof(int) * nc), *gc16 = gpu->alloc_host(sizeof(int) * nc);
+        cpu->moe_pack_dispatch(r16, st16, NULL, c16, xe, idx, w, slot_row, erank, elocal, N, D, K,
+                               P, per, rb, x16);
+        gpu->moe_pack_dispatch(dr16, dst16, NULL, gc16, DEVF(xe, (size_t)N * D), DEVI(idx, NK),
+                               DEVF(w, NK), DEVI(slot_row, NK), DEVI(erank, E), DEVI(elocal, E), N,
+                               D, K, P, per, rb, x16);
+        gpu_done();
+        check_i("counts", gc16, c16, nc);
+        gpu->release_host(gc16);
+        const char *g16 = host_of(dr16, max_rows * rb);
+        int bad = 0, none = 0;
+        for (int r = 0; r < n; r++) { /* the token's 16-bit values, then w and lidx */
+            bad += memcmp(g16 + r * rb, r16 + r * rb, (size_t)D * 2) != 0;
+            bad += memcmp(g16 + r * rb + tb, r16 + r * rb + tb, (size_t)K * 8) != 0;
+        }
+        check_i("rows (16-bit tokens, weights, ids) identical", &bad, &none, 1);
+        begin("moe_unpack_dispatch", x16 == MOE_ROW_BF16 ? "bf16 tokens" : "fp16 tokens");
+        float *hx = fnan((size_t)n * D), *dhx = DEVF(hx, (size_t)n * D);
+        cpu->moe_unpack_dispatch(hx, uw, ul, r16, n, D, K, rb, x16);
+        gpu->moe_unpack_dispatch(dhx, duw, dul, dr16, n, D, K, rb, x16);
+        gpu_done();
+        /* as bits: the overflowed ones are infinite */
+        check_i("x (bits)", (const int32_t *)HOSTF(dhx, (size_t)n * D), (const int32_t *)hx,
+                (size_t)n * D);
+        check_f("w", HOSTF(duw, (size_t)n * K), uw, (size_t)n * K, K, EXACT);
+        check_i("lidx", HOSTI(dul, (size_t)n * K), ul, (size_t)n * K);
+    }
 
     begin("moe_pack_grad_rows", name);
     const size_t nw = (size_t)n * (D + K);

@@ -140,7 +140,7 @@ static void test_pack_dispatch(void **state)
     int counts[MOE_PACK_COUNTS(P, El)];
     int32_t token_rows[PN * P];
     moe_pack_dispatch(rows, send_token, token_rows, counts, x, plan_idx, plan_w, slot_row, erank,
-                      elocal, PN, D, PK, P, El, row_bytes);
+                      elocal, PN, D, PK, P, El, row_bytes, MOE_ROW_FP32);
     /* rows per rank | assignments per rank | rows | per (rank, local expert) */
     const int want[MOE_PACK_COUNTS(P, El)] = {4, 2, 6, 2, 6, 2, 4, 2, 0};
     const int32_t want_token[6] = {0, 1, 2, 3, 1, 3};
@@ -156,6 +156,76 @@ static void test_pack_dispatch(void **state)
     assert_true(r4[D] == 0 && r4[D + 1] == plan_w[3]);
     assert_int_equal(l4[0], -1);
     assert_int_equal(l4[1], 0);
+
+    /* the 16-bit token forms: the same rows, the token rounded, weights and ids as above,
+     * and unpacking gives the rounded values back exactly */
+    for (int x16 = MOE_ROW_BF16; x16 <= MOE_ROW_FP16; x16++) {
+        real xs[PN * D];
+        for (int i = 0; i < PN * D; i++)
+            xs[i] = 0.1f * (real)(i + 1) + 0.01f; /* not representable in 16 bits */
+        const size_t rb = moe_dispatch_row_bytes(D, PK, x16);
+        assert_true(rb < row_bytes + 8 && rb % 8 == 0);
+        char rows16[PN * P * sizeof(real) * (D + 2 * PK)];
+        moe_pack_dispatch(rows16, send_token, NULL, counts, xs, plan_idx, plan_w, slot_row, erank,
+                          elocal, PN, D, PK, P, El, rb, x16);
+        assert_memory_equal(counts, want, sizeof want);
+        real ux[6 * D], uw[6 * PK];
+        int32_t ul[6 * PK];
+        moe_unpack_dispatch(ux, uw, ul, rows16, 6, D, PK, rb, x16);
+        for (int r = 0; r < 6; r++)
+            for (int j = 0; j < D; j++) {
+                const real v = xs[want_token[r] * D + j];
+                const real want_v = x16 == MOE_ROW_BF16 ? moe_bf16_widen(moe_bf16_round(v))
+                                                        : moe_fp16_widen(moe_fp16_round(v));
+                assert_true(ux[r * D + j] == want_v && want_v != v);
+                assert_true(fabsf(want_v - v) <= (x16 == MOE_ROW_BF16 ? 0x1p-8f : 0x1p-11f) *
+                                                     fabsf(v)); /* half an ulp */
+            }
+        assert_true(uw[4 * PK] == 0 && uw[4 * PK + 1] == plan_w[3]);
+        assert_int_equal(ul[4 * PK], -1);
+        assert_int_equal(ul[4 * PK + 1], 0);
+    }
+}
+
+/* The host's fp16 and bf16 rounding on values whose encodings are known: ties to even,
+ * the largest finite, overflow, subnormals, the smallest normal, signs, NaN. */
+static void test_half_rounding(void **state)
+{
+    (void)state;
+    static const struct {
+        float v;
+        uint16_t h;
+    } fp16[] = {
+        {1.0f, 0x3c00},
+        {-2.0f, 0xc000},
+        {1.0f + 0x1p-11f, 0x3c00}, /* a tie: to even */
+        {1.0f + 0x3p-11f, 0x3c02}, /* a tie: to even, up */
+        {65504.0f, 0x7bff},
+        {65519.99f, 0x7bff},
+        {65520.0f, 0x7c00}, /* a tie at the top: to infinity */
+        {1e6f, 0x7c00},
+        {-1e6f, 0xfc00},
+        {0x1p-14f, 0x0400},            /* the smallest normal */
+        {0x1p-14f - 0x1p-24f, 0x03ff}, /* the largest subnormal */
+        {0x1p-24f, 0x0001},
+        {0x1p-25f, 0x0000}, /* half a unit, a tie: to even, zero */
+        {0x3p-26f, 0x0001}, /* 0.75 units */
+        {0x3p-25f, 0x0002}, /* 1.5 units, a tie: to even, 2 */
+        {0x1p-26f, 0x0000},
+        {-0.0f, 0x8000},
+        {0.0f, 0x0000},
+        {0x1.ffcp-15f, 0x0400}, /* rounds up into the normals */
+    };
+    for (size_t i = 0; i < sizeof fp16 / sizeof *fp16; i++) {
+        assert_int_equal(moe_fp16_round(fp16[i].v), fp16[i].h);
+        if (fp16[i].v == moe_fp16_widen(fp16[i].h)) /* exact ones come back */
+            assert_true(moe_fp16_widen(moe_fp16_round(fp16[i].v)) == fp16[i].v);
+    }
+    assert_true(moe_fp16_widen(0x0001) == 0x1p-24f && moe_fp16_widen(0x7bff) == 65504.0f);
+    assert_true(isinf(moe_fp16_widen(0x7c00)) && isnan(moe_fp16_widen(moe_fp16_round(NAN))));
+    assert_int_equal(moe_bf16_round(1.0f), 0x3f80);
+    assert_int_equal(moe_bf16_round(1.0f + 0x1p-8f), 0x3f80); /* a tie: to even */
+    assert_int_equal(moe_bf16_round(1.0f + 0x3p-8f), 0x3f82);
 }
 
 static void test_route_plan_capacity(void **state)
@@ -805,6 +875,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_route_plan_dropless),
         cmocka_unit_test(test_pack_dispatch),
+        cmocka_unit_test(test_half_rounding),
         cmocka_unit_test(test_route_plan_capacity),
         cmocka_unit_test(test_permute_combine_forward),
         cmocka_unit_test(test_router_forward),
