@@ -87,7 +87,7 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     /* placement = auto: one re-plan from the warm-up's routing, so the timed steps run
      * with the experts grouped and the ranks' loads balanced */
     if (tr->routing && strcmp(cfg->placement, "auto") == 0 && m->ep > 1)
-        MOE_CHECK(moe_trainer_replan(tr, tr->rank == 0 ? out : stderr));
+        MOE_CHECK(moe_trainer_replan(tr, out)); /* rank 0 prints */
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
     moe_comm_take_sites(tr->comm, NULL, 0); /* from the timed steps on */
@@ -126,9 +126,8 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     /* the spread over ranks of the expert rows computed and of the exposed exchange:
      * min, max (as max of the negated) and sum; a rank with more rows keeps the others
      * waiting in the exchanges */
-    double spread[6] = {-rows / cfg->steps, rows / cfg->steps, -comm[1], comm[1], 0, 0};
-    spread[4] = rows / cfg->steps;
-    spread[5] = comm[1];
+    const double rows_step = rows / cfg->steps;
+    double spread[6] = {-rows_step, rows_step, -comm[1], comm[1], rows_step, comm[1]};
     if (tr->comm) {
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, spread, 4));
         MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, spread + 4, 2));
