@@ -60,8 +60,9 @@ if [ "${BENCH:-1}" = 1 ]; then
     timeout 240 mpirun -np 2 --bind-to none "${envs[@]}" ./$B/moe-dist bench \
       configs/bench-h200.ini --set parallel.ep=2 "$@" >"$OUT/$name.log" 2>&1
     echo "moe-dist bench $name ($* ${NCCL_SET:-}): exit $?"
-    grep -E "^bench:|tokens/s|step time|communication  |exposed communication" "$OUT/$name.log" |
-      cut -c1-260
+    grep -E "^bench:|tokens/s|step time|communication  |exposed communication|ranks  " \
+      "$OUT/$name.log" | cut -c1-260
+    sed -n '/exposed by place/,/allocations/p' "$OUT/$name.log" | grep -v allocations
   }
   for c in ${CHUNKS:-1 2 4}; do bench "bench2_c$c" --set parallel.a2a_chunks=$c; done
   for k in ${REPEATS:-}; do
