@@ -3,7 +3,10 @@
  * short rows, a whole block for long ones: then few rows are in flight, and the second
  * pass over a row finds it in cache). dweight, a sum over rows, is a deterministic
  * two-stage reduction: per chunk of rows a partial column sum (fixed order inside the
- * block), then the chunks (fixed order too). No atomics. */
+ * block), then the chunks (fixed order too). No atomics. Where it can (float4 rows up to
+ * D = 4096), the backward makes one pass over x and dout for dx and dweight together. */
+#include <stdlib.h>
+
 #include "kernels/cuda/cuda_common.cuh"
 
 #define DW_CHUNK 256 /* rows per partial sum of dweight */
@@ -188,6 +191,84 @@ static __global__ void rmsnorm_dweight_partial(double *part, const real *dout, c
     }
 }
 
+/* The backward in one pass over x and dout (D % 4 == 0, aligned, D <= 4 * FUSED_THREADS *
+ * FUSED_GROUPS): block b takes rows [b FUSED_ROWS, ...) one after another, its
+ * FUSED_THREADS threads each FUSED_GROUPS float4 groups of columns (their weights loaded
+ * once). Per row: the dot product (per thread in column order, then the warps in order,
+ * in double), dx, and each column's g x r added to the thread's partial of dweight, which
+ * goes to part[b][d] at the end (rmsnorm_dweight_final adds the blocks in order). The
+ * two-kernel form reads x and dout a second time for dweight. */
+#define FUSED_THREADS 256
+#define FUSED_GROUPS 4 /* the most; the kernel is built for 1, 2 and 4 */
+#define FUSED_ROWS 16
+
+template <int G>
+static __global__ void __launch_bounds__(FUSED_THREADS)
+    rmsnorm_backward_fused_kernel(real *dx, double *part, const real *dout, const real *x,
+                                  const real *weight, const real *rstd, int N, int D)
+{
+    __shared__ double red[2][FUSED_THREADS / 32];
+    const int lo = blockIdx.x * FUSED_ROWS, hi = min(N, lo + FUSED_ROWS);
+    const int warp = threadIdx.x >> 5, warps = FUSED_THREADS / 32;
+    moe_fvec<4> w[G];
+    double s[G][4];
+#pragma unroll
+    for (int q = 0; q < G; q++) {
+        const int d = (threadIdx.x + q * FUSED_THREADS) * 4;
+        if (d < D)
+            w[q] = moe_load_v<4>(weight + d);
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            s[q][k] = 0.0;
+    }
+    for (int n = lo, buf = 0; n < hi; n++, buf ^= 1) {
+        const real *xr = x + (size_t)n * D, *g = dout + (size_t)n * D;
+        moe_fvec<4> gv[G], xv[G];
+        double dot = 0.0;
+#pragma unroll
+        for (int q = 0; q < G; q++) {
+            const int d = (threadIdx.x + q * FUSED_THREADS) * 4;
+            if (d < D) {
+                gv[q] = moe_load_v<4>(g + d);
+                xv[q] = moe_load_v<4>(xr + d);
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    dot += (double)w[q].v[k] * gv[q].v[k] * xv[q].v[k];
+            }
+        }
+        dot = moe_warp_sum_d(dot);
+        if ((threadIdx.x & 31) == 0)
+            red[buf][warp] = dot;
+        __syncthreads(); /* one per row: the other buffer serves the next row */
+        dot = 0.0;
+        for (int i = 0; i < warps; i++)
+            dot += red[buf][i];
+        const double r = rstd[n], c = r * r * dot / D;
+        real *dxr = dx + (size_t)n * D;
+#pragma unroll
+        for (int q = 0; q < G; q++) {
+            const int d = (threadIdx.x + q * FUSED_THREADS) * 4;
+            if (d < D) {
+                moe_fvec<4> dv = moe_load_v<4>(dxr + d);
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    dv.v[k] += (real)(r * ((double)w[q].v[k] * gv[q].v[k] - xv[q].v[k] * c));
+                    s[q][k] += (double)gv[q].v[k] * xv[q].v[k] * r;
+                }
+                moe_store_v<4>(dxr + d, dv);
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < G; q++) {
+        const int d = (threadIdx.x + q * FUSED_THREADS) * 4;
+        if (d < D)
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                part[(size_t)blockIdx.x * D + d + k] = s[q][k];
+    }
+}
+
 /* dweight[d] += sum over the chunks of part[c][d]: block (DW_COLS, DW_LANES), each
  * thread a strided subset of the chunks, then the DW_LANES partials in order. */
 static __global__ void rmsnorm_dweight_final(real *dweight, const double *part, int chunks, int D)
@@ -215,6 +296,30 @@ extern "C" void cuda_rmsnorm_backward(real *dx, real *dweight, const real *dout,
         return;
     /* x and dout feed both kernels: the float4 forms need them aligned */
     const bool vec = D % 4 == 0 && moe_aligned16(dout) && moe_aligned16(x);
+    static int two_pass = -1; /* MOE_RMSNORM_TWO_PASS=1: the two-kernel form (a benchmark knob) */
+    if (two_pass < 0)
+        two_pass = getenv("MOE_RMSNORM_TWO_PASS") != NULL;
+    if (dx && dweight && vec && moe_aligned16(dx) && moe_aligned16(weight) &&
+        D <= 4 * FUSED_THREADS * FUSED_GROUPS && !two_pass) {
+        const int blocks = (N + FUSED_ROWS - 1) / FUSED_ROWS;
+        double *part = (double *)moe_cuda_scratch(sizeof(double) * (size_t)blocks * D);
+        if (!part)
+            return;
+        const int groups = (D / 4 + FUSED_THREADS - 1) / FUSED_THREADS;
+#define RMS_FUSED(G)                                                                               \
+    MOE_CUDA_LAUNCH(rmsnorm_backward_fused_kernel<G>, blocks, FUSED_THREADS, 0, dx, part, dout, x, \
+                    weight, rstd, N, D)
+        if (groups <= 1)
+            RMS_FUSED(1);
+        else if (groups <= 2)
+            RMS_FUSED(2);
+        else
+            RMS_FUSED(4);
+#undef RMS_FUSED
+        MOE_CUDA_LAUNCH(rmsnorm_dweight_final, (D + DW_COLS - 1) / DW_COLS, dim3(DW_COLS, DW_LANES),
+                        0, dweight, part, blocks, D);
+        return;
+    }
     if (dx && vec && moe_aligned16(dx) && moe_aligned16(weight)) {
         const dim3 rows = row_block(D / 4, DX_GROUPS);
         MOE_CUDA_LAUNCH(rmsnorm_backward_dx_kernel<4>, (N + rows.y - 1) / rows.y, rows, 0, dx, dout,

@@ -1140,6 +1140,9 @@ int main(void)
     test_rmsnorm(1, 64, "one token");
     test_rmsnorm(512, 64, "tiny");
     test_rmsnorm(600, 1000, "N=600 D=1000");
+    test_rmsnorm(37, 2048, "D=2048 (one pass, 2 groups a thread)");
+    test_rmsnorm(33, 4096, "D=4096 (one pass, 4 groups a thread)");
+    test_rmsnorm(17, 4100, "D=4100 (two passes)");
 
     test_matmul(7, 13, 5, "N=7 I=13 O=5");
     test_matmul(1, 1, 1, "1x1x1");
