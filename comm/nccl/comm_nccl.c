@@ -5,7 +5,6 @@
 #include <nccl.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <time.h>
 
 #include "util/clock.h"
@@ -154,20 +153,9 @@ moe_status moe_nccl_create(moe_nccl **out, MPI_Comm groups[3], void *stream, int
             moe_log_at(__FILE__, __LINE__, "cudaEventCreate failed");
             st = MOE_ERR_DEVICE;
         }
-    /* the communication streams at the device's highest priority: a pending exchange's
-     * blocks are scheduled before the compute's waiting ones, so it ends sooner while the
-     * compute goes on (MOE_COMM_PRIORITY=0: default priority, a benchmark knob) */
-    int least = 0, greatest = 0;
-    const char *prio_env = getenv("MOE_COMM_PRIORITY");
-    if (st == MOE_OK && !(prio_env && strcmp(prio_env, "0") == 0) &&
-        cudaDeviceGetStreamPriorityRange(&least, &greatest) != cudaSuccess) {
-        moe_log_at(__FILE__, __LINE__, "cudaDeviceGetStreamPriorityRange failed");
-        st = MOE_ERR_DEVICE;
-    }
-    if (st == MOE_OK && (cudaStreamCreateWithPriority(&n->xstream, cudaStreamNonBlocking,
-                                                      greatest) != cudaSuccess ||
-                         cudaStreamCreateWithPriority(&n->gstream, cudaStreamNonBlocking,
-                                                      greatest) != cudaSuccess)) {
+    if (st == MOE_OK &&
+        (cudaStreamCreateWithFlags(&n->xstream, cudaStreamNonBlocking) != cudaSuccess ||
+         cudaStreamCreateWithFlags(&n->gstream, cudaStreamNonBlocking) != cudaSuccess)) {
         moe_log_at(__FILE__, __LINE__, "cannot create the communication streams");
         st = MOE_ERR_DEVICE;
     }
