@@ -134,6 +134,20 @@ void moe_cuda_prof_end(void);
         MOE_CUDA_PROF_END();                                                                       \
     } while (0)
 
+/* The instantiation of a kernel templated on two run-time conditions: LAUNCH(X1 or X0,
+ * Y1 or Y0) as a and b hold (LAUNCH a macro of two arguments around MOE_CUDA_LAUNCH). */
+#define MOE_CUDA_PICK2(a, b, LAUNCH, X1, X0, Y1, Y0)                                               \
+    do {                                                                                           \
+        if ((a) && (b))                                                                            \
+            LAUNCH(X1, Y1);                                                                        \
+        else if (a)                                                                                \
+            LAUNCH(X1, Y0);                                                                        \
+        else if (b)                                                                                \
+            LAUNCH(X0, Y1);                                                                        \
+        else                                                                                       \
+            LAUNCH(X0, Y0);                                                                        \
+    } while (0)
+
 #define MOE_CUDA_GRID_STRIDE(i, n)                                                                 \
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (size_t)(n);                \
          i += (size_t)blockDim.x * gridDim.x)

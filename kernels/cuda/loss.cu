@@ -189,21 +189,15 @@ extern "C" void cuda_cross_entropy_backward(real *dlogits, const real *logits, c
 #define CE_BACKWARD(F, V4, O16)                                                                    \
     MOE_CUDA_LAUNCH((cross_entropy_backward_kernel<F, V4, O16>), grid, MOE_CUDA_THREADS, 0,        \
                     dlogits, logits, lse, targets, dloss, V, bf16)
+#define CE_BACKWARD_FLOAT(V4, O16) CE_BACKWARD(float, V4, O16)
     if (cuda_gemm_precision() == MOE_PREC_FP32) { /* never o16 */
         if (v4)
             CE_BACKWARD(double, true, false);
         else
             CE_BACKWARD(double, false, false);
-    } else if (o16) {
-        if (v4)
-            CE_BACKWARD(float, true, true);
-        else
-            CE_BACKWARD(float, false, true);
     } else {
-        if (v4)
-            CE_BACKWARD(float, true, false);
-        else
-            CE_BACKWARD(float, false, false);
+        MOE_CUDA_PICK2(v4, o16, CE_BACKWARD_FLOAT, true, false, true, false);
     }
+#undef CE_BACKWARD_FLOAT
 #undef CE_BACKWARD
 }

@@ -284,13 +284,6 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
 #define ADAMW_LAUNCH(V4, M16)                                                                      \
     MOE_CUDA_LAUNCH((adamw_multi_kernel<V4, M16>), blocks, MOE_CUDA_THREADS, smem, p, g, m, v,     \
                     offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow, bf16)
-    if (v4 && moments16)
-        ADAMW_LAUNCH(1, 1);
-    else if (v4)
-        ADAMW_LAUNCH(1, 0);
-    else if (moments16)
-        ADAMW_LAUNCH(0, 1);
-    else
-        ADAMW_LAUNCH(0, 0);
+    MOE_CUDA_PICK2(v4, moments16, ADAMW_LAUNCH, 1, 0, 1, 0);
 #undef ADAMW_LAUNCH
 }

@@ -104,14 +104,7 @@ extern "C" void cuda_rmsnorm_forward(real *out, real *rstd, const real *x, const
 #define RMS_FORWARD(V, O16)                                                                        \
     MOE_CUDA_LAUNCH((rmsnorm_forward_kernel<V, O16>), grid, block, 0, out, rstd, x, weight, N, D,  \
                     eps, bf16)
-    if (v4 && o16)
-        RMS_FORWARD(4, true);
-    else if (v4)
-        RMS_FORWARD(4, false);
-    else if (o16)
-        RMS_FORWARD(1, true);
-    else
-        RMS_FORWARD(1, false);
+    MOE_CUDA_PICK2(v4, o16, RMS_FORWARD, 4, 1, true, false);
 #undef RMS_FORWARD
 }
 

@@ -157,14 +157,7 @@ extern "C" void cuda_moe_permute(real *out, const real *x, const int32_t *row_to
 #define PERMUTE(V, O16)                                                                            \
     MOE_CUDA_LAUNCH((permute_kernel<V, O16>), blocks, MOE_CUDA_THREADS, 0, out, x, row_token, M,   \
                     D, bf16)
-    if (v4 && o16)
-        PERMUTE(4, true);
-    else if (v4)
-        PERMUTE(4, false);
-    else if (o16)
-        PERMUTE(1, true);
-    else
-        PERMUTE(1, false);
+    MOE_CUDA_PICK2(v4, o16, PERMUTE, 4, 1, true, false);
 #undef PERMUTE
 }
 
