@@ -164,7 +164,8 @@ void moe_comm_take_times(moe_comm *c, moe_comm_times *out);
  * cap of them into out (in the order they first occurred: the same on every rank of a
  * step), empties the table and returns how many there were. Times are read as
  * moe_comm_take_times reads them: call it after a step's last synchronisation. At most
- * MOE_COMM_SITES places; later new ones are counted under the last. Local. */
+ * MOE_COMM_SITES places (the count returned never exceeds it); later new ones are counted
+ * under the last. Local. */
 #define MOE_COMM_SITES 64
 typedef struct {
     char name[64];

@@ -345,13 +345,15 @@ static void site_add(moe_comm *c, const char *phase, int layer, double total, do
 
 static const char counts_site[] = "token-count exchanges (every layer)";
 
+static moe_status read_device_times(moe_comm *c);
+
 int moe_comm_take_sites(moe_comm *c, moe_comm_site *out, int cap)
 {
     if (!c)
         return 0;
-    moe_comm_times t;
-    moe_comm_take_times(c, &t); /* reads the device times due into the sites */
-    c->times = t;               /* ... and leaves the step's totals for their reader */
+    if (read_device_times(c) != MOE_OK) /* the device times due, into the sites (and the
+                                           step's totals); logged, the step's sync reports it */
+        return 0;
     const int n = c->n_sites;
     for (int i = 0; i < n && i < cap; i++) {
         if (c->sites[i].layer >= 0)

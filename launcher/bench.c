@@ -100,8 +100,6 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     const double step_s = (moe_clock_seconds() - t0) / cfg->steps;
     moe_comm_site sites[MOE_COMM_SITES];
     int n_sites = moe_comm_take_sites(tr->comm, sites, MOE_COMM_SITES);
-    if (n_sites > MOE_COMM_SITES)
-        n_sites = MOE_COMM_SITES;
     MOE_CHECK(sites_slowest(tr, sites, &n_sites, cfg->steps));
     const long allocs = m->be->allocations() - allocs0; /* in the timed steps */
 
