@@ -483,6 +483,7 @@ static struct {
     int64_t *segs;
     double *aux;     /* router aux-loss partials */
     double *norm_sq; /* the gradient norm's two sums of squares */
+    double *sq_out;  /* adamw16_norm: the sums the update writes */
     int moments16;   /* adamw16: the moments in bf16 */
     size_t n;
     int n_segs, rows;
@@ -970,16 +971,18 @@ static size_t arena_layout(int64_t *offs, real *wd, int *n_segs)
 
 static void run_adamw(void)
 {
-    /* sums of squares 1 + 1 under a loss scale of 2, no clipping: gradients times 0.5 */
+    /* sums of squares 1 + 1 under a loss scale of 2, no clipping: gradients times 0.5; or
+     * (sq_out) no norm read, the sums of squares written by the same pass */
     gpu->adamw_update_multi(bf.x, bf.dout, bf.m1, bf.m2, bf.moments16, bf.n, bf.segs, bf.wd,
-                            bf.n_segs, (real)1e-4, (real)0.9, (real)0.95, (real)1e-8, bf.norm_sq,
-                            0.0, 2.0, 10);
+                            bf.n_segs, (real)1e-4, (real)0.9, (real)0.95, (real)1e-8,
+                            bf.sq_out ? NULL : bf.norm_sq, 0.0, 2.0, 10, bf.sq_out, bf.n / 2);
 }
 
 /* as the trainer: the sum of squares stays on the device */
 static void run_grad_norm(void) { gpu->sum_into(bf.norm_sq, bf.dout, bf.n, 1); }
 
-/* adamw: 0 the gradient norm, 1 AdamW, 2 AdamW with bf16 moments. */
+/* adamw: 0 the gradient norm, 1 AdamW, 2 AdamW with bf16 moments, 3 the same writing the
+ * sums of squares of the gradients (the step when nothing clips: no norm pass). */
 static void bench_optimizer(int adamw)
 {
     const ceiling *c = copy_ceiling();
@@ -996,13 +999,14 @@ static void bench_optimizer(int adamw)
     double bytes;
     if (adamw) {
         bf.x = dfill(n, 0.02, 0); /* parameters */
-        bf.moments16 = adamw == 2;
+        bf.moments16 = adamw >= 2;
+        bf.sq_out = adamw == 3 ? dupload(sq, sizeof sq) : NULL;
         bf.m1 = bf.moments16 ? dfill16(n, 1e-3, 0) : dfill(n, 1e-3, 0);
         bf.m2 = bf.moments16 ? dfill16(n, 1e-6, 1) : dfill(n, 1e-6, 1);
         bf.segs = dupload(offs, sizeof(int64_t) * (n_segs + 1));
         bf.wd = dupload(wd, sizeof(real) * n_segs);
         /* p, g, m, v read; p, m, v written: 4 bytes each, or 2 for bf16 moments */
-        bytes = (adamw == 2 ? 4.0 * 3.0 + 2.0 * 4.0 : 4.0 * 7.0) * (double)n;
+        bytes = (adamw >= 2 ? 4.0 * 3.0 + 2.0 * 4.0 : 4.0 * 7.0) * (double)n;
     } else {
         bytes = 4.0 * (double)n;
     }
@@ -1011,12 +1015,14 @@ static void bench_optimizer(int adamw)
     double ms = time_gpu(adamw ? run_adamw : run_grad_norm);
     char shape[64];
     snprintf(shape, sizeof shape, "params=%zu (%d tensors, L=%d)", n, n_segs, opt.L);
-    report(adamw == 2 ? "adamw16" : adamw ? "adamw" : "grad_norm", shape, ms, bytes, RATE_GBS, c);
+    static const char *const names[] = {"grad_norm", "adamw", "adamw16", "adamw16_norm"};
+    report(names[adamw], shape, ms, bytes, RATE_GBS, c);
     free_all();
 }
 
 static void bench_adamw(void) { bench_optimizer(1); }
 static void bench_adamw16(void) { bench_optimizer(2); }
+static void bench_adamw16_norm(void) { bench_optimizer(3); }
 static void bench_grad_norm(void) { bench_optimizer(0); }
 
 static void bench_copy(void) { (void)copy_ceiling(); }
@@ -1050,6 +1056,7 @@ static const bench_op single_ops[] = {
     {"swiglu_bwd", bench_swiglu_bwd},
     {"adamw", bench_adamw},
     {"adamw16", bench_adamw16},
+    {"adamw16_norm", bench_adamw16_norm},
     {"grad_norm", bench_grad_norm},
 };
 

@@ -414,14 +414,19 @@ MOE_HD static inline float moe_fp16_widen(uint16_t h)
  * is the range [offsets[s], offsets[s+1]) with weight decay wd[s], offsets[0] = 0 and
  * offsets[n_segs] = n; every gradient is multiplied by moe_adamw_factor(norm_sq, clip,
  * loss_scale) first (clipping, removal of the loss scale), and when that says skip,
- * nothing changes. offsets (n_segs + 1), wd (n_segs) and norm_sq (2) live in the
+ * nothing changes. norm_sq NULL: the factor is 1 / loss_scale rounded to float (no
+ * clipping, never skipped). offsets (n_segs + 1), wd (n_segs) and norm_sq (2) live in the
  * backend's memory: the decision needs no value on the host. m and v are real, or with
  * moments16 bf16 (uint16_t, moe_bf16_round): the step computes from their widened values
- * as from real ones and stores them rounded. */
+ * as from real ones and stores them rounded. sq_out (2 doubles in the backend's memory,
+ * or NULL): overwritten with the sums of squares, in double, of the gradients as read
+ * (before the factor), [0] of elements [0, n_split) and [1] of [n_split, n), 0 when the
+ * step is skipped; the same sums as sum_into up to the order of the additions, without a
+ * pass of their own where the backend fuses them (the gradient norm when nothing clips). */
 void adamw_update_multi(real *p, const real *g, void *m, void *v, int moments16, size_t n,
                         const int64_t *offsets, const real *wd, int n_segs, real lr, real beta1,
                         real beta2, real eps, const double *norm_sq, double clip, double loss_scale,
-                        int t);
+                        int t, double *sq_out, size_t n_split);
 
 #ifdef __cplusplus
 }

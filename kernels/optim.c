@@ -74,10 +74,15 @@ void adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr, r
 void adamw_update_multi(real *p, const real *g, void *m, void *v, int moments16, size_t n,
                         const int64_t *offsets, const real *wd, int n_segs, real lr, real beta1,
                         real beta2, real eps, const double *norm_sq, double clip, double loss_scale,
-                        int t)
+                        int t, double *sq_out, size_t n_split)
 {
-    (void)n; /* = offsets[n_segs] */
-    const double grad_scale = moe_adamw_factor(norm_sq, clip, loss_scale);
+    const double grad_scale =
+        norm_sq ? moe_adamw_factor(norm_sq, clip, loss_scale) : (double)(float)(1.0 / loss_scale);
+    if (sq_out) {
+        const size_t lo = n_split < n ? n_split : n;
+        sq_out[0] = grad_scale < 0 ? 0.0 : sum_squares(g, lo);
+        sq_out[1] = grad_scale < 0 ? 0.0 : sum_squares(g + lo, n - lo);
+    }
     if (grad_scale < 0) /* a gradient is not finite: the step is skipped */
         return;
     for (int s = 0; s < n_segs; s++) {

@@ -77,13 +77,13 @@ double moe_lr_at(const moe_config *cfg, int step)
 }
 
 void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
-                        const double *norm_sq, double loss_scale)
+                        const double *norm_sq, double loss_scale, double *sq_out)
 {
     opt->t++;
     opt->be->adamw_update_multi(model->params, model->grads, opt->m, opt->v, opt->moments16,
                                 opt->n_params, opt->seg_offsets, opt->seg_wd, opt->n_segs, (real)lr,
                                 (real)cfg->beta1, (real)cfg->beta2, (real)cfg->adam_eps, norm_sq,
-                                cfg->grad_clip, loss_scale, opt->t);
+                                cfg->grad_clip, loss_scale, opt->t, sq_out, model->n_dense);
 }
 
 void moe_optimizer_unstep(moe_optimizer *opt) { opt->t--; }

@@ -40,10 +40,14 @@ double moe_lr_at(const moe_config *cfg, int step);
  * in the backend's memory) holds the sums of squares of the gradients, which carry
  * loss_scale: the kernel multiplies the gradients by moe_adamw_factor (clipping to
  * cfg->grad_clip, removal of the loss scale) or, when the norm is not finite, changes
- * nothing; the host need not read the norm first. Counts the step (opt->t); a caller that
- * learns later that the step was skipped calls moe_optimizer_unstep. */
+ * nothing; the host need not read the norm first. norm_sq NULL: no clipping and no skip
+ * (the gradients are divided by loss_scale only); sq_out (2 doubles in the backend's
+ * memory, or NULL) then receives the sums of squares of the dense gradients ([0]) and of
+ * this rank's expert gradients ([1]) from the update's own pass over them. Counts the
+ * step (opt->t); a caller that learns later that the step was skipped calls
+ * moe_optimizer_unstep. */
 void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
-                        const double *norm_sq, double loss_scale);
+                        const double *norm_sq, double loss_scale, double *sq_out);
 void moe_optimizer_unstep(moe_optimizer *opt);
 
 /* The moments as real values in host memory, whatever their precision (checkpoints):

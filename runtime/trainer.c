@@ -91,6 +91,14 @@ static moe_status wait_bucket(moe_trainer *tr, int b)
     return MOE_OK;
 }
 
+/* Whether the gradient norm comes from the optimizer's own pass over the gradients
+ * (moe_optimizer_step's sq_out): nothing clips and no loss scale can skip the step, so
+ * the update does not need the norm first, and the separate pass over every gradient
+ * that would compute it is saved. The norm is then reported as always; only a
+ * non-finite gradient is found after the update instead of before it (the job ends
+ * either way, with the same message, and nothing is written). */
+static int norm_in_update(const moe_trainer *tr) { return tr->cfg.grad_clip <= 0 && !tr->scaling; }
+
 /* Has the gradient reductions waited for in the order backward issued them and sums
  * the squares for the norm into tr->norm_sq on the backend (nothing returns to the host):
  * [0] the dense gradients, first everything but the embedding's bucket (reduced last,
@@ -108,6 +116,10 @@ static moe_status reduce_and_square(moe_trainer *tr)
     for (int b = m->L + 1; b >= 1; b--)
         MOE_CHECK(wait_bucket(tr, b));
     MOE_CHECK(tr->reduce_status);
+    if (norm_in_update(tr)) { /* the optimizer sums the squares: only the reductions */
+        MOE_CHECK(wait_bucket(tr, 0));
+        return tr->reduce_status;
+    }
     double t = moe_model_phase_begin(m);
     be->zero(sq, 2 * sizeof(double));
     be->sum_into(sq, m->grads, emb->dense_lo, 1);
@@ -345,10 +357,14 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
     const double tp = moe_model_phase_begin(m);
     res->loss_scale = tr->loss_scale;
     res->lr = moe_lr_at(&tr->cfg, tr->step);
-    moe_optimizer_step(tr->opt, m, &tr->cfg, res->lr, tr->norm_sq, tr->loss_scale);
+    const int fused = norm_in_update(tr);
+    moe_optimizer_step(tr->opt, m, &tr->cfg, res->lr, fused ? NULL : tr->norm_sq, tr->loss_scale,
+                       fused ? tr->norm_sq : NULL);
     MOE_CHECK(be->refresh_shadow());
     moe_model_phase_end(m, tp, MOE_PHASE_OPTIMIZER);
     MOE_CHECK(moe_trainer_losses(tr, res));
+    if (fused && tr->comm && moe_comm_size(tr->comm, MOE_GROUP_EP) > 1) /* this rank's experts */
+        MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_EP, tr->step_host + 2, 1));
     const double *sq = tr->step_host + 1;
     double norm = sqrt(sq[0] + sq[1]);
     if (tr->scaling && moe_adamw_factor(sq, tr->cfg.grad_clip, tr->loss_scale) < 0) {
@@ -366,8 +382,9 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
         return MOE_OK;
     }
     norm /= tr->loss_scale; /* the gradients carry the loss scale */
-    if (!isfinite(norm)) {  /* the device skipped the update: nothing changed */
-        moe_optimizer_unstep(tr->opt);
+    if (!isfinite(norm)) {  /* the device skipped the update (unless fused): nothing changed */
+        if (!fused)
+            moe_optimizer_unstep(tr->opt);
         /* name the first tensor whose gradient is not finite here (dense gradients are
          * the same on every rank; expert ones differ) */
         for (int i = 0; i < m->n_tensors; i++) {

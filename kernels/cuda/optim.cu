@@ -189,15 +189,47 @@ static __device__ __forceinline__ uint2 bf16x4_round(float4 v)
                       moe_bf16_round(v.z) | (uint32_t)moe_bf16_round(v.w) << 16);
 }
 
-/* M16: the moments are bf16 (ops.h): widened before the element's step, rounded after. */
-template <int V4, int M16>
+/* Element i's step (the tail and the unaligned form). */
+template <int M16>
+static __device__ __forceinline__ void adamw_one(real *p, const real *g, void *m, void *v, size_t i,
+                                                 real decay, real scale, const moe_adamw_consts &ac,
+                                                 uint16_t *shadow, int bf16)
+{
+    uint16_t *m16 = (uint16_t *)m, *v16 = (uint16_t *)v;
+    real *mr = (real *)m, *vr = (real *)v;
+    real mi = M16 ? moe_bf16_widen(m16[i]) : mr[i], vi = M16 ? moe_bf16_widen(v16[i]) : vr[i];
+    const real pi = moe_adamw_elem(p[i], g[i], &mi, &vi, decay, scale, &ac);
+    p[i] = pi;
+    if (M16) {
+        m16[i] = moe_bf16_round(mi);
+        v16[i] = moe_bf16_round(vi);
+    } else {
+        mr[i] = mi;
+        vr[i] = vi;
+    }
+    if (shadow)
+        shadow[i] = moe_round16(pi, bf16);
+}
+
+/* Adds the square of gradient element i (as a double) to s[0] below split, else s[1]. */
+static __device__ __forceinline__ void adamw_square(double (&s)[2], real gi, size_t i, size_t split)
+{
+    const double a = gi;
+    s[i < split] += a * a; /* index 1 below the split, swapped when stored */
+}
+
+/* M16: the moments are bf16 (ops.h): widened before the element's step, rounded after.
+ * SQ: the block's sums of squares of the gradients, below n_split and from it, go to
+ * part[2 block], part[2 block + 1] (adamw_square_final adds them up in block order). */
+template <int V4, int M16, int SQ>
 static __global__ void
 adamw_multi_kernel(real *p, const real *g, void *m, void *v, const int64_t *offsets, const real *wd,
                    int n_segs, size_t n, moe_adamw_consts ac, const double *norm_sq, double clip,
-                   double loss_scale, uint16_t *shadow, int bf16)
+                   double loss_scale, uint16_t *shadow, int bf16, double *part, size_t n_split)
 {
-    const double factor = moe_adamw_factor(norm_sq, clip, loss_scale);
-    if (factor < 0) /* a gradient is not finite: the step is skipped */
+    const double factor =
+        norm_sq ? moe_adamw_factor(norm_sq, clip, loss_scale) : (double)(float)(1.0 / loss_scale);
+    if (!SQ && factor < 0) /* a gradient is not finite: the step is skipped */
         return;
     const real scale = (real)factor;
     extern __shared__ int64_t seg_lo[]; /* n_segs offsets, then n_segs decay factors */
@@ -207,8 +239,9 @@ adamw_multi_kernel(real *p, const real *g, void *m, void *v, const int64_t *offs
         seg_decay[s] = moe_adamw_decay(&ac, wd[s]);
     }
     __syncthreads();
+    double sq[2] = {0.0, 0.0}; /* [1] below n_split, [0] from it */
     int seg = -1;
-    if (V4) {
+    if (factor >= 0 && V4) {
         MOE_CUDA_GRID_STRIDE(c, n / 4)
         {
             float4 pv = ((const float4 *)p)[c], gv = ((const float4 *)g)[c];
@@ -217,6 +250,8 @@ adamw_multi_kernel(real *p, const real *g, void *m, void *v, const int64_t *offs
             float *pe = &pv.x, *ge = &gv.x, *me = &mv.x, *ve = &vv.x;
 #pragma unroll
             for (int e = 0; e < 4; e++) {
+                if (SQ)
+                    adamw_square(sq, ge[e], 4 * c + e, n_split);
                 seg = adamw_seg(seg, 4 * c + e, seg_lo, n_segs);
                 pe[e] = moe_adamw_elem(pe[e], ge[e], &me[e], &ve[e], seg_decay[seg], scale, &ac);
             }
@@ -231,29 +266,43 @@ adamw_multi_kernel(real *p, const real *g, void *m, void *v, const int64_t *offs
             if (shadow)
                 ((uint2 *)shadow)[c] = moe_round16x4(pv, bf16);
         }
-        if (blockIdx.x != 0 || threadIdx.x >= n % 4)
-            return;
-        seg = -1; /* the tail: one element per thread of block 0 */
-    }
-    const size_t first =
-        V4 ? n / 4 * 4 + threadIdx.x : blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    const size_t stride = V4 ? n : (size_t)gridDim.x * blockDim.x;
-    uint16_t *m16 = (uint16_t *)m, *v16 = (uint16_t *)v;
-    real *mr = (real *)m, *vr = (real *)v;
-    for (size_t i = first; i < n; i += stride) {
-        seg = adamw_seg(seg, i, seg_lo, n_segs);
-        real mi = M16 ? moe_bf16_widen(m16[i]) : mr[i], vi = M16 ? moe_bf16_widen(v16[i]) : vr[i];
-        const real pi = moe_adamw_elem(p[i], g[i], &mi, &vi, seg_decay[seg], scale, &ac);
-        p[i] = pi;
-        if (M16) {
-            m16[i] = moe_bf16_round(mi);
-            v16[i] = moe_bf16_round(vi);
-        } else {
-            mr[i] = mi;
-            vr[i] = vi;
+        if (blockIdx.x == 0 && threadIdx.x < n % 4) { /* the tail: one element per thread */
+            const size_t i = n / 4 * 4 + threadIdx.x;
+            if (SQ)
+                adamw_square(sq, g[i], i, n_split);
+            seg = adamw_seg(-1, i, seg_lo, n_segs);
+            adamw_one<M16>(p, g, m, v, i, seg_decay[seg], scale, ac, shadow, bf16);
         }
-        if (shadow)
-            shadow[i] = moe_round16(pi, bf16);
+    } else if (factor >= 0) {
+        MOE_CUDA_GRID_STRIDE(i, n)
+        {
+            if (SQ)
+                adamw_square(sq, g[i], i, n_split);
+            seg = adamw_seg(seg, i, seg_lo, n_segs);
+            adamw_one<M16>(p, g, m, v, i, seg_decay[seg], scale, ac, shadow, bf16);
+        }
+    }
+    if (SQ) {
+        const double below = moe_block_sum_d(sq[1]), from = moe_block_sum_d(sq[0]);
+        if (threadIdx.x == 0) {
+            part[2 * blockIdx.x] = below;
+            part[2 * blockIdx.x + 1] = from;
+        }
+    }
+}
+
+/* out[0], out[1] = the blocks' partial sums of squares below and from the split. */
+static __global__ void adamw_square_final(double *out, const double *part, int blocks)
+{
+    double s[2] = {0.0, 0.0};
+    for (int b = threadIdx.x; b < blocks; b += blockDim.x) {
+        s[0] += part[2 * b];
+        s[1] += part[2 * b + 1];
+    }
+    const double below = moe_block_sum_d(s[0]), from = moe_block_sum_d(s[1]);
+    if (threadIdx.x == 0) {
+        out[0] = below;
+        out[1] = from;
     }
 }
 
@@ -263,10 +312,13 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
                                         size_t n, const int64_t *offsets, const real *wd,
                                         int n_segs, real lr, real beta1, real beta2, real eps,
                                         const double *norm_sq, double clip, double loss_scale,
-                                        int t)
+                                        int t, double *sq_out, size_t n_split)
 {
-    if (n_segs <= 0 || n == 0)
+    if (n_segs <= 0 || n == 0) {
+        if (sq_out)
+            MOE_CUDA_OK(cudaMemsetAsync(sq_out, 0, 2 * sizeof(double), moe_cuda_stream()));
         return;
+    }
     int bf16 = 0; /* the 16-bit shadow of the parameters, written in the same pass */
     uint16_t *shadow = cuda_gemm_shadow_for_update(p, n, &bf16);
     const size_t smem = (sizeof(int64_t) + sizeof(real)) * (size_t)n_segs;
@@ -279,11 +331,29 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
     const uintptr_t moments = (uintptr_t)m | (uintptr_t)v;
     const int v4 = ((uintptr_t)p | (uintptr_t)g) % 16 == 0 && moments % (moments16 ? 8 : 16) == 0 &&
                    (uintptr_t)shadow % 8 == 0;
-    const unsigned blocks =
+    unsigned blocks =
         v4 ? moe_cuda_blocks(n / 4 + 1, MOE_CUDA_THREADS) : moe_cuda_blocks(n, MOE_CUDA_THREADS);
+    double *part = NULL;
+    if (sq_out) { /* a fixed grid, so the partials have a fixed count and order */
+        if (blocks > SUM_MAX_BLOCKS)
+            blocks = SUM_MAX_BLOCKS;
+        part = (double *)moe_cuda_scratch(sizeof(double) * 2 * blocks);
+        if (!part)
+            return;
+    }
 #define ADAMW_LAUNCH(V4, M16)                                                                      \
-    MOE_CUDA_LAUNCH((adamw_multi_kernel<V4, M16>), blocks, MOE_CUDA_THREADS, smem, p, g, m, v,     \
-                    offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow, bf16)
+    do {                                                                                           \
+        if (part)                                                                                  \
+            MOE_CUDA_LAUNCH((adamw_multi_kernel<V4, M16, 1>), blocks, MOE_CUDA_THREADS, smem, p,   \
+                            g, m, v, offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow, \
+                            bf16, part, n_split);                                                  \
+        else                                                                                       \
+            MOE_CUDA_LAUNCH((adamw_multi_kernel<V4, M16, 0>), blocks, MOE_CUDA_THREADS, smem, p,   \
+                            g, m, v, offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow, \
+                            bf16, part, n_split);                                                  \
+    } while (0)
     MOE_CUDA_PICK2(v4, moments16, ADAMW_LAUNCH, 1, 0, 1, 0);
 #undef ADAMW_LAUNCH
+    if (part)
+        MOE_CUDA_LAUNCH(adamw_square_final, 1, MOE_CUDA_THREADS, 0, sq_out, part, (int)blocks);
 }

@@ -1069,7 +1069,9 @@ static void test_adamw(size_t n, int t, const char *name)
 }
 
 /* Multi-tensor AdamW: segments with different weight decay, the gradients' factor from
- * the sums of squares sq (device memory on the GPU), the clip and the loss scale. */
+ * the sums of squares sq (device memory on the GPU), the clip and the loss scale. sq
+ * NULL: no norm (the factor is 1 / scale), and the sums of squares below and from the
+ * split n / 2 + 1 come out of the update (sq_out), checked against the CPU's. */
 static void test_adamw_multi(size_t n, int t, const double sq[2], double clip, double scale,
                              int moments16, const char *name)
 {
@@ -1089,14 +1091,23 @@ static void test_adamw_multi(size_t n, int t, const double sq[2], double clip, d
     float *dwd = gpu->alloc(sizeof wd);
     gpu->copy(doff, off, sizeof off, MOE_COPY_H2D);
     gpu->copy(dwd, wd, sizeof wd, MOE_COPY_H2D);
-    double *dsq = gpu->alloc(2 * sizeof(double));
-    gpu->copy(dsq, sq, 2 * sizeof(double), MOE_COPY_H2D);
+    double *dsq = gpu->alloc(2 * sizeof(double)), *dsq_out = gpu->alloc(2 * sizeof(double));
+    if (sq)
+        gpu->copy(dsq, sq, 2 * sizeof(double), MOE_COPY_H2D);
     const float p_before = p[n / 2];
+    double sq_out[2] = {-1, -1};
+    const size_t split = n / 2 + 1;
     cpu->adamw_update_multi(p, g, m, v, moments16, n, off, wd, 3, 1e-3f, 0.9f, 0.95f, 1e-8f, sq,
-                            clip, scale, t);
+                            clip, scale, t, sq ? NULL : sq_out, split);
     gpu->adamw_update_multi(dp, DEVF(g, n), dm, dv, moments16, n, doff, dwd, 3, 1e-3f, 0.9f, 0.95f,
-                            1e-8f, dsq, clip, scale, t);
+                            1e-8f, sq ? dsq : NULL, clip, scale, t, sq ? NULL : dsq_out, split);
     gpu_done();
+    if (!sq) { /* the same squares in another order: a few roundings of double apart */
+        const double *got = (const double *)host_of(dsq_out, 2 * sizeof(double));
+        check_d("sums of squares", got, sq_out, 2, 0.0, 1e-12);
+        if (!(sq_out[0] > 0 && sq_out[1] > 0))
+            fail_now("the reference's sums of squares are not positive");
+    }
     check_f("p", HOSTF(dp, n), p, n, 1, TIGHT);
     if (moments16) { /* the same double arithmetic rounded the same way: identical bits */
         if (memcmp(host_of(dm, 2 * n), m16, 2 * n) || memcmp(host_of(dv, 2 * n), v16, 2 * n))
@@ -1106,10 +1117,11 @@ static void test_adamw_multi(size_t n, int t, const double sq[2], double clip, d
         check_f("v", HOSTF(dv, n), v, n, 1, TIGHT);
     }
     /* the reference moved p unless the factor says skip (then both left it alone) */
-    const int skip = moe_adamw_factor(sq, clip, scale) < 0;
+    const int skip = sq && moe_adamw_factor(sq, clip, scale) < 0;
     if ((p[n / 2] == p_before) != skip)
         fail_now(skip ? "the reference changed p on a skipped step" : "the reference left p");
     gpu->release(dsq);
+    gpu->release(dsq_out);
     gpu->release(doff);
     gpu->release(dwd);
     free_all();
@@ -1261,6 +1273,8 @@ int main(void)
     test_adamw_multi(1000, 3, inf_sq, 1.0, 1.0, 0, "non-finite norm: skipped");
     test_adamw_multi(100003, 2, sq, 0.1, 3.0, 1, "bf16 moments, a 3-element tail, clipped");
     test_adamw_multi(7, 4, sq, 0.0, 1.0, 1, "bf16 moments, tiny");
+    test_adamw_multi(3000001, 2, NULL, 0.0, 1.0, 1, "no norm, sums of squares out, bf16 moments");
+    test_adamw_multi(1001, 3, NULL, 0.0, 2.0, 0, "no norm, sums of squares out, loss scale 2");
     test_adamw(1, 1, "n=1 t=1");
     test_adamw(1001, 7, "n=1001 t=7");
 

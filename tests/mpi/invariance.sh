@@ -68,6 +68,16 @@ run six-w1 1 1 3 "${six[@]}"
 run six-w3ep3 3 3 1 "${six[@]}"
 compare six-w1 six-w3ep3
 
+# grad_clip = 0: the norm comes from the optimizer's own pass over the gradients (summed
+# over the EP group on the host) instead of a pass before it. Against a clip too large to
+# act (the same update): the same losses, the norm up to the order of its double sums.
+for w in "1 1 4" "4 2 1"; do
+  set -- $w
+  run "clip0-w$1ep$2" "$1" "$2" "$3" --set train.grad_clip=0
+  run "clipbig-w$1ep$2" "$1" "$2" "$3" --set train.grad_clip=1e9
+  TOL=1e-12 compare "clipbig-w$1ep$2" "clip0-w$1ep$2"
+done
+
 # every token to expert 0 at step 1: ranks 1-3 hold experts that receive nothing
 one=(--set model.router_init_std=0 --set model.top_k=1)
 run one-w1 1 1 4 "${one[@]}"

@@ -563,20 +563,43 @@ static void test_adamw_update_multi(void **state)
     for (int k = 0; k < 2; k++) {
         memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
         adamw_update_multi(p, g, m, v, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, how[k],
-                           how[k][2], how[k][3], 4);
+                           how[k][2], how[k][3], 4, NULL, 0);
         assert_memory_equal(p, pr, sizeof p);
         assert_memory_equal(m, mr, sizeof m);
         assert_memory_equal(v, vr, sizeof v);
     }
+    /* no norm: the factor is 1 / loss scale; the sums of squares come out of the same call,
+     * split inside segment 2 (sq_out[0]: elements 0..6, [1]: 7..10) */
+    double sq_out[2] = {-1, -1}, want[2] = {0, 0};
+    for (int i = 0; i < n; i++)
+        want[i >= 7] += (double)g[i] * (double)g[i];
+    memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
+    adamw_update_multi(p, g, m, v, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, NULL, 0.0,
+                       2.0, 4, sq_out, 7);
+    assert_memory_equal(p, pr, sizeof p);
+    assert_memory_equal(m, mr, sizeof m);
+    assert_memory_equal(v, vr, sizeof v);
+    assert_true(fabs(sq_out[0] - want[0]) <= 1e-15 * want[0] && want[0] > 0);
+    assert_true(fabs(sq_out[1] - want[1]) <= 1e-15 * want[1] && want[1] > 0);
+    /* without a norm nothing is skipped: a NaN gradient reaches the step and the sums */
+    real gn[n];
+    memcpy(gn, g, sizeof gn);
+    gn[9] = NAN;
+    memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
+    adamw_update_multi(p, gn, m, v, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, NULL, 0.0,
+                       1.0, 4, sq_out, 7);
+    assert_true(isnan(p[9]) && !isnan(p[8]));
+    assert_true(sq_out[0] == want[0] && isnan(sq_out[1]));
     /* the decay differs per segment: segment 1 has none */
     assert_true(p[4] != p0[4]); /* it still moves with its gradient */
     const double inf_sq[2] = {INFINITY, 1};
     memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
     adamw_update_multi(p, g, m, v, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, inf_sq, 1.0,
-                       1.0, 4);
+                       1.0, 4, sq_out, 7);
     assert_memory_equal(p, p0, sizeof p);
     assert_memory_equal(m, m0, sizeof m);
     assert_memory_equal(v, v0, sizeof v);
+    assert_true(sq_out[0] == 0 && sq_out[1] == 0); /* skipped: nothing read */
 }
 
 /* bf16 rounding against hand-made cases: nearest, ties to even, NaN kept, exact widening. */
@@ -616,7 +639,7 @@ static void test_adamw_bf16_moments(void **state)
         vr[i] = moe_bf16_widen(v16[i]);
     }
     adamw_update_multi(p, g, m16, v16, 1, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, sq, 0.0,
-                       1.0, 3);
+                       1.0, 3, NULL, 0);
     for (int s = 0; s < segs; s++) /* factor 1: no clip, no loss scale */
         adamw_update(pr + offsets[s], g + offsets[s], mr + offsets[s], vr + offsets[s],
                      (size_t)(offsets[s + 1] - offsets[s]), 0.01f, 0.9f, 0.95f, 1e-8f, wd[s], 3);
