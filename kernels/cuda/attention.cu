@@ -828,6 +828,16 @@ static __device__ __forceinline__ void fm_mma(float (&c)[4], const unsigned (&a)
 #endif
 }
 
+/* 2^x by the special-function unit, denormal results flushed to 0 (a probability below
+ * 2^-126 adds nothing an fp32 sum keeps); 2^-inf = 0. exp2f adds the denormal range's
+ * scaling around the same instruction. */
+static __device__ __forceinline__ float fm_exp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 template <class T16> static __device__ __forceinline__ unsigned fm_pack(float a, float b)
 {
     typename fa_type<T16>::pair p = fa_type<T16>::pack(a, b); /* a in the low half */
@@ -1037,14 +1047,14 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
                     mx[r] = fmaxf(mx[r], __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx[r], 1));
                     mx[r] = fmaxf(mx[r], __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx[r], 2));
                     const float mnew = fmaxf(m[r], mx[r]);
-                    corr[r] = exp2f(m[r] - mnew); /* 0 on the first tile */
+                    corr[r] = fm_exp2(m[r] - mnew); /* 0 on the first tile */
                     m[r] = mnew;
                 }
 #pragma unroll
                 for (int n = 0; n < 8; n++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
-                        s[n][e] = exp2f(s[n][e] - m[e >> 1]); /* masked: exp2(-inf) = 0 */
+                        s[n][e] = fm_exp2(s[n][e] - m[e >> 1]); /* masked: exp2(-inf) = 0 */
                         sum[e >> 1] += s[n][e];
                     }
 #pragma unroll
@@ -1129,7 +1139,7 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
                     for (int n = 0; n < 8; n++)
 #pragma unroll
                         for (int e = 0; e < 4; e++)
-                            p[n][e] = exp2f(p[n][e] * sl2 - lse2[e >> 1]);
+                            p[n][e] = fm_exp2(p[n][e] * sl2 - lse2[e >> 1]);
                 } else {
 #pragma unroll
                     for (int n = 0; n < 8; n++)
@@ -1137,7 +1147,7 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
                         for (int e = 0; e < 4; e++) {
                             const int j = j0 + 8 * n + 2 * quad + (e & 1), r = e >> 1;
                             p[n][e] =
-                                j <= row[r] && row[r] < T ? exp2f(p[n][e] * sl2 - lse2[r]) : 0.f;
+                                j <= row[r] && row[r] < T ? fm_exp2(p[n][e] * sl2 - lse2[r]) : 0.f;
                         }
                 }
                 fm_scores<T16, HD>(dp, ga, Vs, lane); /* dP = dO V^T */
@@ -1220,14 +1230,14 @@ static __global__ void __launch_bounds__(FA_THREADS, 2)
                 for (int n = 0; n < 8; n++)
 #pragma unroll
                     for (int e = 0; e < 4; e++)
-                        p[n][e] = exp2f(p[n][e] * sl2 - ls[8 * n + 2 * quad + (e & 1)]);
+                        p[n][e] = fm_exp2(p[n][e] * sl2 - ls[8 * n + 2 * quad + (e & 1)]);
             } else {
 #pragma unroll
                 for (int n = 0; n < 8; n++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const int col = 8 * n + 2 * quad + (e & 1), i = i0 + col, j = key[e >> 1];
-                        p[n][e] = i >= j && i < T && j < T ? exp2f(p[n][e] * sl2 - ls[col]) : 0.f;
+                        p[n][e] = i >= j && i < T && j < T ? fm_exp2(p[n][e] * sl2 - ls[col]) : 0.f;
                     }
             }
             fm_scores<T16, HD>(dp, va, Gs, lane); /* dP^T = V dO^T */
