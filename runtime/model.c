@@ -1026,6 +1026,16 @@ static void head_backward(moe_model *m, int r0, int rows, int64_t step_sequences
                            rows, m->D, m->V);
 }
 
+/* The final norm's backward for the current chunk: dL/dx[L] into m->dres from m->dh. */
+static void final_norm_backward(moe_model *m)
+{
+    m->be->zero(m->dres, sizeof(real) * (size_t)m->Nc * m->D);
+    m->be->rmsnorm_backward(m->dres, m->g.final_norm, m->dh, m->x[m->L], m->p.final_norm, m->rstdf,
+                            m->Nc, m->D);
+}
+
+static moe_status layer_backward_begin(moe_model *m, int l);
+
 moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats *stats)
 {
     const int N = m->N, D = m->D, T = m->T, Nc = m->Nc;
@@ -1070,9 +1080,17 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
                 head_backward(m, r0, rows, m->head_sequences);
         }
         m->be->sum_into(m->ce_acc, m->ce_loss, (size_t)Nc, 0);
+        /* fused: this chunk's backward starts here, up to the last layer's exchange of
+         * row gradients, which then travels while the next chunk's head computes (else
+         * the first exchange of the backward has little to hide behind) */
+        if (m->head_sequences > 0) {
+            final_norm_backward(m);
+            MOE_CHECK(layer_backward_begin(m, m->L - 1));
+        }
     }
     stats->tokens = N;
     m->head_done = m->head_sequences;
+    m->backward_begun = m->head_sequences > 0;
     m->head_sequences = 0;
     return MOE_OK; /* nothing waits: failures on the device surface at the next wait */
 }
@@ -1255,7 +1273,9 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
                  "the forward ran the LM head's backward for %lld sequences, the backward is "
                  "for %lld",
                  (long long)fused, (long long)step_sequences);
-    for (int i = 0; i < m->C; i++) {
+    const int begun = m->backward_begun; /* the forward ran the final norm and (a) of L-1 */
+    m->backward_begun = 0;
+    for (int i = 0; i < m->C && !begun; i++) {
         use_chunk(m, i);
         if (!fused) {
             m->be->zero(m->dh, sizeof(real) * ND);
@@ -1267,9 +1287,7 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
                 head_backward(m, r0, rows, step_sequences);
             }
         }
-        m->be->zero(m->dres, sizeof(real) * ND);
-        m->be->rmsnorm_backward(m->dres, m->g.final_norm, m->dh, m->x[m->L], m->p.final_norm,
-                                m->rstdf, Nc, D);
+        final_norm_backward(m);
     }
     grad_ready(m, m->L);
     for (int l = m->L - 1; l >= 0; l--) {
@@ -1277,7 +1295,8 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
             use_chunk(m, i);
             if (l < m->L - 1)
                 MOE_CHECK(layer_backward_end(m, l + 1, step_sequences));
-            MOE_CHECK(layer_backward_begin(m, l));
+            if (l < m->L - 1 || !begun)
+                MOE_CHECK(layer_backward_begin(m, l));
         }
         if (l < m->L - 1)
             grad_ready(m, l + 1);

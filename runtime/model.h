@@ -164,6 +164,7 @@ typedef struct moe_model {
     double loss_scale;          /* backward seeds are multiplied by it (fp16 loss scaling); 1 */
     int64_t head_sequences;     /* > 0: the next forward runs the LM head's backward too */
     int64_t head_done;          /* the step size it ran for, until the backward that follows */
+    int backward_begun;         /* that forward also began the last layer's backward */
     int expert_grads_fresh;     /* the next backward writes the expert gradients, not adds */
     size_t max_gemm_operand;    /* elements of the largest activation operand of any GEMM */
     int ep, ep_rank;            /* expert-parallel degree and this rank's place in its EP group */
