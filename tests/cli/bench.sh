@@ -5,10 +5,16 @@
 # runs (CI's machine may be loaded).
 source "$(dirname "$0")/../lib.sh"
 "$MOE" bench --set train.steps=4 >"$WORK/b1.txt" 2>&1 || fail "bench, one rank"
-mpi 2 "$MOE" bench --set train.steps=3 --set parallel.ep=2 >"$WORK/b2.txt" 2>&1 ||
+grep -q "^bench: 10 warm-up, 4 timed" "$WORK/b1.txt" && pass "10 warm-up steps unless told" ||
+  fail "bench header: $(grep '^bench:' "$WORK/b1.txt")"
+mpi 2 "$MOE" bench --warmup 2 --set train.steps=3 --set parallel.ep=2 >"$WORK/b2.txt" 2>&1 ||
   fail "bench, two ranks"
+grep -q "^bench: 2 warm-up, 3 timed" "$WORK/b2.txt" && pass "--warmup 2" ||
+  fail "bench header: $(grep '^bench:' "$WORK/b2.txt")"
+expect_exit 2 "a negative --warmup" -- "$MOE" bench --warmup -1
+expect_err "--warmup needs a non-negative integer" "its message names the option"
 # chunks and the slower-network knob, as the header reports them
-mpi 2 "$MOE" bench --set train.steps=2 --set parallel.ep=2 --set parallel.a2a_chunks=4 \
+mpi 2 "$MOE" bench --warmup 1 --set train.steps=2 --set parallel.ep=2 --set parallel.a2a_chunks=4 \
   --set parallel.exchange_repeat=3 >"$WORK/b3.txt" 2>&1 || fail "bench, 4 chunks"
 grep -q "world 2, ep 2, 4 chunks per micro-batch, exchange sent 3x" "$WORK/b3.txt" &&
   pass "bench names 4 chunks and 3 sends" || fail "bench header: $(grep '^bench:' "$WORK/b3.txt")"
