@@ -104,7 +104,7 @@ static inline double attn_ds(const attn_slice *s, int i, int j, double p)
     return p * (dp - s->dsum[i]);
 }
 
-/* dq_i += scale * sum_{j <= i} ds_ij k_j. */
+/* dq_i = scale * sum_{j <= i} ds_ij k_j. */
 static void attention_backward_dq(real *dq, const attn_slice *s)
 {
     double acc[s->Hd];
@@ -119,11 +119,11 @@ static void attention_backward_dq(real *dq, const attn_slice *s)
         }
         real *dqi = dq + (size_t)i * s->ld;
         for (int d = 0; d < s->Hd; d++)
-            dqi[d] += (real)(s->scale * acc[d]);
+            dqi[d] = (real)(s->scale * acc[d]);
     }
 }
 
-/* dk_j += scale * sum_{i >= j} ds_ij q_i ; dv_j += sum_{i >= j} p_ij dout_i. */
+/* dk_j = scale * sum_{i >= j} ds_ij q_i ; dv_j = sum_{i >= j} p_ij dout_i. */
 static void attention_backward_dkv(real *dk, real *dv, const attn_slice *s)
 {
     double acck[s->Hd], accv[s->Hd];
@@ -144,9 +144,9 @@ static void attention_backward_dkv(real *dk, real *dv, const attn_slice *s)
         size_t row = (size_t)j * s->ld;
         for (int d = 0; d < s->Hd; d++) {
             if (dk)
-                dk[row + d] += (real)(s->scale * acck[d]);
+                dk[row + d] = (real)(s->scale * acck[d]);
             if (dv)
-                dv[row + d] += (real)accv[d];
+                dv[row + d] = (real)accv[d];
         }
     }
 }

@@ -102,7 +102,8 @@ void rope_backward(real *dx, const real *cos_t, const real *sin_t, int B, int T,
  * scale = 1/sqrt(Hd). */
 void attention_forward(real *out, real *lse, const real *q, const real *k, const real *v, int B,
                        int T, int H, int Hd);
-/* dq, dk, dv +=. */
+/* dq, dk, dv = (OVERWRITES, as swiglu_backward: its caller would only zero them first,
+ * and the kernels then need not read them); any may be NULL. */
 void attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *out,
                         const real *lse, const real *q, const real *k, const real *v, int B, int T,
                         int H, int Hd);

@@ -1224,10 +1224,7 @@ static moe_status layer_backward_end(moe_model *m, int l, int64_t step_sequences
 
     /* attention branch: xmid = x[l] + attn(norm(x[l])) */
     m->be->zero(m->datt, sizeof(real) * ND);
-    m->be->zero(m->dq, sizeof(real) * ND);
-    m->be->zero(m->dk, sizeof(real) * ND);
-    m->be->zero(m->dv, sizeof(real) * ND);
-    m->be->zero(m->dh, sizeof(real) * ND);
+    m->be->zero(m->dh, sizeof(real) * ND); /* dq, dk, dv: written by attention_backward */
     m->be->matmul_backward(m->datt, g->wo, m->dres, a->att, w->wo, N, D, D);
     m->be->attention_backward(m->dq, m->dk, m->dv, m->datt, a->att, a->att_lse, a->q, a->k, a->v,
                               m->Bc, m->T, m->H, m->Hd);

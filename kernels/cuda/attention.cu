@@ -157,7 +157,7 @@ static __global__ void attention_dsum_kernel(float *dsum, const real *dout, cons
         dsum[w] = (float)s;
 }
 
-/* dq_i += scale * sum_{j <= i} p_ij (dout_i . v_j - D_i) k_j, one warp per query. */
+/* dq_i = scale * sum_{j <= i} p_ij (dout_i . v_j - D_i) k_j, one warp per query. */
 static __global__ void attention_dq_kernel(real *dq, const real *dout, const real *lse,
                                            const float *dsum, const real *q, const real *k,
                                            const real *v, int T, int H, int Hd, float scale)
@@ -209,11 +209,11 @@ static __global__ void attention_dq_kernel(real *dq, const real *dout, const rea
     for (int c = 0; c < ATT_DPL; c++) {
         const int d = lane + 32 * c;
         if (d < Hd)
-            dq[base + (size_t)i * ld + d] += scale * acc[c];
+            dq[base + (size_t)i * ld + d] = scale * acc[c];
     }
 }
 
-/* dk_j += scale * sum_{i >= j} ds_ij q_i ; dv_j += sum_{i >= j} p_ij dout_i, one warp per
+/* dk_j = scale * sum_{i >= j} ds_ij q_i ; dv_j = sum_{i >= j} p_ij dout_i, one warp per
  * key walking the query tiles. */
 static __global__ void attention_dkv_kernel(real *dk, real *dv, const real *dout, const real *lse,
                                             const float *dsum, const real *q, const real *k,
@@ -276,9 +276,9 @@ static __global__ void attention_dkv_kernel(real *dk, real *dv, const real *dout
         if (d >= Hd)
             continue;
         if (dk)
-            dk[base + (size_t)j * ld + d] += scale * acck[c];
+            dk[base + (size_t)j * ld + d] = scale * acck[c];
         if (dv)
-            dv[base + (size_t)j * ld + d] += accv[c];
+            dv[base + (size_t)j * ld + d] = accv[c];
     }
 }
 
@@ -333,7 +333,7 @@ extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real
  * Backward, after Di = dout_i . out_i (the fp32 kernel): dk, dv: block = 64 keys walking
  * the query tiles from its first key on, P^T and dS^T recomputed from lse, dV += P^T dO
  * and dK += dS^T Q in fragments; dq: block = 64 queries walking the key tiles up to its
- * last query, dQ += dS K. Each gradient row is one sum added once: no atomics,
+ * last query, dQ += dS K. Each gradient row is one sum stored once: no atomics,
  * deterministic. Shared memory (bytes): forward 46080 (Hd <= 64) / 70656; dq and dk/dv
  * 55296 / 88064 (+512): above 48 KiB by cudaFuncSetAttribute; on sm_75 (64 KiB at most)
  * Hd > 64 runs the fp32 kernels. bf16 needs sm_80 (the runtime refuses it below). */
@@ -464,11 +464,12 @@ static __device__ __forceinline__ void fa_write(T16 *P, const float (&x)[8][4], 
     }
 }
 
-/* g[row] += mul * acc over the HD columns (those < Hd), through the warp's scratch by
+/* g[row] = mul * acc over the HD columns (those < Hd), through the warp's scratch by
  * 64 columns; rows whose index row0 + r is >= T are skipped. g NULL: nothing. */
 template <int HD>
-static __device__ __forceinline__ void fa_add_rows(real *g, size_t ld, int row0, int T, int Hd,
-                                                   float mul, const fa_acc *acc, float *W, int lane)
+static __device__ __forceinline__ void fa_store_rows(real *g, size_t ld, int row0, int T, int Hd,
+                                                     float mul, const fa_acc *acc, float *W,
+                                                     int lane)
 {
     const int row = row0 + (lane >> 1);
 #pragma unroll
@@ -487,13 +488,8 @@ static __device__ __forceinline__ void fa_add_rows(real *g, size_t ld, int row0,
         for (int c = 0; c < 8; c++) {
             if (64 * grp + 8 * c + 4 * (lane & 1) >= Hd)
                 continue;
-            float4 *d = (float4 *)(dst + 8 * c);
-            float4 v = *d;
-            v.x += mul * x[c][0];
-            v.y += mul * x[c][1];
-            v.z += mul * x[c][2];
-            v.w += mul * x[c][3];
-            *d = v;
+            *(float4 *)(dst + 8 * c) =
+                make_float4(mul * x[c][0], mul * x[c][1], mul * x[c][2], mul * x[c][3]);
         }
     }
 }
@@ -693,7 +689,7 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
             __syncwarp();
             fa_pv<T16, HD>(acc, P, Ks);
         }
-        fa_add_rows<HD>(dq + base, ld, first, T, Hd, scale, acc, W, lane);
+        fa_store_rows<HD>(dq + base, ld, first, T, Hd, scale, acc, W, lane);
     }
 }
 
@@ -767,8 +763,8 @@ static __global__ void __launch_bounds__(FA_THREADS)
             fa_pv<T16, HD>(accv, Pt, Gs);  /* dV += P^T dO */
             fa_pv<T16, HD>(acck, dSt, Qs); /* dK += dS^T Q */
         }
-        fa_add_rows<HD>(dv ? dv + base : NULL, ld, first, T, Hd, 1.f, accv, W, lane);
-        fa_add_rows<HD>(dk ? dk + base : NULL, ld, first, T, Hd, scale, acck, W, lane);
+        fa_store_rows<HD>(dv ? dv + base : NULL, ld, first, T, Hd, 1.f, accv, W, lane);
+        fa_store_rows<HD>(dk ? dk + base : NULL, ld, first, T, Hd, scale, acck, W, lane);
     }
 }
 
@@ -899,11 +895,11 @@ static __device__ __forceinline__ void fm_pv(float (&acc)[HD / 8][4], const floa
     }
 }
 
-/* g[row] += mul * acc for the lane's 2 rows (row0 + lane / 4, + 8) below T, columns < Hd. */
+/* g[row] = mul * acc for the lane's 2 rows (row0 + lane / 4, + 8) below T, columns < Hd. */
 template <int HD>
-static __device__ __forceinline__ void fm_add_rows(real *g, size_t ld, int row0, int T, int Hd,
-                                                   float mul, const float (&acc)[HD / 8][4],
-                                                   int lane)
+static __device__ __forceinline__ void fm_store_rows(real *g, size_t ld, int row0, int T, int Hd,
+                                                     float mul, const float (&acc)[HD / 8][4],
+                                                     int lane)
 {
     if (!g)
         return;
@@ -917,10 +913,7 @@ static __device__ __forceinline__ void fm_add_rows(real *g, size_t ld, int row0,
         for (int n = 0; n < HD / 8; n++) {
             if (8 * n + 2 * (lane & 3) >= Hd)
                 continue;
-            float2 *d = (float2 *)(dst + 8 * n), x = *d;
-            x.x += mul * acc[n][2 * r];
-            x.y += mul * acc[n][2 * r + 1];
-            *d = x;
+            *(float2 *)(dst + 8 * n) = make_float2(mul * acc[n][2 * r], mul * acc[n][2 * r + 1]);
         }
     }
 }
@@ -1161,7 +1154,7 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
             fm_wait_all();
             __syncthreads();
         }
-        fm_add_rows<HD>(dq + base, ld, first, T, Hd, scale, acc, lane);
+        fm_store_rows<HD>(dq + base, ld, first, T, Hd, scale, acc, lane);
     }
 }
 
@@ -1251,8 +1244,8 @@ static __global__ void __launch_bounds__(FA_THREADS, 2)
             fm_wait_all();
             __syncthreads();
         }
-        fm_add_rows<HD>(dv ? dv + base : NULL, ld, first, T, Hd, 1.f, dva, lane);
-        fm_add_rows<HD>(dk ? dk + base : NULL, ld, first, T, Hd, scale, dka, lane);
+        fm_store_rows<HD>(dv ? dv + base : NULL, ld, first, T, Hd, 1.f, dva, lane);
+        fm_store_rows<HD>(dk ? dk + base : NULL, ld, first, T, Hd, scale, dka, lane);
     }
 }
 

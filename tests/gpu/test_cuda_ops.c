@@ -520,7 +520,9 @@ static void test_attention(int B, int T, int H, int Hd, double amp, const char *
         float *gq = variant != 1 ? frand(n, -1, 1) : NULL;
         float *gk = variant != 2 ? frand(n, -1, 1) : NULL;
         float *gv = frand(n, -1, 1);
-        float *dgq = gq ? DEVF(gq, n) : NULL, *dgk = gk ? DEVF(gk, n) : NULL, *dgv = DEVF(gv, n);
+        /* the GPU's outputs start as NaNs: the op overwrites them (the CPU's, random) */
+        float *dgq = gq ? DEVF(fnan(n), n) : NULL, *dgk = gk ? DEVF(fnan(n), n) : NULL;
+        float *dgv = DEVF(fnan(n), n);
         cpu->attention_backward(gq, gk, gv, g, out, lse, q, k, v, B, T, H, Hd);
         gpu->attention_backward(dgq, dgk, dgv, dg, rout, rlse, dq_, dk_, dv_, B, T, H, Hd);
         gpu_done();
