@@ -632,10 +632,10 @@ static void bench_combine(int bwd)
         bytes = 4.0 * ((double)M * D + 2.0 * N * D + (double)N * K + 2.0 * M);
     } else {
         bf.dx = dfill((size_t)N * D, 1.0, 0); /* dy */
-        bf.dout = dreal((size_t)M * D);       /* dexpert_out += */
+        bf.dout = dreal((size_t)M * D);       /* dexpert_out = */
         bf.dwts = dreal((size_t)N * K);       /* dw += */
-        /* dexpert_out read and written, expert rows, dy, w, dw read and written, row maps */
-        bytes = 4.0 * (3.0 * M * D + (double)N * D + 3.0 * N * K + 2.0 * M);
+        /* dexpert_out written, expert rows, dy, w, dw read and written, row maps */
+        bytes = 4.0 * (2.0 * M * D + (double)N * D + 3.0 * N * K + 2.0 * M);
     }
     double ms = time_gpu(bwd ? run_combine_bwd : run_combine);
     char shape[64];

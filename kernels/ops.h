@@ -175,7 +175,8 @@ void moe_permute_backward(real *dx, const real *dout, const int32_t *row_token, 
 void moe_combine_forward(real *y, const real *expert_out, const real *w, const int32_t *row_token,
                          const int32_t *row_slot, int M, int D, int K, const int32_t *slot_row,
                          int N);
-/* dexpert_out (M,D) += w * dy[token]; dw (N,K) += <dy[token], expert_out[row]>. */
+/* dexpert_out (M,D) = w * dy[token] (OVERWRITES: each row is one product, and its caller
+ * would only zero it first); dw (N,K) += <dy[token], expert_out[row]>. */
 void moe_combine_backward(real *dexpert_out, real *dw, const real *dy, const real *expert_out,
                           const real *w, const int32_t *row_token, const int32_t *row_slot, int M,
                           int D, int K);

@@ -153,7 +153,7 @@ void moe_combine_backward(real *dexpert_out, real *dw, const real *dy, const rea
         if (dexpert_out) {
             real *de = dexpert_out + (size_t)m * D;
             for (int j = 0; j < D; j++)
-                de[j] += w[a] * g[j];
+                de[j] = w[a] * g[j];
         }
         if (dw) {
             double dot = 0.0;

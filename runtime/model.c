@@ -1149,8 +1149,7 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
     const int R = a->n_recv, D = m->D, K = m->K, F = m->F, M = a->n_rows;
     /* the weight gradients are written by a step's first chunk (chunks run in order) */
     const int first = m->expert_grads_fresh && m->cur == 0 ? MOE_WRITE_DW : 0;
-    m->be->zero(m->deout, sizeof(real) * (size_t)M * D);
-    m->be->zero(m->dlw, sizeof(real) * (size_t)R * K);
+    m->be->zero(m->dlw, sizeof(real) * (size_t)R * K); /* deout: written by the op */
     m->be->moe_combine_backward(m->deout, m->dlw, dy, a->eout, a->lw, a->row_token, a->row_slot, M,
                                 D, K);
     /* deh and dxperm are written by their first GEMM (every row has its expert) */

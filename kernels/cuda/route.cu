@@ -226,7 +226,7 @@ extern "C" void cuda_moe_combine_forward(real *y, const real *expert_out, const 
     moe_cuda_token_sums(op, row_token, M, D, slot_row, N, K);
 }
 
-/* dexpert_out[row] += w * dy[token]: one thread per group of V elements of a row. */
+/* dexpert_out[row] = w * dy[token]: one thread per group of V elements of a row. */
 template <int V>
 static __global__ void combine_dexpert_kernel(real *dexpert_out, const real *dy, const real *w,
                                               const int32_t *row_token, const int32_t *row_slot,
@@ -238,13 +238,11 @@ static __global__ void combine_dexpert_kernel(real *dexpert_out, const real *dy,
         const size_t m = e / G, d = (e % G) * V;
         const size_t n = row_token[m];
         const real wk = w[n * K + row_slot[m]];
-        real *o = dexpert_out + m * D + d;
-        moe_fvec<V> ov = moe_load_v<V>(o);
-        const moe_fvec<V> g = moe_load_v<V>(dy + n * D + d);
+        moe_fvec<V> g = moe_load_v<V>(dy + n * D + d);
 #pragma unroll
         for (int k = 0; k < V; k++)
-            ov.v[k] = __fadd_rn(ov.v[k], __fmul_rn(wk, g.v[k]));
-        moe_store_v<V>(o, ov);
+            g.v[k] = __fmul_rn(wk, g.v[k]);
+        moe_store_v<V>(dexpert_out + m * D + d, g);
     }
 }
 

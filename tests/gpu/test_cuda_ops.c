@@ -729,7 +729,8 @@ static void test_route(int N, int E, int K, int group, int capacity, int mode, i
     for (int variant = 0; variant < 3; variant++) { /* both, dexpert_out only, dw only */
         float *ge = variant != 2 ? frand(MD, -1, 1) : NULL;
         float *gw = variant != 1 ? frand(NK, -1, 1) : NULL;
-        float *dge = ge ? DEVF(ge, MD) : NULL, *dgw = gw ? DEVF(gw, NK) : NULL;
+        /* dexpert_out starts as NaNs on the GPU (overwritten), dw as the CPU's (added to) */
+        float *dge = ge ? DEVF(fnan(MD), MD) : NULL, *dgw = gw ? DEVF(gw, NK) : NULL;
         cpu->moe_combine_backward(ge, gw, gy, eo, w, row_token, row_slot, M, D, K);
         gpu->moe_combine_backward(dge, dgw, dgy, deo, dw_, rt, rs, M, D, K);
         gpu_done();
