@@ -223,11 +223,20 @@ static __device__ __forceinline__ void adamw_square(double &below, double &from,
         from += a * a;
 }
 
+/* Blocks an SM the registers must allow: 6 with bf16 moments (40 registers, the figure
+ * without the sums of squares), 5 with fp32 ones (that form spills at 6). sm_75 has room
+ * for 1024 threads an SM, 4 blocks (the bound would be ignored, with a warning). */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define ADAMW_MIN_BLOCKS(M16) 4
+#else
+#define ADAMW_MIN_BLOCKS(M16) ((M16) ? 6 : 5)
+#endif
+
 /* M16: the moments are bf16 (ops.h): widened before the element's step, rounded after.
  * SQ: the block's sums of squares of the gradients, below n_split and from it, go to
  * part[2 block], part[2 block + 1] (adamw_square_final adds them up in block order). */
 template <int V4, int M16, int SQ>
-static __global__ void __launch_bounds__(MOE_CUDA_THREADS, M16 ? 6 : 5) /* 40 regs with M16 */
+static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(M16))
     adamw_multi_kernel(real *p, const real *g, void *m, void *v, const int64_t *offsets,
                        const real *wd, int n_segs, size_t n, moe_adamw_consts ac,
                        const double *norm_sq, double clip, double loss_scale, uint16_t *shadow,
