@@ -834,6 +834,26 @@ static __device__ __forceinline__ float fm_exp2(float x)
     return y;
 }
 
+/* f(n, e, keep) over a warp's 16 x 64 fragment (column tile n, element e), keep being
+ * in(n, e): whether the causal mask keeps that score. full: the tile lies wholly on the
+ * kept side of the diagonal, and f runs with keep = true, a constant (no test). */
+template <class In, class F> static __device__ __forceinline__ void fm_each(bool full, In in, F f)
+{
+    if (full) {
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                f(n, e, true);
+    } else {
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                f(n, e, in(n, e));
+    }
+}
+
 template <class T16> static __device__ __forceinline__ unsigned fm_pack(float a, float b)
 {
     typename fa_type<T16>::pair p = fa_type<T16>::pack(a, b); /* a in the low half */
@@ -1016,24 +1036,16 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
                 fm_scores<T16, HD>(s, qa, Ks, lane);
                 /* key j0 <= q0 <= row is always in, so mx and mnew are finite */
                 float mx[2] = {-INFINITY, -INFINITY};
-                if (j0 + FA_ROWS <= q0) { /* every key before every query: no mask */
-#pragma unroll
-                    for (int n = 0; n < 8; n++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            s[n][e] *= sl2;
-                            mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-                        }
-                } else {
-#pragma unroll
-                    for (int n = 0; n < 8; n++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            const int j = j0 + 8 * n + 2 * quad + (e & 1), r = e >> 1;
-                            s[n][e] = j <= row[r] && j < T ? s[n][e] * sl2 : -INFINITY;
-                            mx[r] = fmaxf(mx[r], s[n][e]);
-                        }
-                }
+                fm_each(
+                    j0 + FA_ROWS <= q0, /* every key before every query */
+                    [&](int n, int e) {
+                        const int j = j0 + 8 * n + 2 * quad + (e & 1);
+                        return j <= row[e >> 1] && j < T;
+                    },
+                    [&](int n, int e, bool keep) {
+                        s[n][e] = keep ? s[n][e] * sl2 : -INFINITY;
+                        mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+                    });
                 float corr[2], sum[2] = {0.f, 0.f};
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
@@ -1127,22 +1139,14 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
             if (j0 <= first + 15) { /* warp-uniform */
                 float p[8][4], dp[8][4];
                 fm_scores<T16, HD>(p, qa, Ks, lane);
-                if (j0 + FA_ROWS <= q0 && q0 + FA_ROWS <= T) { /* no key after a query */
-#pragma unroll
-                    for (int n = 0; n < 8; n++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++)
-                            p[n][e] = fm_exp2(p[n][e] * sl2 - lse2[e >> 1]);
-                } else {
-#pragma unroll
-                    for (int n = 0; n < 8; n++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            const int j = j0 + 8 * n + 2 * quad + (e & 1), r = e >> 1;
-                            p[n][e] =
-                                j <= row[r] && row[r] < T ? fm_exp2(p[n][e] * sl2 - lse2[r]) : 0.f;
-                        }
-                }
+                fm_each(
+                    j0 + FA_ROWS <= q0 && q0 + FA_ROWS <= T, /* no key after a query */
+                    [&](int n, int e) {
+                        return j0 + 8 * n + 2 * quad + (e & 1) <= row[e >> 1] && row[e >> 1] < T;
+                    },
+                    [&](int n, int e, bool keep) {
+                        p[n][e] = keep ? fm_exp2(p[n][e] * sl2 - lse2[e >> 1]) : 0.f;
+                    });
                 fm_scores<T16, HD>(dp, ga, Vs, lane); /* dP = dO V^T */
 #pragma unroll
                 for (int n = 0; n < 8; n++)
@@ -1217,22 +1221,17 @@ static __global__ void __launch_bounds__(FA_THREADS, 2)
             }
             /* i0 >= j0 and first <= j0 + 48: the tile always has queries i >= a warp key */
             float p[8][4], dp[8][4];
-            fm_scores<T16, HD>(p, ka, Qs, lane);           /* S^T: keys x queries */
-            if (i0 >= j0 + FA_ROWS && i0 + FA_ROWS <= T) { /* every query after every key */
-#pragma unroll
-                for (int n = 0; n < 8; n++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        p[n][e] = fm_exp2(p[n][e] * sl2 - ls[8 * n + 2 * quad + (e & 1)]);
-            } else {
-#pragma unroll
-                for (int n = 0; n < 8; n++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int col = 8 * n + 2 * quad + (e & 1), i = i0 + col, j = key[e >> 1];
-                        p[n][e] = i >= j && i < T && j < T ? fm_exp2(p[n][e] * sl2 - ls[col]) : 0.f;
-                    }
-            }
+            fm_scores<T16, HD>(p, ka, Qs, lane); /* S^T: keys x queries */
+            fm_each(
+                i0 >= j0 + FA_ROWS && i0 + FA_ROWS <= T, /* every query after every key */
+                [&](int n, int e) {
+                    const int i = i0 + 8 * n + 2 * quad + (e & 1), j = key[e >> 1];
+                    return i >= j && i < T && j < T;
+                },
+                [&](int n, int e, bool keep) {
+                    const int col = 8 * n + 2 * quad + (e & 1);
+                    p[n][e] = keep ? fm_exp2(p[n][e] * sl2 - ls[col]) : 0.f;
+                });
             fm_scores<T16, HD>(dp, va, Gs, lane); /* dP^T = V dO^T */
 #pragma unroll
             for (int n = 0; n < 8; n++)

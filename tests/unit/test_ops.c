@@ -568,6 +568,8 @@ static void test_adamw_update_multi(void **state)
         assert_memory_equal(m, mr, sizeof m);
         assert_memory_equal(v, vr, sizeof v);
     }
+    /* the decay differs per segment: segment 1 has none */
+    assert_true(p[4] != p0[4]); /* it still moves with its gradient */
     /* no norm: the factor is 1 / loss scale; the sums of squares come out of the same call,
      * split inside segment 2 (sq_out[0]: elements 0..6, [1]: 7..10) */
     double sq_out[2] = {-1, -1}, want[2] = {0, 0};
@@ -590,8 +592,6 @@ static void test_adamw_update_multi(void **state)
                        1.0, 4, sq_out, 7);
     assert_true(isnan(p[9]) && !isnan(p[8]));
     assert_true(sq_out[0] == want[0] && isnan(sq_out[1]));
-    /* the decay differs per segment: segment 1 has none */
-    assert_true(p[4] != p0[4]); /* it still moves with its gradient */
     const double inf_sq[2] = {INFINITY, 1};
     memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
     adamw_update_multi(p, g, m, v, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, inf_sq, 1.0,
