@@ -56,6 +56,7 @@ extern "C" {
     X(moe_scatter_grad_rows)                                                                       \
     X(cross_entropy_forward)                                                                       \
     X(cross_entropy_backward)                                                                      \
+    X(cross_entropy_fused)                                                                         \
     X(sum_values)                                                                                  \
     X(sum_squares)                                                                                 \
     X(sum_into)                                                                                    \

@@ -43,3 +43,10 @@ void cross_entropy_backward(real *dlogits, const real *logits, const real *lse,
         }
     }
 }
+
+void cross_entropy_fused(real *losses, real *lse, real *dlogits, const real *logits,
+                         const int32_t *targets, real dloss, int N, int V)
+{
+    cross_entropy_forward(losses, lse, logits, targets, N, V);
+    cross_entropy_backward(dlogits, logits, lse, targets, dloss, N, V);
+}

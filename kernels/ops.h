@@ -257,6 +257,12 @@ void cross_entropy_forward(real *losses, real *lse, const real *logits, const in
  * dlogits (it does not accumulate); dlogits may be logits (in place). */
 void cross_entropy_backward(real *dlogits, const real *logits, const real *lse,
                             const int32_t *targets, real dloss, int N, int V);
+/* cross_entropy_forward, then cross_entropy_backward from the lse it saved, over the
+ * same rows in one op (where the backward follows at once: the fused LM head): the same
+ * losses, lse and dlogits, bit for bit. dlogits must not be logits (a backend may read
+ * each row twice). */
+void cross_entropy_fused(real *losses, real *lse, real *dlogits, const real *logits,
+                         const int32_t *targets, real dloss, int N, int V);
 
 /* ---- optimizer ------------------------------------------------------------------------ */
 /* Sum of x (n), accumulated in double. */

@@ -1012,16 +1012,22 @@ void moe_model_set_precision(moe_model *m, int p)
     m->dispatch_bytes = moe_dispatch_row_bytes(m->D, m->K, m->row_x16);
 }
 
+/* The gradient of each token's loss in a step of step_sequences sequences. */
+static real head_dloss(const moe_model *m, int64_t step_sequences)
+{
+    return (real)(m->loss_scale / ((double)step_sequences * m->T));
+}
+
 /* The LM head's backward for rows [r0, r0 + rows) of the current chunk, whose logits are
  * in m->logits: the gradient of the loss of a step of step_sequences sequences goes to
  * m->dlogits (the logits themselves on the cpu), then dh and the head's gradient add
- * theirs. */
-static void head_backward(moe_model *m, int r0, int rows, int64_t step_sequences)
+ * theirs. ce_done: m->dlogits holds it already (cross_entropy_fused). */
+static void head_backward(moe_model *m, int r0, int rows, int64_t step_sequences, int ce_done)
 {
-    const real dloss = (real)(m->loss_scale / ((double)step_sequences * m->T));
     const real *h = m->hf + (size_t)r0 * m->D;
-    m->be->cross_entropy_backward(m->dlogits, m->logits, m->ce_lse + r0, m->targets + r0, dloss,
-                                  rows, m->V);
+    if (!ce_done)
+        m->be->cross_entropy_backward(m->dlogits, m->logits, m->ce_lse + r0, m->targets + r0,
+                                      head_dloss(m, step_sequences), rows, m->V);
     m->be->matmul_backward(m->dh + (size_t)r0 * m->D, m->g.lm_head, m->dlogits, h, m->p.lm_head,
                            rows, m->D, m->V);
 }
@@ -1074,10 +1080,17 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
         for (int r0 = 0; r0 < Nc; r0 += m->head_rows) {
             int rows = Nc - r0 < m->head_rows ? Nc - r0 : m->head_rows;
             m->be->matmul_forward(m->logits, m->hf + (size_t)r0 * D, m->p.lm_head, rows, D, m->V);
+            if (m->head_sequences > 0 && m->dlogits != m->logits) { /* one pass over the rows */
+                m->be->cross_entropy_fused(m->ce_loss + r0, m->ce_lse + r0, m->dlogits, m->logits,
+                                           m->targets + r0, head_dloss(m, m->head_sequences), rows,
+                                           m->V);
+                head_backward(m, r0, rows, m->head_sequences, 1);
+                continue;
+            }
             m->be->cross_entropy_forward(m->ce_loss + r0, m->ce_lse + r0, m->logits,
                                          m->targets + r0, rows, m->V);
             if (m->head_sequences > 0)
-                head_backward(m, r0, rows, m->head_sequences);
+                head_backward(m, r0, rows, m->head_sequences, 0);
         }
         m->be->sum_into(m->ce_acc, m->ce_loss, (size_t)Nc, 0);
         /* fused: this chunk's backward starts here, up to the last layer's exchange of
@@ -1280,7 +1293,7 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
                 if (rows < Nc || m->C > 1) /* the logits of this one were overwritten */
                     m->be->matmul_forward(m->logits, m->hf + (size_t)r0 * D, m->p.lm_head, rows, D,
                                           m->V);
-                head_backward(m, r0, rows, step_sequences);
+                head_backward(m, r0, rows, step_sequences, 0);
             }
         }
         final_norm_backward(m);

@@ -4,7 +4,8 @@
  * Forward: one block per row, which reads the row once: each thread keeps a running max m
  * (float) and the sum s of exp(x - m) in double, rescaled when m grows; the threads' (m, s)
  * are then merged in a fixed order (warp butterfly, then the warps in order), so the bits
- * do not depend on scheduling. Backward: overwrites dlogits (which may be the logits:
+ * do not depend on scheduling. Fused (cross_entropy_fused): one block does a row's
+ * forward and then its backward. Backward: overwrites dlogits (which may be the logits:
  * each value is read, then written, by one thread); a 2D grid (x: the row, y: the
  * row's columns), so no thread divides to find its row; a separate dlogits marked as a
  * GEMM operand gets 16-bit values (no rounding pass before the LM head's GEMMs). Both
@@ -136,21 +137,16 @@ static __device__ __forceinline__ real ce_grad(real x, F s, int hit, real dloss)
     return (real)(dloss * (exp((F)x - s) - (F)hit));
 }
 
-/* dlogits = dloss * (exp(logit - lse) - onehot(target)) over one row (blockIdx.x), its
- * columns (float4 groups when V4) spread over the blocks of blockIdx.y. No __restrict__:
- * dlogits may be logits. O16: dlogits is a buffer marked as holding its GEMM operand
- * (never the logits themselves), written in 16 bits (bf16 or fp16 by `bf16`) as the GEMM
- * would round the fp32 value. */
+/* dlogits = dloss * (exp(logit - s) - onehot(t)) over the columns first, first + stride, ...
+ * of row n (float4 groups when V4). No __restrict__: dlogits may be logits. O16: dlogits
+ * is a buffer marked as holding its GEMM operand (never the logits themselves), written
+ * in 16 bits (bf16 or fp16 by `bf16`) as the GEMM would round the fp32 value. */
 template <typename F, bool V4, bool O16>
-static __global__ void cross_entropy_backward_kernel(real *dlogits, const real *logits,
-                                                     const real *lse, const int32_t *targets,
-                                                     real dloss, int V, int bf16)
+static __device__ __forceinline__ void ce_backward_cols(real *dlogits, const real *logits, int n,
+                                                        F s, int t, real dloss, int V, int bf16,
+                                                        int first, int stride)
 {
-    const int n = blockIdx.x;
     const size_t row = (size_t)n * V;
-    const F s = (F)lse[n];
-    const int t = targets[n];
-    const int first = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
     if (V4) {
         const float4 *l4 = (const float4 *)(logits + row);
         for (int c = first; c < V / 4; c += stride) {
@@ -173,6 +169,36 @@ static __global__ void cross_entropy_backward_kernel(real *dlogits, const real *
                 dlogits[row + v] = d;
         }
     }
+}
+
+/* The backward of one row (blockIdx.x), softmax from the saved lse; the row's columns
+ * spread over the blocks of blockIdx.y. */
+template <typename F, bool V4, bool O16>
+static __global__ void cross_entropy_backward_kernel(real *dlogits, const real *logits,
+                                                     const real *lse, const int32_t *targets,
+                                                     real dloss, int V, int bf16)
+{
+    const int n = blockIdx.x;
+    ce_backward_cols<F, V4, O16>(dlogits, logits, n, (F)lse[n], targets[n], dloss, V, bf16,
+                                 blockIdx.y * blockDim.x + threadIdx.x, gridDim.y * blockDim.x);
+}
+
+/* Forward, then backward, of one row in one block (the fused LM head): the backward takes
+ * the lse as stored (so the bits are the two kernels'), and its second read of the row,
+ * which the block has just read, comes mostly from L2. */
+template <typename F, bool V4, bool O16>
+static __global__ void cross_entropy_fused_kernel(real *losses, real *lse, real *dlogits,
+                                                  const real *logits, const int32_t *targets,
+                                                  real dloss, int V, int bf16)
+{
+    __shared__ real row_lse;
+    const int n = blockIdx.x;
+    ce_forward_row<F, V4>(losses, lse, logits, targets, V);
+    if (threadIdx.x == 0)
+        row_lse = lse[n];
+    __syncthreads();
+    ce_backward_cols<F, V4, O16>(dlogits, logits, n, (F)row_lse, targets[n], dloss, V, bf16,
+                                 threadIdx.x, blockDim.x);
 }
 
 extern "C" void cuda_cross_entropy_backward(real *dlogits, const real *logits, const real *lse,
@@ -200,4 +226,32 @@ extern "C" void cuda_cross_entropy_backward(real *dlogits, const real *logits, c
     }
 #undef CE_BACKWARD_FLOAT
 #undef CE_BACKWARD
+}
+
+extern "C" void cuda_cross_entropy_fused(real *losses, real *lse, real *dlogits, const real *logits,
+                                         const int32_t *targets, real dloss, int N, int V)
+{
+    if (N <= 0 || V <= 0)
+        return;
+    if (dlogits == logits) { /* the op's contract: the rows are read twice */
+        MOE_CUDA_FAIL("cross_entropy_fused: dlogits must not be the logits");
+        return;
+    }
+    int bf16 = 0;
+    const int o16 = cuda_operand_in_place(dlogits, (size_t)N * V, &bf16);
+    const int v4 = V % 4 == 0 && moe_aligned16(logits) && moe_aligned16(dlogits);
+#define CE_FUSED(F, V4, O16)                                                                       \
+    MOE_CUDA_LAUNCH((cross_entropy_fused_kernel<F, V4, O16>), N, MOE_CUDA_THREADS, 0, losses, lse, \
+                    dlogits, logits, targets, dloss, V, bf16)
+#define CE_FUSED_FLOAT(V4, O16) CE_FUSED(float, V4, O16)
+    if (cuda_gemm_precision() == MOE_PREC_FP32) { /* never o16 */
+        if (v4)
+            CE_FUSED(double, true, false);
+        else
+            CE_FUSED(double, false, false);
+    } else {
+        MOE_CUDA_PICK2(v4, o16, CE_FUSED_FLOAT, true, false, true, false);
+    }
+#undef CE_FUSED_FLOAT
+#undef CE_FUSED
 }

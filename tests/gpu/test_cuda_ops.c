@@ -993,6 +993,18 @@ static void test_cross_entropy(int N, int V, int loff, int goff, int neg_inf, co
         const float *got = HOSTF(dg, NV);
         check_f("dlogits", got, g, NV, V, 1e-6 * scale, rtol); /* values are O(scale) */
         check_f("dlogits in place", HOSTF(dip, NV), got, NV, V, EXACT);
+
+        /* both in one op: the bits of the two (forward, then backward from its lse) */
+        begin("cross_entropy_fused", label);
+        float *floss = DEVF(fnan(N), N), *flse = DEVF(fnan(N), N);
+        float *fg = devf_at(fnan(NV), NV, goff), *ug = devf_at(fnan(NV), NV, goff);
+        gpu->cross_entropy_fused(floss, flse, fg, dlog_, dtg, scale, N, V);
+        gpu->cross_entropy_backward(ug, dlog_, dlse, dtg, scale, N, V); /* from dlse above */
+        gpu_done();
+        check_f("losses", HOSTF(floss, N), HOSTF(dloss, N), N, 1, EXACT);
+        check_f("lse", HOSTF(flse, N), HOSTF(dlse, N), N, 1, EXACT);
+        check_f("dlogits", HOSTF(fg, NV), HOSTF(ug, NV), NV, V, EXACT);
+        check_f("dlogits against the reference", HOSTF(fg, NV), g, NV, V, 1e-6 * scale, rtol);
     }
     if (gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0) != MOE_OK)
         fail_now("set_precision fp32");

@@ -59,16 +59,22 @@ static void to_host(float *h, const float *d, size_t n)
 }
 
 /* Linear (N, I) -> (N, O) and a grouped linear over G experts, forward and backward. */
-/* Bytes of two device buffers differ (0: identical). */
-static int differ(const float *a, const float *b, size_t n)
+/* Whether the first nbytes of two device buffers differ (0: identical). */
+static int differ_bytes(const void *a, const void *b, size_t nbytes)
 {
-    float *ha = malloc(sizeof(float) * n), *hb = malloc(sizeof(float) * n);
-    to_host(ha, a, n);
-    to_host(hb, b, n);
-    const int d = memcmp(ha, hb, sizeof(float) * n) != 0;
+    char *ha = malloc(nbytes), *hb = malloc(nbytes);
+    gpu->copy(ha, a, nbytes, MOE_COPY_D2H);
+    gpu->copy(hb, b, nbytes, MOE_COPY_D2H);
+    const int d = memcmp(ha, hb, nbytes) != 0;
     free(ha);
     free(hb);
     return d;
+}
+
+/* Whether n floats of two device buffers differ. */
+static int differ(const float *a, const float *b, size_t n)
+{
+    return differ_bytes(a, b, sizeof(float) * n);
 }
 
 /* SwiGLU into buffers marked as holding their GEMM operand (mark_operand) against
@@ -194,6 +200,20 @@ static void check_ce_in_place(moe_precision p, const char *mode, const float *w,
     const int bad = st + (differ(dl[0], dl[1], n) != want_differ) + differ(dl[0], dl[2], n) +
                     bf16_mismatches(p, dl[0], dl[1], n);
     report(what, mode, bad, 0.0);
+    /* forward and backward in one op into a marked buffer: the marked buffer's bits */
+    float *fdl = gpu->alloc(sizeof(float) * n), *flse = gpu->alloc(sizeof(float) * N);
+    float *floss = gpu->alloc(sizeof(float) * N);
+    st = gpu->mark_operand(fdl, n) != MOE_OK;
+    gpu->cross_entropy_fused(floss, flse, fdl, dlog, dtg, 0.01f, N, V);
+    snprintf(what, sizeof what, "ce fused V=%d: marked dlogits, lse, losses same", V);
+    report(what, mode,
+           st + differ_bytes(fdl, dl[1], (want_differ ? 2 : 4) * n) + differ(flse, lse, N) +
+               differ(floss, loss, N) + bf16_mismatches(p, dl[0], fdl, n),
+           0.0);
+    gpu->mark_operand(fdl, 0);
+    gpu->release(fdl);
+    gpu->release(flse);
+    gpu->release(floss);
     snprintf(what, sizeof what, "ce bwd V=%d: GEMMs identical", V);
     report(what, mode, differ(gx[0], gx[1], (size_t)N * I) + differ(gw[0], gw[1], (size_t)V * I),
            0.0);
