@@ -237,9 +237,14 @@ extern "C" void cuda_cross_entropy_fused(real *losses, real *lse, real *dlogits,
         MOE_CUDA_FAIL("cross_entropy_fused: dlogits must not be the logits");
         return;
     }
+    const int v4 = V % 4 == 0 && moe_aligned16(logits) && moe_aligned16(dlogits);
+    if (!v4 && V % 4 == 0 && moe_aligned16(logits)) { /* the forward alone would take float4 */
+        cuda_cross_entropy_forward(losses, lse, logits, targets, N, V); /* (its sum order) */
+        cuda_cross_entropy_backward(dlogits, logits, lse, targets, dloss, N, V);
+        return;
+    }
     int bf16 = 0;
     const int o16 = cuda_operand_in_place(dlogits, (size_t)N * V, &bf16);
-    const int v4 = V % 4 == 0 && moe_aligned16(logits) && moe_aligned16(dlogits);
 #define CE_FUSED(F, V4, O16)                                                                       \
     MOE_CUDA_LAUNCH((cross_entropy_fused_kernel<F, V4, O16>), N, MOE_CUDA_THREADS, 0, losses, lse, \
                     dlogits, logits, targets, dloss, V, bf16)
