@@ -81,13 +81,13 @@ typedef struct {
     const char *format; /* --format (export) */
     const char *extra;  /* a third positional argument (export's OUT) */
     int ranks, nodes;   /* plan-experts */
-    int warmup;         /* bench: untimed steps first (--warmup; 0 when not given) */
-    int warmup_set;
+    int warmup;         /* bench: untimed steps first (--warmup, BENCH_WARMUP unless given) */
 } cli_args;
 
 static int parse_args(int argc, char **argv, cli_args *a)
 {
     memset(a, 0, sizeof *a);
+    a->warmup = BENCH_WARMUP;
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
         if (strcmp(arg, "--set") == 0 || strcmp(arg, "--out") == 0) {
@@ -122,7 +122,6 @@ static int parse_args(int argc, char **argv, cli_args *a)
                 return EXIT_USAGE;
             }
             *(warm ? &a->warmup : arg[2] == 'r' ? &a->ranks : &a->nodes) = (int)v;
-            a->warmup_set |= warm;
             i++;
         } else if (strncmp(arg, "--resume=", 9) == 0) {
             a->resume = arg + 9;
@@ -221,8 +220,7 @@ static int cmd_train(const cli_args *a, int bench)
     moe_status st = MOE_OK;
     if (a->resume && (st = moe_trainer_resume(tr, a->resume)) != MOE_OK)
         return fail_job(st == MOE_ERR_INVALID ? EXIT_USAGE : 1);
-    st = bench ? moe_bench_run(tr, a->warmup_set ? a->warmup : BENCH_WARMUP, 3, 2, stdout)
-               : moe_trainer_run(tr, stdout);
+    st = bench ? moe_bench_run(tr, a->warmup, 3, 2, stdout) : moe_trainer_run(tr, stdout);
     if (st != MOE_OK)
         return fail_job(1);
     int stopped = tr->stopped;

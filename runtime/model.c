@@ -1080,17 +1080,17 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
         for (int r0 = 0; r0 < Nc; r0 += m->head_rows) {
             int rows = Nc - r0 < m->head_rows ? Nc - r0 : m->head_rows;
             m->be->matmul_forward(m->logits, m->hf + (size_t)r0 * D, m->p.lm_head, rows, D, m->V);
-            if (m->head_sequences > 0 && m->dlogits != m->logits) { /* one pass over the rows */
+            /* with the backward and a dlogits of its own: both in one pass over the rows */
+            const int ce_both = m->head_sequences > 0 && m->dlogits != m->logits;
+            if (ce_both)
                 m->be->cross_entropy_fused(m->ce_loss + r0, m->ce_lse + r0, m->dlogits, m->logits,
                                            m->targets + r0, head_dloss(m, m->head_sequences), rows,
                                            m->V);
-                head_backward(m, r0, rows, m->head_sequences, 1);
-                continue;
-            }
-            m->be->cross_entropy_forward(m->ce_loss + r0, m->ce_lse + r0, m->logits,
-                                         m->targets + r0, rows, m->V);
+            else
+                m->be->cross_entropy_forward(m->ce_loss + r0, m->ce_lse + r0, m->logits,
+                                             m->targets + r0, rows, m->V);
             if (m->head_sequences > 0)
-                head_backward(m, r0, rows, m->head_sequences, 0);
+                head_backward(m, r0, rows, m->head_sequences, ce_both);
         }
         m->be->sum_into(m->ce_acc, m->ce_loss, (size_t)Nc, 0);
         /* fused: this chunk's backward starts here, up to the last layer's exchange of

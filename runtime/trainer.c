@@ -311,7 +311,10 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
 
 /* The step's one wait: brings back the cross-entropy sum (zeroed behind the copy for the
  * next step) and the sums of squares, then fills the losses summed over ranks (tr->sums,
- * ce from the backend) and the communication times. */
+ * ce from the backend) and the communication times. When AdamW's pass summed the squares
+ * (norm_in_update), they are this rank's and become global in the same sum over the
+ * world: the dense one (the same on every rank) from world rank 0, the experts' from the
+ * ranks of EDP rank 0 (one holder of each expert). */
 moe_status moe_trainer_losses(moe_trainer *tr, moe_step_result *res)
 {
     const moe_backend *be = tr->model->be;
@@ -320,10 +323,19 @@ moe_status moe_trainer_losses(moe_trainer *tr, moe_step_result *res)
     const long mark = be->queue_mark();
     be->zero(tr->model->ce_acc, sizeof(double));
     MOE_CHECK(be->queue_wait(mark, moe_comm_watch, tr->comm));
-    double *sums = tr->sums;
+    double *sums = tr->sums, *sq = tr->step_host + 1;
     sums[0] = tr->step_host[0];
+    const int local_sq = norm_in_update(tr) && tr->comm;
+    if (local_sq) {
+        sums[6] = moe_comm_rank(tr->comm, MOE_GROUP_WORLD) == 0 ? sq[0] : 0.0;
+        sums[7] = moe_comm_rank(tr->comm, MOE_GROUP_EDP) == 0 ? sq[1] : 0.0;
+    }
     if (tr->comm)
-        MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, sums, 6));
+        MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, sums, local_sq ? 8 : 6));
+    if (local_sq) {
+        sq[0] = sums[6];
+        sq[1] = sums[7];
+    }
     moe_comm_times ct;
     moe_comm_take_times(tr->comm, &ct);
     res->exchange_s = ct.exchange_s;
@@ -362,9 +374,7 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
                        fused ? tr->norm_sq : NULL);
     MOE_CHECK(be->refresh_shadow());
     moe_model_phase_end(m, tp, MOE_PHASE_OPTIMIZER);
-    MOE_CHECK(moe_trainer_losses(tr, res));
-    if (fused && tr->comm && moe_comm_size(tr->comm, MOE_GROUP_EP) > 1) /* this rank's experts */
-        MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_EP, tr->step_host + 2, 1));
+    MOE_CHECK(moe_trainer_losses(tr, res)); /* fused: the sums made global there */
     const double *sq = tr->step_host + 1;
     double norm = sqrt(sq[0] + sq[1]);
     if (tr->scaling && moe_adamw_factor(sq, tr->cfg.grad_clip, tr->loss_scale) < 0) {

@@ -68,7 +68,8 @@ typedef struct {
     moe_status reduce_status;
     double *norm_sq;   /* (2) backend memory: squares of the dense and expert gradients */
     double *step_host; /* (3) pinned: the step's ce sum and norm_sq, fetched at its end */
-    double sums[6];    /* this rank's ce, aux, z, dropped, a2a bytes, a2a saved of the step */
+    double sums[8];    /* this rank's ce, aux, z, dropped, a2a bytes, a2a saved of the step,
+                        * and its share of the norm's two sums of squares (moe_trainer_losses) */
     moe_model *model;
     moe_data *data;
     moe_optimizer *opt;
