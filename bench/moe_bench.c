@@ -715,8 +715,75 @@ static void bench_grouped(int bwd)
     free_all();
 }
 
+/* The experts' gate and up projections (two weights of (E, F, D) one after the other):
+ * as one pair op (each expert's two products one strided batch) and as two grouped ops,
+ * forward and backward, in the same run. The output gradients are marked (written by
+ * SwiGLU's backward, as the model's), so that neither op rounds them. */
+static int pair_one; /* 1: the pair op, 0: two grouped ops */
+
+static void run_pair(void)
+{
+    const size_t W = (size_t)opt.E * opt.F * opt.D, MF = (size_t)M_ * opt.F;
+    if (pair_one) {
+        gpu->grouped_matmul_forward_pair(bf.out, bf.out + MF, bf.x, bf.w, bf.w + W, bf.offsets,
+                                         opt.E, opt.D, opt.F);
+    } else {
+        gpu->grouped_matmul_forward(bf.out, bf.x, bf.w, bf.offsets, opt.E, opt.D, opt.F);
+        gpu->grouped_matmul_forward(bf.out + MF, bf.x, bf.w + W, bf.offsets, opt.E, opt.D, opt.F);
+    }
+}
+
+static void run_pair_bwd(void)
+{
+    const size_t W = (size_t)opt.E * opt.F * opt.D;
+    const int wr = MOE_WRITE_DW | MOE_WRITE_DX;
+    if (pair_one) {
+        gpu->grouped_matmul_backward_pair(bf.dx, bf.dw, bf.dw + W, bf.da, bf.db, bf.x, bf.w,
+                                          bf.w + W, bf.offsets, opt.E, opt.D, opt.F, wr);
+    } else {
+        gpu->grouped_matmul_backward(bf.dx, bf.dw, bf.da, bf.x, bf.w, bf.offsets, opt.E, opt.D,
+                                     opt.F, wr);
+        gpu->grouped_matmul_backward(bf.dx, bf.dw + W, bf.db, bf.x, bf.w + W, bf.offsets, opt.E,
+                                     opt.D, opt.F, MOE_WRITE_DW);
+    }
+}
+
+static void bench_grouped_pair(int bwd)
+{
+    const int M = M_, D = opt.D, F = opt.F, E = opt.E;
+    const size_t W = (size_t)E * F * D, MF = (size_t)M * F;
+    const ceiling *c = gemm_ceiling(M, D, 2 * F, bwd);
+    bf.offsets = uniform_offsets(E, M);
+    bf.x = dfill((size_t)M * D, 1.0, 0);
+    bf.w = dfill(2 * W, 0.02, 0);
+    if (!bwd) {
+        bf.out = dreal(2 * MF);
+    } else {
+        bf.da = dreal(2 * MF); /* da, db one after the other, as the model's */
+        bf.db = bf.da + MF;
+        mark(bf.da, MF);
+        mark(bf.db, MF);
+        real *a = dfill(MF, 1.0, 0), *b = dfill(MF, 1.0, 0), *dh = dfill(MF, 1.0, 0);
+        gpu->swiglu_backward(bf.da, bf.db, dh, a, b, MF);
+        bf.dx = dreal((size_t)M * D);
+        bf.dw = dreal(2 * W);
+    }
+    use_precision(bf.w, 2 * W, (size_t)M * (D > F ? D : F));
+    const double flops = (bwd ? 8.0 : 4.0) * M * (double)D * F;
+    char shape[96];
+    for (pair_one = 1; pair_one >= 0; pair_one--) {
+        double ms = time_gpu(bwd ? run_pair_bwd : run_pair);
+        snprintf(shape, sizeof shape, "G=%d rows=%d D=%d F=%d %s, %s", E, M / E, D, F,
+                 prec_name(opt.prec), pair_one ? "pair op" : "two grouped ops");
+        report(bwd ? "grouped_pair_bwd" : "grouped_pair", shape, ms, flops, RATE_TFS, c);
+    }
+    free_all();
+}
+
 static void bench_grouped_fwd(void) { bench_grouped(0); }
 static void bench_grouped_bwd(void) { bench_grouped(1); }
+static void bench_grouped_pair_fwd(void) { bench_grouped_pair(0); }
+static void bench_grouped_pair_bwd(void) { bench_grouped_pair(1); }
 
 /* Every expert's SwiGLU FFN as runtime/model.c runs it: grouped gate, grouped up,
  * SwiGLU, grouped down; backward in reverse. Weights: one block w1 (E,F,D) | w3 | w2
@@ -1044,6 +1111,8 @@ static const bench_op single_ops[] = {
     {"expert", bench_expert},
     {"grouped_gemm", bench_grouped_fwd},
     {"grouped_gemm_bwd", bench_grouped_bwd},
+    {"grouped_pair", bench_grouped_pair_fwd},
+    {"grouped_pair_bwd", bench_grouped_pair_bwd},
     {"experts_ffn", bench_experts_ffn_fwd},
     {"experts_ffn_bwd", bench_experts_ffn_bwd},
     {"attention", bench_attention_fwd},

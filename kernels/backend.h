@@ -32,6 +32,8 @@ extern "C" {
     X(matmul_backward)                                                                             \
     X(grouped_matmul_forward)                                                                      \
     X(grouped_matmul_backward)                                                                     \
+    X(grouped_matmul_forward_pair)                                                                 \
+    X(grouped_matmul_backward_pair)                                                                \
     X(swiglu_forward)                                                                              \
     X(swiglu_backward)                                                                             \
     X(rope_tables)                                                                                 \

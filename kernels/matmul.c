@@ -108,3 +108,18 @@ void grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x
                         O);
     }
 }
+
+void grouped_matmul_forward_pair(real *out_a, real *out_b, const real *x, const real *wa,
+                                 const real *wb, const int *offsets, int G, int I, int O)
+{
+    grouped_matmul_forward(out_a, x, wa, offsets, G, I, O);
+    grouped_matmul_forward(out_b, x, wb, offsets, G, I, O);
+}
+
+void grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb, const real *dout_a,
+                                  const real *dout_b, const real *x, const real *wa, const real *wb,
+                                  const int *offsets, int G, int I, int O, int write)
+{
+    grouped_matmul_backward(dx, dwa, dout_a, x, wa, offsets, G, I, O, write);
+    grouped_matmul_backward(dx, dwb, dout_b, x, wb, offsets, G, I, O, write & ~MOE_WRITE_DX);
+}

@@ -78,6 +78,17 @@ void grouped_matmul_forward(real *out, const real *x, const real *w, const int *
                             int I, int O);
 void grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x, const real *w,
                              const int *offsets, int G, int I, int O, int write);
+/* Two grouped linears of the same x (the experts' gate and up projections): the same as
+ * grouped_matmul_forward(out_a, x, wa, ...) then grouped_matmul_forward(out_b, x, wb, ...).
+ * A backend may run each group's two products as one batched GEMM. */
+void grouped_matmul_forward_pair(real *out_a, real *out_b, const real *x, const real *wa,
+                                 const real *wb, const int *offsets, int G, int I, int O);
+/* Their backward: the same as grouped_matmul_backward(dx, dwa, dout_a, x, wa, ..., write)
+ * then grouped_matmul_backward(dx, dwb, dout_b, x, wb, ..., write & ~MOE_WRITE_DX):
+ * dx gets both products (dx_a's first, then dx_b's added), dwa and dwb one each. */
+void grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb, const real *dout_a,
+                                  const real *dout_b, const real *x, const real *wa, const real *wb,
+                                  const int *offsets, int G, int I, int O, int write);
 
 /* ---- SwiGLU: h = silu(a) * b, silu(a) = a * sigmoid(a) ---------------------------- */
 /* a, b, h: n elements each (a gate, b up projection). */

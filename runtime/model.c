@@ -876,8 +876,8 @@ static void moe_experts_forward(moe_model *m, int l, real *out)
                           a->lw, R, m->El, K, R > 0 ? R : 1, -1);
     const int M = a->n_rows;
     m->be->moe_permute(a->xperm, a->xrecv, a->row_token, M, D);
-    m->be->grouped_matmul_forward(a->ea, a->xperm, w->ew1, a->offsets, m->El, D, F);
-    m->be->grouped_matmul_forward(a->eb, a->xperm, w->ew3, a->offsets, m->El, D, F);
+    m->be->grouped_matmul_forward_pair(a->ea, a->eb, a->xperm, w->ew1, w->ew3, a->offsets, m->El, D,
+                                       F);
     m->be->swiglu_forward(a->eh, a->ea, a->eb, (size_t)M * F);
     m->be->grouped_matmul_forward(a->eout, a->eh, w->ew2, a->offsets, m->El, F, D);
     m->be->zero(out, sizeof(real) * (size_t)R * D);
@@ -1169,10 +1169,8 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
     m->be->grouped_matmul_backward(m->deh, g->ew2, m->deout, a->eh, w->ew2, a->offsets, m->El, F, D,
                                    first | MOE_WRITE_DX);
     m->be->swiglu_backward(m->dea, m->deb, m->deh, a->ea, a->eb, (size_t)M * F); /* overwrites */
-    m->be->grouped_matmul_backward(m->dxperm, g->ew1, m->dea, a->xperm, w->ew1, a->offsets, m->El,
-                                   D, F, first | MOE_WRITE_DX);
-    m->be->grouped_matmul_backward(m->dxperm, g->ew3, m->deb, a->xperm, w->ew3, a->offsets, m->El,
-                                   D, F, first);
+    m->be->grouped_matmul_backward_pair(m->dxperm, g->ew1, g->ew3, m->dea, m->deb, a->xperm, w->ew1,
+                                        w->ew3, a->offsets, m->El, D, F, first | MOE_WRITE_DX);
     m->be->zero(m->dxrecv, sizeof(real) * (size_t)R * D);
     m->be->moe_permute_backward(m->dxrecv, m->dxperm, a->row_token, M, D, a->lslot_row, R, K);
     m->be->moe_pack_grad_rows(out, m->dxrecv, m->dlw, R, D, K);

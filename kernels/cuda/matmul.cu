@@ -214,8 +214,10 @@ static const void *rounded_operand(const real *x, size_t n, int i)
 typedef struct {
     int ta, tb, m, n, k, lda, ldb, ldc;
     int align_a, align_b, align_c, accumulate;
-    int operand_type; /* cudaDataType_t of A and B */
-    int exact;        /* n and k are the real sizes, not buckets */
+    int operand_type;     /* cudaDataType_t of A and B */
+    int exact;            /* n and k are the real sizes, not buckets */
+    int batch;            /* 1, or 2: a strided batch (the second A, B, C at sa, sb, sc) */
+    long long sa, sb, sc; /* elements of A's, B's (operand type) and C's (fp32) */
 } gemm_key;
 
 typedef struct {
@@ -272,6 +274,17 @@ static int alignment(const void *p)
     return al;
 }
 
+/* Makes layout l a strided batch of count matrices, stride elements apart. */
+static int layout_batch(cublasLtMatrixLayout_t l, int count, long long stride)
+{
+    const int32_t c = count;
+    const int64_t s = stride;
+    return MOE_LT_OK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &c,
+                                                      sizeof c)) &&
+           MOE_LT_OK(cublasLtMatrixLayoutSetAttribute(
+               l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &s, sizeof s));
+}
+
 static int plan_build(gemm_plan *p, const gemm_key *k)
 {
     cublasLtMatmulPreference_t pref = NULL;
@@ -296,6 +309,9 @@ static int plan_build(gemm_plan *p, const gemm_key *k)
         !MOE_LT_OK(cublasLtMatrixLayoutCreate(&p->lb, (cudaDataType_t)k->operand_type,
                                               k->tb ? k->n : k->k, k->tb ? k->k : k->n, k->ldb)) ||
         !MOE_LT_OK(cublasLtMatrixLayoutCreate(&p->lc, CUDA_R_32F, k->m, k->n, k->ldc)) ||
+        (k->batch > 1 &&
+         (!layout_batch(p->la, k->batch, k->sa) || !layout_batch(p->lb, k->batch, k->sb) ||
+          !layout_batch(p->lc, k->batch, k->sc))) ||
         !MOE_LT_OK(cublasLtMatmulPreferenceCreate(&pref)) ||
         !MOE_LT_OK(cublasLtMatmulPreferenceSetAttribute(
             pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_limit, sizeof ws_limit)) ||
@@ -396,16 +412,35 @@ static void *lane_workspace(int lane, size_t *nbytes)
     return lane ? side_ws[lane - 1] : ws;
 }
 
+/* A strided batch of GEMMs: count 1 (one GEMM), or 2 with the second's A, B, C the
+ * first's plus sa, sb (elements of the operand type) and sc (fp32 elements). */
+typedef struct {
+    int count;
+    long long sa, sb, sc;
+} gemm_batch;
+
+static const gemm_batch single = {1, 0, 0, 0};
+
+/* The alignment of every matrix of a batch: of the first and of the strides. */
+static int batch_alignment(const void *p, long long stride, size_t elem)
+{
+    const int a = alignment(p), s = alignment((const void *)(uintptr_t)(stride * (long long)elem));
+    return a < s ? a : s;
+}
+
 static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A, int lda,
-                    const void *B, int ldb, real *C, int ldc, int accumulate)
+                    const void *B, int ldb, real *C, int ldc, int accumulate, gemm_batch bt)
 {
     if (m <= 0 || n <= 0 || !A || !B)
         return;
     if (k <= 0) { /* an empty sum */
         if (!accumulate)
-            MOE_CUDA_OK(cudaMemsetAsync(C, 0, sizeof(real) * (size_t)m * n, lane_stream(lane)));
+            for (int b = 0; b < bt.count; b++)
+                MOE_CUDA_OK(cudaMemsetAsync(C + b * bt.sc, 0, sizeof(real) * (size_t)m * n,
+                                            lane_stream(lane)));
         return;
     }
+    const size_t op_bytes = prec == MOE_PREC_FP32 ? sizeof(real) : sizeof(uint16_t);
     gemm_key key;
     memset(&key, 0, sizeof key);
     key.ta = ta;
@@ -416,11 +451,17 @@ static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A
     key.lda = lda;
     key.ldb = ldb;
     key.ldc = ldc;
-    key.align_a = alignment(A);
-    key.align_b = alignment(B);
-    key.align_c = alignment(C);
+    key.align_a = batch_alignment(A, bt.sa, op_bytes);
+    key.align_b = batch_alignment(B, bt.sb, op_bytes);
+    key.align_c = batch_alignment(C, bt.sc, sizeof(real));
     key.accumulate = accumulate;
     key.operand_type = (int)operand_type();
+    key.batch = bt.count;
+    if (bt.count > 1) {
+        key.sa = bt.sa;
+        key.sb = bt.sb;
+        key.sc = bt.sc;
+    }
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     size_t ws_bytes = 0;
     void *ws = lane_workspace(lane, &ws_bytes);
@@ -452,7 +493,7 @@ static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A
 static void gemm(int ta, int tb, int m, int n, int k, const void *A, int lda, const void *B,
                  int ldb, real *C, int ldc, int accumulate)
 {
-    gemm_on(0, ta, tb, m, n, k, A, lda, B, ldb, C, ldc, accumulate);
+    gemm_on(0, ta, tb, m, n, k, A, lda, B, ldb, C, ldc, accumulate, single);
 }
 
 /* out (N,O) = x (N,I) W^T: out^T = op_T(W stored I x O) x^T. The operands are already in
@@ -511,6 +552,10 @@ typedef struct {
     int m[GROUPED_MAX], nn[GROUPED_MAX], k[GROUPED_MAX];
     int lda[GROUPED_MAX], ldb[GROUPED_MAX], ldc[GROUPED_MAX], size[GROUPED_MAX];
     float alpha[GROUPED_MAX], beta[GROUPED_MAX];
+    /* pair[i]: problem i + 1 is problem i with its A, B, C moved by stride[i] (run as one
+     * strided batch of 2 where the problems run one by one) */
+    int pair[GROUPED_MAX];
+    gemm_batch stride[GROUPED_MAX];
     grouped_ptrs ptr;
 } grouped_batch;
 
@@ -518,6 +563,7 @@ static cublasHandle_t blas;      /* the grouped GEMMs' handle, on the backend's 
 static void **ptr_table;         /* device, 3 * GROUPED_MAX pointers */
 static int grouped_refused[3];   /* per operand precision: cuBLAS refused the grouped form */
 static long n_grouped, n_single; /* grouped calls made; GEMMs made one by one */
+static long n_pairs;             /* of those, strided batches of 2 (each counted 2 above) */
 
 static __global__ void fill_pointers_kernel(void **dst, grouped_ptrs src, int n3)
 {
@@ -594,18 +640,23 @@ static void grouped_flush(grouped_batch *g)
     }
     /* one by one, over the lanes in turn: the side streams start after what the backend's
      * stream holds (fork) and the backend's stream goes on after all of them (join) */
-    const int use = n < lanes ? n : lanes;
+    int launches = 0; /* GEMM calls: a pair is one */
+    for (int i = 0; i < n; i += g->pair[i] ? 2 : 1)
+        launches++;
+    const int use = launches < lanes ? launches : lanes;
     if (use > 1) {
         MOE_CUDA_PROF_BEGIN("cuBLASLt GEMMs on several streams"); /* the inner ones nest */
         MOE_CUDA_OK(cudaEventRecord(fork_ev, moe_cuda_stream()));
         for (int l = 1; l < use; l++)
             MOE_CUDA_OK(cudaStreamWaitEvent(side_stream[l - 1], fork_ev, 0));
     }
-    for (int i = 0; i < n; i++) {
-        gemm_on(i % use, g->ta[i] == CUBLAS_OP_T, g->tb[i] == CUBLAS_OP_T, g->m[i], g->nn[i],
+    for (int i = 0, j = 0; i < n; i += g->pair[i] ? 2 : 1, j++) {
+        gemm_on(j % use, g->ta[i] == CUBLAS_OP_T, g->tb[i] == CUBLAS_OP_T, g->m[i], g->nn[i],
                 g->k[i], g->ptr.p[i], g->lda[i], g->ptr.p[GROUPED_MAX + i], g->ldb[i],
-                (real *)g->ptr.p[2 * GROUPED_MAX + i], g->ldc[i], g->beta[i] != 0.0f);
-        n_single++;
+                (real *)g->ptr.p[2 * GROUPED_MAX + i], g->ldc[i], g->beta[i] != 0.0f,
+                g->pair[i] ? g->stride[i] : single);
+        n_single += g->pair[i] ? 2 : 1;
+        n_pairs += g->pair[i];
     }
     if (use > 1) {
         for (int l = 1; l < use; l++) {
@@ -634,12 +685,34 @@ static void grouped_add(grouped_batch *g, int ta, int tb, int m, int n, int k, c
     g->size[i] = 1;
     g->alpha[i] = 1.0f;
     g->beta[i] = accumulate ? 1.0f : 0.0f;
+    g->pair[i] = 0;
     g->ptr.p[i] = A;
     g->ptr.p[GROUPED_MAX + i] = B;
     g->ptr.p[2 * GROUPED_MAX + i] = C;
     if (g->n == GROUPED_MAX)
         grouped_flush(g);
 }
+
+/* Adds the problem and its twin at the strides s (a strided batch of 2 when run one by
+ * one; two problems of the grouped call otherwise). */
+static void grouped_add_pair(grouped_batch *g, int ta, int tb, int m, int n, int k, const void *A,
+                             int lda, const void *B, int ldb, real *C, int ldc, int accumulate,
+                             gemm_batch s)
+{
+    if (m <= 0 || n <= 0 || k <= 0 || !A || !B)
+        return;
+    if (g->n + 2 > GROUPED_MAX)
+        grouped_flush(g);
+    const int i = g->n;
+    grouped_add(g, ta, tb, m, n, k, A, lda, B, ldb, C, ldc, accumulate);
+    g->pair[i] = 1; /* before the twin: adding it may flush */
+    g->stride[i] = s;
+    grouped_add(g, ta, tb, m, n, k, at(A, (size_t)s.sa), lda, at(B, (size_t)s.sb), ldb, C + s.sc,
+                ldc, accumulate);
+}
+
+/* Strided batches of 2 run one by one so far (tests). */
+extern "C" long moe_cuda_batched_pairs(void) { return n_pairs; }
 
 /* Counts of grouped calls and of GEMMs run one by one (for tests and benchmarks). */
 extern "C" void moe_cuda_grouped_counts(long *grouped_calls, long *single_gemms)
@@ -695,6 +768,105 @@ extern "C" void cuda_grouped_matmul_backward(real *dx, real *dw, const real *dou
                         at(douto, (size_t)m0 * O), O, dw + (size_t)g * OI, I, !dw_first);
     }
     grouped_flush(&batch);
+}
+
+/* The distance from a to b in elements of elem bytes when b lies after a by a whole
+ * number of them (a strided batch's stride), else 0. */
+static long long stride_between(const void *a, const void *b, size_t elem)
+{
+    static int off = -1; /* MOE_GEMM_PAIR=0: never (two calls; a benchmark knob) */
+    if (off < 0) {
+        const char *e = getenv("MOE_GEMM_PAIR");
+        off = e && strcmp(e, "0") == 0;
+    }
+    if (off || !a || !b || (const char *)b <= (const char *)a)
+        return 0;
+    const size_t d = (size_t)((const char *)b - (const char *)a);
+    return d % elem ? 0 : (long long)(d / elem);
+}
+
+static size_t operand_bytes(void)
+{
+    return prec == MOE_PREC_FP32 ? sizeof(real) : sizeof(uint16_t);
+}
+
+/* Each group's two products as one strided batch of 2 (the two weights' operands and the
+ * two outputs a fixed distance apart, as the model's buffers are); else two calls. */
+extern "C" void cuda_grouped_matmul_forward_pair(real *out_a, real *out_b, const real *x,
+                                                 const real *wa, const real *wb, const int *offsets,
+                                                 int G, int I, int O)
+{
+    const void *wao = weight_operand(wa), *wbo = weight_operand(wb);
+    const gemm_batch s = {2, stride_between(wao, wbo, operand_bytes()), 0,
+                          stride_between(out_a, out_b, sizeof(real))};
+    if (s.sa == 0 || s.sc == 0) {
+        cuda_grouped_matmul_forward(out_a, x, wa, offsets, G, I, O);
+        cuda_grouped_matmul_forward(out_b, x, wb, offsets, G, I, O);
+        return;
+    }
+    const void *xo = rounded_operand(x, (size_t)offsets[G] * I, 0);
+    for (int g = 0; g < G; g++) {
+        const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
+        if (rows > 0)
+            grouped_add_pair(&batch, 1, 0, O, rows, I, at(wao, (size_t)g * O * I), I,
+                             at(xo, (size_t)m0 * I), I, out_a + (size_t)m0 * O, O, 0, s);
+    }
+    grouped_flush(&batch);
+}
+
+/* dwa and dwb of each group as one strided batch of 2 (where both output gradients hold
+ * their operands, so that neither is rounded into the one workspace), with dx_a's
+ * product; then dx_b's products added. Else the two backward calls. */
+extern "C" void cuda_grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb,
+                                                  const real *dout_a, const real *dout_b,
+                                                  const real *x, const real *wa, const real *wb,
+                                                  const int *offsets, int G, int I, int O,
+                                                  int write)
+{
+    const size_t M = (size_t)offsets[G], OI = (size_t)O * I;
+    int bf16 = 0;
+    const int in_place = prec == MOE_PREC_FP32 || (cuda_operand_in_place(dout_a, M * O, &bf16) &&
+                                                   cuda_operand_in_place(dout_b, M * O, &bf16));
+    const gemm_batch s = {2, 0, stride_between(dout_a, dout_b, operand_bytes()),
+                          stride_between(dwa, dwb, sizeof(real))};
+    if (!in_place || !dwa || !dwb || s.sb == 0 || s.sc == 0) {
+        cuda_grouped_matmul_backward(dx, dwa, dout_a, x, wa, offsets, G, I, O, write);
+        cuda_grouped_matmul_backward(dx, dwb, dout_b, x, wb, offsets, G, I, O,
+                                     write & ~MOE_WRITE_DX);
+        return;
+    }
+    const int dw_first = (write & MOE_WRITE_DW) != 0, dx_first = (write & MOE_WRITE_DX) != 0;
+    const void *xo = rounded_operand(x, M * I, 0);
+    const void *wao = dx ? weight_operand(wa) : NULL, *wbo = dx ? weight_operand(wb) : NULL;
+    for (int pass = 0; pass < 2; pass++) { /* dx_b adds to dx_a: after the join of pass 0 */
+        for (int g = 0; g < G; g++) {
+            const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
+            if (rows <= 0) {
+                if (pass == 0 && dw_first && (g == 0 || offsets[g] > offsets[g - 1])) {
+                    int e = g + 1; /* a run of empty groups starts: both slices zeroed */
+                    while (e < G && offsets[e + 1] == offsets[e])
+                        e++;
+                    MOE_CUDA_OK(cudaMemsetAsync(dwa + (size_t)g * OI, 0,
+                                                sizeof(real) * OI * (e - g), moe_cuda_stream()));
+                    MOE_CUDA_OK(cudaMemsetAsync(dwb + (size_t)g * OI, 0,
+                                                sizeof(real) * OI * (e - g), moe_cuda_stream()));
+                }
+                continue;
+            }
+            const void *da = at(dout_a, (size_t)m0 * O), *db = at(dout_b, (size_t)m0 * O);
+            if (pass == 0) {
+                if (dx)
+                    grouped_add(&batch, 0, 0, I, rows, O, at(wao, (size_t)g * OI), I, da, O,
+                                dx + (size_t)m0 * I, I, !dx_first);
+                grouped_add_pair(&batch, 0, 1, I, O, rows, at(xo, (size_t)m0 * I), I, da, O,
+                                 dwa + (size_t)g * OI, I, !dw_first, s);
+            } else if (dx) {
+                grouped_add(&batch, 0, 0, I, rows, O, at(wbo, (size_t)g * OI), I, db, O,
+                            dx + (size_t)m0 * I, I, 1);
+            }
+        }
+        grouped_flush(&batch);
+    }
 }
 
 /* ---- the bench's GEMM ceiling -------------------------------------------------------- */

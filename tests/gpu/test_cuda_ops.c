@@ -432,6 +432,33 @@ static void test_grouped(int G, const int *rows, int I, int O, const char *name)
         /* whole dw: an empty group's slice must be untouched on both sides */
         check_f("dw", HOSTF(dgw, GOI), gw, GOI, I, GEMM_K(M));
     }
+
+    /* the pair: a second weight and output gradient; outputs and gradients one buffer */
+    begin("grouped_matmul_forward_pair", name);
+    float *w2 = frand(GOI, -0.5, 0.5), *pw = hmem(sizeof(float) * 2 * GOI);
+    memcpy(pw, w, sizeof(float) * GOI);
+    memcpy(pw + GOI, w2, sizeof(float) * GOI);
+    float *dpw = DEVF(pw, 2 * GOI), *pout = fnan(2 * MO), *dpout = DEVF(pout, 2 * MO);
+    cpu->grouped_matmul_forward_pair(pout, pout + MO, x, pw, pw + GOI, offsets, G, I, O);
+    gpu->grouped_matmul_forward_pair(dpout, dpout + MO, dx_, dpw, dpw + GOI, offsets, G, I, O);
+    gpu_done();
+    check_f("out", HOSTF(dpout, 2 * MO), pout, 2 * MO, O, GEMM_K(I));
+
+    begin("grouped_matmul_backward_pair", name);
+    float *pg = frand(2 * MO, -0.5, 0.5), *dpg = DEVF(pg, 2 * MO);
+    for (int variant = 0; variant < 2; variant++) { /* added to; written over NaN */
+        const int write = variant ? MOE_WRITE_DW | MOE_WRITE_DX : 0;
+        float *gx = variant ? fnan(MI) : frand(MI, -1, 1);
+        float *gw = variant ? fnan(2 * GOI) : frand(2 * GOI, -1, 1);
+        float *dgx = DEVF(gx, MI), *dgw = DEVF(gw, 2 * GOI);
+        cpu->grouped_matmul_backward_pair(gx, gw, gw + GOI, pg, pg + MO, x, pw, pw + GOI, offsets,
+                                          G, I, O, write);
+        gpu->grouped_matmul_backward_pair(dgx, dgw, dgw + GOI, dpg, dpg + MO, dx_, dpw, dpw + GOI,
+                                          offsets, G, I, O, write);
+        gpu_done();
+        check_f("dx", HOSTF(dgx, MI), gx, MI, I, GEMM_K(2 * O));
+        check_f("dw", HOSTF(dgw, 2 * GOI), gw, 2 * GOI, I, GEMM_K(M));
+    }
     free_all();
 }
 

@@ -297,6 +297,97 @@ static void check_writers_marked(moe_precision p, const char *mode, const float 
     free(rt);
 }
 
+/* Strided batches of 2 run so far by the one-by-one grouped GEMMs; calls of cuBLAS's
+ * grouped form and GEMMs run one by one (matmul.cu). */
+long moe_cuda_batched_pairs(void);
+void moe_cuda_grouped_counts(long *grouped_calls, long *single_gemms);
+
+/* The experts' gate and up projections as one op (grouped_matmul_forward_pair and its
+ * backward): weights wa, wb = the arena's groups [0, G2) and [G2, 2 G2) (host w, device
+ * dw_, each (G2, O, I)); the two outputs and the two output gradients lie in one buffer
+ * each, O x N apart, the gradients marked as GEMM operands and written by SwiGLU's
+ * backward, as in the model. Against the CPU's two grouped ops on the same values (the
+ * output gradients: the unmarked fp32 SwiGLU backward, copied back), with dx and dw
+ * written over NaN (write flags) and an empty group's slices zeroed. Where the GEMMs run
+ * one by one (cuBLAS refuses its grouped form for 16-bit operands with fp32 outputs), each
+ * group's two products must run as one strided batch, forward and backward. */
+static void check_pair(const char *mode, double bound, const float *x, const float *w,
+                       const float *dw_, const int *offsets, int G2, int N, int I, int O)
+{
+    const size_t no = (size_t)N * O, ni = (size_t)N * I, gw = (size_t)G2 * O * I;
+    float *ha = malloc(sizeof(float) * no), *hb = malloc(sizeof(float) * no),
+          *hdh = malloc(sizeof(float) * no), *ref = malloc(sizeof(float) * 2 * (no + gw)),
+          *got = malloc(sizeof(float) * 2 * (no + gw)), *refx = malloc(sizeof(float) * ni),
+          *gotx = malloc(sizeof(float) * ni), *nan_buf = malloc(sizeof(float) * 2 * gw);
+    fill(ha, no, 21, 1.0);
+    fill(hb, no, 22, 1.0);
+    fill(hdh, no, 23, 1.0);
+    memset(nan_buf, 0xff, sizeof(float) * 2 * gw);
+    float *dx_ = dev_copy(x, ni), *da_in = dev_copy(ha, no), *db_in = dev_copy(hb, no),
+          *ddh = dev_copy(hdh, no);
+    float *outs = gpu->alloc(sizeof(float) * 2 * no), *g32 = gpu->alloc(sizeof(float) * 2 * no),
+          *g16 = gpu->alloc(sizeof(float) * 2 * no), *dgx = dev_copy(nan_buf, ni),
+          *dgw = dev_copy(nan_buf, 2 * gw);
+    int st = gpu->mark_operand(g16, no) != MOE_OK || gpu->mark_operand(g16 + no, no) != MOE_OK;
+    const long pairs0 = moe_cuda_batched_pairs();
+    long grouped0 = 0, grouped1 = 0, single = 0;
+    moe_cuda_grouped_counts(&grouped0, &single);
+    char what[96];
+    /* forward */
+    gpu->grouped_matmul_forward_pair(outs, outs + no, dx_, dw_, dw_ + gw, offsets, G2, I, O);
+    moe_backend_cpu.grouped_matmul_forward(ref, x, w, offsets, G2, I, O);
+    moe_backend_cpu.grouped_matmul_forward(ref + no, x, w + gw, offsets, G2, I, O);
+    to_host(got, outs, 2 * no);
+    snprintf(what, sizeof what, "forward_pair (G=%d)", G2);
+    report(what, mode, rel_err(got, ref, 2 * no), bound);
+    /* backward: the output gradients as the model makes them */
+    gpu->swiglu_backward(g32, g32 + no, ddh, da_in, db_in, no);
+    gpu->swiglu_backward(g16, g16 + no, ddh, da_in, db_in, no);
+    to_host(got, g32, 2 * no); /* the reference's output gradients */
+    for (size_t i = 0; i < ni; i++)
+        refx[i] = NAN;
+    for (size_t i = 0; i < 2 * gw; i++)
+        ref[2 * no + i] = NAN;
+    moe_backend_cpu.grouped_matmul_backward(refx, ref + 2 * no, got, x, w, offsets, G2, I, O,
+                                            MOE_WRITE_DW | MOE_WRITE_DX);
+    moe_backend_cpu.grouped_matmul_backward(refx, ref + 2 * no + gw, got + no, x, w + gw, offsets,
+                                            G2, I, O, MOE_WRITE_DW);
+    gpu->grouped_matmul_backward_pair(dgx, dgw, dgw + gw, g16, g16 + no, dx_, dw_, dw_ + gw,
+                                      offsets, G2, I, O, MOE_WRITE_DW | MOE_WRITE_DX);
+    to_host(gotx, dgx, ni);
+    to_host(got + 2 * no, dgw, 2 * gw);
+    report("backward_pair dx", mode, rel_err(gotx, refx, ni), bound);
+    report("backward_pair dw", mode, rel_err(got + 2 * no, ref + 2 * no, 2 * gw), bound);
+    const long pairs = moe_cuda_batched_pairs() - pairs0;
+    /* batches: one per non-empty group forward and one backward, where one by one */
+    int groups = 0;
+    for (int g = 0; g < G2; g++)
+        groups += offsets[g + 1] > offsets[g];
+    moe_cuda_grouped_counts(&grouped1, &single);
+    const long want = grouped1 > grouped0 ? 0 : 2L * groups;
+    snprintf(what, sizeof what, "pair: %ld batches of 2 (want %ld)", pairs, want);
+    report(what, mode, (double)(pairs != want) + st, 0.0);
+    gpu->mark_operand(g16, 0);
+    gpu->mark_operand(g16 + no, 0);
+    gpu->release(dx_);
+    gpu->release(da_in);
+    gpu->release(db_in);
+    gpu->release(ddh);
+    gpu->release(outs);
+    gpu->release(g32);
+    gpu->release(g16);
+    gpu->release(dgx);
+    gpu->release(dgw);
+    free(ha);
+    free(hb);
+    free(hdh);
+    free(ref);
+    free(got);
+    free(refx);
+    free(gotx);
+    free(nan_buf);
+}
+
 static void check_mode(moe_precision p, const char *mode, double bound)
 {
     const int N = 301, I = 160, O = 224, G = 5;
@@ -373,6 +464,9 @@ static void check_mode(moe_precision p, const char *mode, double bound)
     to_host(gotx, dgx, (size_t)N * I);
     report("grouped_backward dx written", mode, rel_err(gotx, refx, (size_t)N * I), bound);
     check_in_place(p, mode, x, dw_, offsets, N, I, O, G);
+    const int pair_offsets[2][3] = {{0, 140, 301}, {0, 0, 301}}; /* the second: one empty */
+    check_pair(mode, bound, x, w, dw_, pair_offsets[0], 2, N, I, O);
+    check_pair(mode, bound, x, w, dw_, pair_offsets[1], 2, N, I, O);
     check_ce_in_place(p, mode, dw_, 60, 1000, I); /* (V, I) weights: the arena's start */
     check_ce_in_place(p, mode, dw_, 60, 999, I);
     check_writers_marked(p, mode, dw_, 70, 160, 120); /* (O, D) weights: the arena's start */

@@ -820,6 +820,46 @@ static void test_grouped_matmul_naive(void **state)
     free(x), free(w);
 }
 
+/* The pair ops against sums in double: outputs of both weights; in the backward dx gets
+ * both products and dwa, dwb one each, all written over NaN (write flags), the empty
+ * group's weight gradients zeroed. */
+static void test_grouped_matmul_pair_naive(void **state)
+{
+    (void)state;
+    enum { G = 3, M = 6, I = 5, O = 4 };
+    const int offsets[G + 1] = {0, 3, 3, 6}; /* group 1 empty */
+    real *x = alloc_fill(M * I, 31), *wa = alloc_fill(G * O * I, 32),
+         *wb = alloc_fill(G * O * I, 33), *da = alloc_fill(M * O, 34), *db = alloc_fill(M * O, 35);
+    real out[2][M * O], dx[M * I], dw[2][G * O * I];
+    double want_out[2][M * O], want_dx[M * I] = {0}, want_dw[2][G * O * I] = {{0}};
+    const real *ws[2] = {wa, wb}, *ds[2] = {da, db};
+    for (int p = 0; p < 2; p++)
+        for (int g = 0; g < G; g++)
+            for (int m = offsets[g]; m < offsets[g + 1]; m++)
+                for (int o = 0; o < O; o++) {
+                    double s = 0;
+                    for (int i = 0; i < I; i++) {
+                        s += (double)x[m * I + i] * ws[p][(g * O + o) * I + i];
+                        want_dx[m * I + i] += (double)ds[p][m * O + o] * ws[p][(g * O + o) * I + i];
+                        want_dw[p][(g * O + o) * I + i] += (double)ds[p][m * O + o] * x[m * I + i];
+                    }
+                    want_out[p][m * O + o] = s;
+                }
+    grouped_matmul_forward_pair(out[0], out[1], x, wa, wb, offsets, G, I, O);
+    assert_true(close_to("pair out a", out[0], want_out[0], M * O, 1e-5, 1e-5));
+    assert_true(close_to("pair out b", out[1], want_out[1], M * O, 1e-5, 1e-5));
+    for (int i = 0; i < M * I; i++)
+        dx[i] = NAN;
+    for (int i = 0; i < G * O * I; i++)
+        dw[0][i] = dw[1][i] = NAN;
+    grouped_matmul_backward_pair(dx, dw[0], dw[1], da, db, x, wa, wb, offsets, G, I, O,
+                                 MOE_WRITE_DW | MOE_WRITE_DX);
+    assert_true(close_to("pair dx", dx, want_dx, M * I, 1e-5, 1e-5));
+    assert_true(close_to("pair dwa", dw[0], want_dw[0], G * O * I, 1e-5, 1e-5));
+    assert_true(close_to("pair dwb", dw[1], want_dw[1], G * O * I, 1e-5, 1e-5));
+    free(x), free(wa), free(wb), free(da), free(db);
+}
+
 /* ---- determinism across thread counts ------------------------------------------- */
 
 typedef struct {
@@ -918,6 +958,7 @@ int main(void)
         cmocka_unit_test(test_small_forwards),
         cmocka_unit_test(test_matmul_naive),
         cmocka_unit_test(test_grouped_matmul_naive),
+        cmocka_unit_test(test_grouped_matmul_pair_naive),
         cmocka_unit_test(test_determinism_threads),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
