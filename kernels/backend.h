@@ -71,8 +71,10 @@ typedef enum { MOE_COPY_H2D, MOE_COPY_D2H, MOE_COPY_D2D } moe_copy_kind;
 
 /* Precision of the matrix products. fp32: everything fp32. bf16 / fp16: the operands of
  * every GEMM (matmul and grouped matmul, forward and backward) are rounded to 16 bits,
- * products accumulate in fp32 and outputs are fp32; every other op, the master weights,
- * the optimizer state, router logits and all reductions stay fp32. */
+ * products accumulate in fp32 and outputs are fp32, except the outputs the model marks
+ * as 16-bit (mark_operand: the experts' gate and up projections and the gradient of
+ * their SwiGLU output); every other op, the master weights, the optimizer state (unless
+ * [precision] optimizer_state = bf16), router logits and all reductions stay fp32. */
 typedef enum { MOE_PREC_FP32 = 0, MOE_PREC_BF16 = 1, MOE_PREC_FP16 = 2 } moe_precision;
 
 typedef struct moe_backend {
@@ -118,7 +120,11 @@ typedef struct moe_backend {
      * precision, the ops that write it (swiglu_forward's h, swiglu_backward's da and db)
      * write the 16-bit operand into its first 2n bytes instead of fp32, and a GEMM given
      * p (the whole buffer, as x or dout) reads it as is instead of rounding it. Nothing
-     * else may read it as fp32 then. n = 0 removes the mark (before p is freed). The cpu
+     * else may read it as fp32 then. A GEMM whose output (out, or a dx it writes) is
+     * marked writes it in 16 bits too (never adding to it: that is a failure), and
+     * SwiGLU reads marked inputs a, b (and dh, marked with them) as 16 bits: the experts'
+     * gate and up outputs and their gradient, 16-bit activations as the peer's are.
+     * n = 0 removes the mark (before p is freed). The cpu
      * (fp32 only) ignores it; in fp32 the marks change nothing. Fails when the backend's
      * table of marks is full. */
     moe_status (*mark_operand)(const void *p, size_t n);

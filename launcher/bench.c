@@ -48,10 +48,10 @@ static moe_status steps(moe_trainer *tr, int n, moe_step_result *last, double *c
     return tr->model->be->sync();
 }
 
-static void print_report(const moe_trainer *tr, double step_s, const double *ph, const double *comm,
-                         const double *spread, const moe_comm_site *sites, int n_sites, double rate,
-                         double mem_max, long allocs, const moe_step_result *last, int warmup,
-                         int phase_steps, FILE *out);
+static void print_report(const moe_trainer *tr, double step_s, double host_wait, const double *ph,
+                         const double *comm, const double *spread, const moe_comm_site *sites,
+                         int n_sites, double rate, double mem_max, long allocs,
+                         const moe_step_result *last, int warmup, int phase_steps, FILE *out);
 static void print_sites(const moe_comm_site *sites, int n, FILE *out);
 
 /* Per step, and per place the largest over the ranks (the places come in the same order
@@ -92,12 +92,14 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
     moe_comm_take_sites(tr->comm, NULL, 0); /* from the timed steps on */
     const long allocs0 = m->be->allocations();
+    m->host_wait_s = 0;
     const double t0 = moe_clock_seconds();
     double comm[6] = {0}, rows = 0;
     MOE_CHECK(steps(tr, cfg->steps, &r, comm, &rows));
     if (tr->comm)
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, &sync, 1));
     const double step_s = (moe_clock_seconds() - t0) / cfg->steps;
+    const double host_wait = m->host_wait_s / cfg->steps;
     moe_comm_site sites[MOE_COMM_SITES];
     int n_sites = moe_comm_take_sites(tr->comm, sites, MOE_COMM_SITES);
     MOE_CHECK(sites_slowest(tr, sites, &n_sites, cfg->steps));
@@ -133,8 +135,8 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     if (tr->comm) /* the slowest rank's */
         MOE_CHECK(moe_comm_max_doubles(tr->comm, MOE_GROUP_WORLD, comm, 6));
     if (tr->rank == 0)
-        print_report(tr, step_s, ph, comm, spread, sites, n_sites, rate, mem_max, allocs, &r,
-                     warmup, phase_steps, out);
+        print_report(tr, step_s, host_wait, ph, comm, spread, sites, n_sites, rate, mem_max, allocs,
+                     &r, warmup, phase_steps, out);
     /* more steps with every kernel timed; rank 0 prints the table */
     if (m->be->profile && profile_steps > 0) {
         m->be->profile(1, NULL);
@@ -147,10 +149,10 @@ moe_status moe_bench_run(moe_trainer *tr, int warmup, int phase_steps, int profi
     return MOE_OK;
 }
 
-static void print_report(const moe_trainer *tr, double step_s, const double *ph, const double *comm,
-                         const double *spread, const moe_comm_site *sites, int n_sites, double rate,
-                         double mem_max, long allocs, const moe_step_result *last, int warmup,
-                         int phase_steps, FILE *out)
+static void print_report(const moe_trainer *tr, double step_s, double host_wait, const double *ph,
+                         const double *comm, const double *spread, const moe_comm_site *sites,
+                         int n_sites, double rate, double mem_max, long allocs,
+                         const moe_step_result *last, int warmup, int phase_steps, FILE *out)
 {
     const moe_model *m = tr->model;
     const moe_config *cfg = &tr->cfg;
@@ -181,6 +183,10 @@ static void print_report(const moe_trainer *tr, double step_s, const double *ph,
     double sum = 0;
     for (int p = 0; p < MOE_PHASES; p++)
         sum += ph[p];
+    fprintf(out,
+            "  host                  %.2f ms per step blocked on the device (counts, losses), "
+            "%.2f ms issuing work (rank 0; little blocking: the host bounds the step)\n",
+            1e3 * host_wait, 1e3 * (step_s - host_wait));
     fprintf(out, "  phases (ms per step, each boundary synchronised; the slowest rank):\n");
     for (int p = 0; p < MOE_PHASES; p++)
         fprintf(out, "    %-20s %9.2f  %5.1f%%\n", names[p], 1e3 * ph[p],

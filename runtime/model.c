@@ -335,7 +335,10 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
  * the permutation, the experts' input xperm; and by the cross-entropy backward, the
  * logits' gradient when it is not the logits themselves. Marked (backend.h
  * mark_operand), a 16-bit backend writes them as the GEMM operand at once, so no rounding
- * pass reads them again. on = 0 removes the marks. */
+ * pass reads them again. Marked too: the experts' gate and up outputs ea, eb and the
+ * gradient deh of their SwiGLU output, which only SwiGLU reads: a 16-bit backend's GEMMs
+ * write them in 16 bits and SwiGLU reads them so (bf16 activations, as the peer keeps).
+ * on = 0 removes the marks. */
 static moe_status mark_operands(moe_model *m, int on)
 {
     const size_t N = (size_t)m->Nc, Mx = (size_t)m->Mmax;
@@ -348,7 +351,10 @@ static moe_status mark_operands(moe_model *m, int on)
             MOE_CHECK(m->be->mark_operand(a->eh, on ? Mx * (size_t)m->F : 0));
             MOE_CHECK(m->be->mark_operand(a->h1, on ? N * (size_t)m->D : 0));
             MOE_CHECK(m->be->mark_operand(a->xperm, on ? Mx * (size_t)m->D : 0));
+            MOE_CHECK(m->be->mark_operand(a->ea, on ? Mx * (size_t)m->F : 0));
+            MOE_CHECK(m->be->mark_operand(a->eb, on ? Mx * (size_t)m->F : 0));
         }
+    MOE_CHECK(m->be->mark_operand(m->deh, on ? Mx * (size_t)m->F : 0));
     MOE_CHECK(m->be->mark_operand(m->dfa, on ? N * Fmax : 0));
     MOE_CHECK(m->be->mark_operand(m->dfb, on ? N * Fmax : 0));
     MOE_CHECK(m->be->mark_operand(m->dea, on ? Mx * (size_t)m->F : 0));
@@ -803,7 +809,9 @@ static moe_status moe_dispatch_send(moe_model *m, int l, moe_fwd_stats *stats)
     moe_layer_acts *a = &m->acts[l];
     moe_chunk *ch = &m->chunk[m->cur];
     const int N = m->Nc, K = m->K, D = m->D, ep = m->ep, El = m->El;
+    const double t_wait = moe_clock_seconds();
     MOE_CHECK(m->be->queue_wait(ch->mark, moe_comm_watch, m->comm));
+    m->host_wait_s += moe_clock_seconds() - t_wait;
     const int *send_rows = ch->pack_counts, *send_assign = ch->pack_counts + ep;
     const int *send_experts = ch->pack_counts + 2 * ep + 1;
     a->n_send = ch->pack_counts[2 * ep];

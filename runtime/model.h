@@ -173,6 +173,11 @@ typedef struct moe_model {
     int *local_experts;         /* (L, El): global ids of this rank's experts, by layer */
     int timing;                 /* time the phases (moe_phase) into phase_s */
     double phase_s[MOE_PHASES]; /* seconds per phase since the caller last zeroed them */
+    /* Seconds the host spent blocked on the backend's queue in a step's own waits (the
+     * dispatch counts of each MoE layer and chunk, the step's losses) since the caller
+     * last zeroed it: the rest of a step the host spends issuing work, so a host that is
+     * rarely blocked is what bounds the step (the bench reports it). */
+    double host_wait_s;
     struct moe_routing_stats *routing; /* NULL, or statistics to collect (sched/stats.h) */
     int64_t *routing_dev;         /* its counts' block in backend memory, added to during forward */
     struct moe_comm *comm;        /* NULL: one process */

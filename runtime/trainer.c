@@ -322,7 +322,9 @@ moe_status moe_trainer_losses(moe_trainer *tr, moe_step_result *res)
     be->fetch(tr->step_host + 1, tr->norm_sq, 2 * sizeof(double));
     const long mark = be->queue_mark();
     be->zero(tr->model->ce_acc, sizeof(double));
+    const double t_wait = moe_clock_seconds();
     MOE_CHECK(be->queue_wait(mark, moe_comm_watch, tr->comm));
+    tr->model->host_wait_s += moe_clock_seconds() - t_wait;
     double *sums = tr->sums, *sq = tr->step_host + 1;
     sums[0] = tr->step_host[0];
     const int local_sq = norm_in_update(tr) && tr->comm;

@@ -74,6 +74,20 @@ static __device__ __forceinline__ uint2 moe_round16x4(float4 v, int bf16)
                       moe_round16(v.z, bf16) | (uint32_t)moe_round16(v.w, bf16) << 16);
 }
 
+/* A 16-bit pattern (bf16 or fp16) as the float it holds: a marked buffer's value read. */
+static __device__ __forceinline__ float moe_widen16(uint16_t v, int bf16)
+{
+    return bf16 ? __bfloat162float(__ushort_as_bfloat16(v)) : __half2float(__ushort_as_half(v));
+}
+
+/* Four of them from 8 bytes (the reverse of moe_round16x4). */
+static __device__ __forceinline__ float4 moe_widen16x4(uint2 v, int bf16)
+{
+    return make_float4(
+        moe_widen16((uint16_t)(v.x & 0xffffu), bf16), moe_widen16((uint16_t)(v.x >> 16), bf16),
+        moe_widen16((uint16_t)(v.y & 0xffffu), bf16), moe_widen16((uint16_t)(v.y >> 16), bf16));
+}
+
 /* The backend's cuBLASLt handle and its persistent workspace (matmul.cu). */
 cublasLtHandle_t moe_cuda_lt(void);
 void *moe_cuda_workspace(size_t *nbytes);

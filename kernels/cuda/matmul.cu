@@ -139,11 +139,11 @@ static const void *weight_operand(const real *w)
     return shadow + (w - master);
 }
 
-/* Buffers that hold their GEMM operand themselves (backend.h mark_operand): a table
- * searched by address. A model marks up to 5 per layer and chunk (3 in a MoE layer
- * without shared experts) and 5 more: 2048 covers 32 layers in 16 chunks; the search is
- * as long as the table is full (17 entries at the bench shape). */
-#define OPERAND_MARKS 2048
+/* Buffers that hold their GEMM operand (or another 16-bit value) themselves (backend.h
+ * mark_operand): a table searched by address. A model marks up to 7 per layer and chunk
+ * (5 in a MoE layer without shared experts) and 6 more: 4096 covers 32 layers in 16
+ * chunks; the search is as long as the table is full (26 entries at the bench shape). */
+#define OPERAND_MARKS 4096
 static struct {
     const void *p;
     size_t n;
@@ -216,8 +216,9 @@ typedef struct {
     int align_a, align_b, align_c, accumulate;
     int operand_type;     /* cudaDataType_t of A and B */
     int exact;            /* n and k are the real sizes, not buckets */
+    int out16;            /* 0: C is fp32; else C's cudaDataType_t (16-bit, a marked output) */
     int batch;            /* 1, or 2: a strided batch (the second A, B, C at sa, sb, sc) */
-    long long sa, sb, sc; /* elements of A's, B's (operand type) and C's (fp32) */
+    long long sa, sb, sc; /* elements of A's, B's (operand type) and C's (its type) */
 } gemm_key;
 
 typedef struct {
@@ -308,7 +309,8 @@ static int plan_build(gemm_plan *p, const gemm_key *k)
                                               k->ta ? k->k : k->m, k->ta ? k->m : k->k, k->lda)) ||
         !MOE_LT_OK(cublasLtMatrixLayoutCreate(&p->lb, (cudaDataType_t)k->operand_type,
                                               k->tb ? k->n : k->k, k->tb ? k->k : k->n, k->ldb)) ||
-        !MOE_LT_OK(cublasLtMatrixLayoutCreate(&p->lc, CUDA_R_32F, k->m, k->n, k->ldc)) ||
+        !MOE_LT_OK(cublasLtMatrixLayoutCreate(
+            &p->lc, k->out16 ? (cudaDataType_t)k->out16 : CUDA_R_32F, k->m, k->n, k->ldc)) ||
         (k->batch > 1 &&
          (!layout_batch(p->la, k->batch, k->sa) || !layout_batch(p->lb, k->batch, k->sb) ||
           !layout_batch(p->lc, k->batch, k->sc))) ||
@@ -413,7 +415,7 @@ static void *lane_workspace(int lane, size_t *nbytes)
 }
 
 /* A strided batch of GEMMs: count 1 (one GEMM), or 2 with the second's A, B, C the
- * first's plus sa, sb (elements of the operand type) and sc (fp32 elements). */
+ * first's plus sa, sb (elements of the operand type) and sc (elements of C's type). */
 typedef struct {
     int count;
     long long sa, sb, sc;
@@ -428,16 +430,19 @@ static int batch_alignment(const void *p, long long stride, size_t elem)
     return a < s ? a : s;
 }
 
+/* out16: 0 when C is fp32, else its 16-bit cudaDataType_t (a marked output, written). */
 static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A, int lda,
-                    const void *B, int ldb, real *C, int ldc, int accumulate, gemm_batch bt)
+                    const void *B, int ldb, void *C, int ldc, int accumulate, int out16,
+                    gemm_batch bt)
 {
+    const size_t c_bytes = out16 ? sizeof(uint16_t) : sizeof(real);
     if (m <= 0 || n <= 0 || !A || !B)
         return;
     if (k <= 0) { /* an empty sum */
         if (!accumulate)
             for (int b = 0; b < bt.count; b++)
-                MOE_CUDA_OK(cudaMemsetAsync(C + b * bt.sc, 0, sizeof(real) * (size_t)m * n,
-                                            lane_stream(lane)));
+                MOE_CUDA_OK(cudaMemsetAsync((char *)C + b * bt.sc * c_bytes, 0,
+                                            c_bytes * (size_t)m * n, lane_stream(lane)));
         return;
     }
     const size_t op_bytes = prec == MOE_PREC_FP32 ? sizeof(real) : sizeof(uint16_t);
@@ -453,9 +458,10 @@ static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A
     key.ldc = ldc;
     key.align_a = batch_alignment(A, bt.sa, op_bytes);
     key.align_b = batch_alignment(B, bt.sb, op_bytes);
-    key.align_c = batch_alignment(C, bt.sc, sizeof(real));
+    key.align_c = batch_alignment(C, bt.sc, c_bytes);
     key.accumulate = accumulate;
     key.operand_type = (int)operand_type();
+    key.out16 = out16;
     key.batch = bt.count;
     if (bt.count > 1) {
         key.sa = bt.sa;
@@ -490,10 +496,30 @@ static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A
     }
 }
 
+/* The type of a GEMM's output out of n elements: 0 for fp32, or (in a 16-bit precision)
+ * the operand type where out is marked (backend.h mark_operand: it holds 16-bit values,
+ * which a GEMM writes but never adds to). */
+static int output16(const void *out, size_t n, int accumulate)
+{
+    int bf16 = 0;
+    if (!out || !cuda_operand_in_place(out, n, &bf16))
+        return 0;
+    if (accumulate)
+        MOE_CUDA_FAIL("a GEMM would add to a buffer marked as holding 16-bit values");
+    return (int)operand_type();
+}
+
+/* Pointer arithmetic on an output of that type. */
+static void *out_at(void *base, size_t elems, int out16)
+{
+    return (char *)base + elems * (out16 ? sizeof(uint16_t) : sizeof(real));
+}
+
 static void gemm(int ta, int tb, int m, int n, int k, const void *A, int lda, const void *B,
                  int ldb, real *C, int ldc, int accumulate)
 {
-    gemm_on(0, ta, tb, m, n, k, A, lda, B, ldb, C, ldc, accumulate, single);
+    gemm_on(0, ta, tb, m, n, k, A, lda, B, ldb, C, ldc, accumulate,
+            output16(C, (size_t)m * n, accumulate), single);
 }
 
 /* out (N,O) = x (N,I) W^T: out^T = op_T(W stored I x O) x^T. The operands are already in
@@ -556,6 +582,7 @@ typedef struct {
      * strided batch of 2 where the problems run one by one) */
     int pair[GROUPED_MAX];
     gemm_batch stride[GROUPED_MAX];
+    int out16[GROUPED_MAX]; /* C's type (gemm_on); a batch with one 16-bit C runs one by one */
     grouped_ptrs ptr;
 } grouped_batch;
 
@@ -613,7 +640,10 @@ static void grouped_flush(grouped_batch *g)
     g->n = 0;
     if (n == 0)
         return;
-    if (!grouped_refused[prec_slot()] && grouped_ready()) {
+    int any16 = 0;
+    for (int i = 0; i < n; i++)
+        any16 |= g->out16[i];
+    if (!any16 && !grouped_refused[prec_slot()] && grouped_ready()) {
         grouped_ptrs packed;
         for (int i = 0; i < n; i++) {
             packed.p[i] = g->ptr.p[i];
@@ -653,7 +683,7 @@ static void grouped_flush(grouped_batch *g)
     for (int i = 0, j = 0; i < n; i += g->pair[i] ? 2 : 1, j++) {
         gemm_on(j % use, g->ta[i] == CUBLAS_OP_T, g->tb[i] == CUBLAS_OP_T, g->m[i], g->nn[i],
                 g->k[i], g->ptr.p[i], g->lda[i], g->ptr.p[GROUPED_MAX + i], g->ldb[i],
-                (real *)g->ptr.p[2 * GROUPED_MAX + i], g->ldc[i], g->beta[i] != 0.0f,
+                (void *)g->ptr.p[2 * GROUPED_MAX + i], g->ldc[i], g->beta[i] != 0.0f, g->out16[i],
                 g->pair[i] ? g->stride[i] : single);
         n_single += g->pair[i] ? 2 : 1;
         n_pairs += g->pair[i];
@@ -667,9 +697,10 @@ static void grouped_flush(grouped_batch *g)
     }
 }
 
-/* Adds the problem C (m,n) = op(A) op(B) (+ C): column-major, as gemm(). */
+/* Adds the problem C (m,n) = op(A) op(B) (+ C): column-major, as gemm(); C of type out16. */
 static void grouped_add(grouped_batch *g, int ta, int tb, int m, int n, int k, const void *A,
-                        int lda, const void *B, int ldb, real *C, int ldc, int accumulate)
+                        int lda, const void *B, int ldb, void *C, int ldc, int accumulate,
+                        int out16)
 {
     if (m <= 0 || n <= 0 || k <= 0 || !A || !B)
         return; /* every caller skips empty groups; k = 0 does not occur */
@@ -686,6 +717,7 @@ static void grouped_add(grouped_batch *g, int ta, int tb, int m, int n, int k, c
     g->alpha[i] = 1.0f;
     g->beta[i] = accumulate ? 1.0f : 0.0f;
     g->pair[i] = 0;
+    g->out16[i] = out16;
     g->ptr.p[i] = A;
     g->ptr.p[GROUPED_MAX + i] = B;
     g->ptr.p[2 * GROUPED_MAX + i] = C;
@@ -696,19 +728,19 @@ static void grouped_add(grouped_batch *g, int ta, int tb, int m, int n, int k, c
 /* Adds the problem and its twin at the strides s (a strided batch of 2 when run one by
  * one; two problems of the grouped call otherwise). */
 static void grouped_add_pair(grouped_batch *g, int ta, int tb, int m, int n, int k, const void *A,
-                             int lda, const void *B, int ldb, real *C, int ldc, int accumulate,
-                             gemm_batch s)
+                             int lda, const void *B, int ldb, void *C, int ldc, int accumulate,
+                             int out16, gemm_batch s)
 {
     if (m <= 0 || n <= 0 || k <= 0 || !A || !B)
         return;
     if (g->n + 2 > GROUPED_MAX)
         grouped_flush(g);
     const int i = g->n;
-    grouped_add(g, ta, tb, m, n, k, A, lda, B, ldb, C, ldc, accumulate);
+    grouped_add(g, ta, tb, m, n, k, A, lda, B, ldb, C, ldc, accumulate, out16);
     g->pair[i] = 1; /* before the twin: adding it may flush */
     g->stride[i] = s;
-    grouped_add(g, ta, tb, m, n, k, at(A, (size_t)s.sa), lda, at(B, (size_t)s.sb), ldb, C + s.sc,
-                ldc, accumulate);
+    grouped_add(g, ta, tb, m, n, k, at(A, (size_t)s.sa), lda, at(B, (size_t)s.sb), ldb,
+                out_at(C, (size_t)s.sc, out16), ldc, accumulate, out16);
 }
 
 /* Strided batches of 2 run one by one so far (tests). */
@@ -727,11 +759,12 @@ extern "C" void cuda_grouped_matmul_forward(real *out, const real *x, const real
                                             const int *offsets, int G, int I, int O)
 {
     const void *xo = rounded_operand(x, (size_t)offsets[G] * I, 0), *wo = weight_operand(w);
+    const int out16 = output16(out, (size_t)offsets[G] * O, 0);
     for (int g = 0; g < G; g++) {
         const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
         if (rows > 0) /* out^T (O,rows) = W_g^T x^T, as linear_forward */
             grouped_add(&batch, 1, 0, O, rows, I, at(wo, (size_t)g * O * I), I,
-                        at(xo, (size_t)m0 * I), I, out + (size_t)m0 * O, O, 0);
+                        at(xo, (size_t)m0 * I), I, out_at(out, (size_t)m0 * O, out16), O, 0, out16);
     }
     grouped_flush(&batch);
 }
@@ -748,6 +781,7 @@ extern "C" void cuda_grouped_matmul_backward(real *dx, real *dw, const real *dou
     const void *douto = rounded_operand(dout, M * O, 1);
     const void *xo = dw ? rounded_operand(x, M * I, 0) : NULL;
     const void *wo = dx ? weight_operand(w) : NULL;
+    const int dx16 = output16(dx, M * I, !dx_first);
     for (int g = 0; g < G; g++) { /* as linear_backward, per group */
         const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
         if (rows <= 0) {
@@ -762,10 +796,11 @@ extern "C" void cuda_grouped_matmul_backward(real *dx, real *dw, const real *dou
         }
         if (dx)
             grouped_add(&batch, 0, 0, I, rows, O, at(wo, (size_t)g * OI), I,
-                        at(douto, (size_t)m0 * O), O, dx + (size_t)m0 * I, I, !dx_first);
+                        at(douto, (size_t)m0 * O), O, out_at(dx, (size_t)m0 * I, dx16), I,
+                        !dx_first, dx16);
         if (dw)
             grouped_add(&batch, 0, 1, I, O, rows, at(xo, (size_t)m0 * I), I,
-                        at(douto, (size_t)m0 * O), O, dw + (size_t)g * OI, I, !dw_first);
+                        at(douto, (size_t)m0 * O), O, dw + (size_t)g * OI, I, !dw_first, 0);
     }
     grouped_flush(&batch);
 }
@@ -797,9 +832,11 @@ extern "C" void cuda_grouped_matmul_forward_pair(real *out_a, real *out_b, const
                                                  int G, int I, int O)
 {
     const void *wao = weight_operand(wa), *wbo = weight_operand(wb);
+    const size_t MO = (size_t)offsets[G] * O;
+    const int out16 = output16(out_a, MO, 0);
     const gemm_batch s = {2, stride_between(wao, wbo, operand_bytes()), 0,
-                          stride_between(out_a, out_b, sizeof(real))};
-    if (s.sa == 0 || s.sc == 0) {
+                          stride_between(out_a, out_b, out16 ? sizeof(uint16_t) : sizeof(real))};
+    if (s.sa == 0 || s.sc == 0 || out16 != output16(out_b, MO, 0)) {
         cuda_grouped_matmul_forward(out_a, x, wa, offsets, G, I, O);
         cuda_grouped_matmul_forward(out_b, x, wb, offsets, G, I, O);
         return;
@@ -809,7 +846,8 @@ extern "C" void cuda_grouped_matmul_forward_pair(real *out_a, real *out_b, const
         const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
         if (rows > 0)
             grouped_add_pair(&batch, 1, 0, O, rows, I, at(wao, (size_t)g * O * I), I,
-                             at(xo, (size_t)m0 * I), I, out_a + (size_t)m0 * O, O, 0, s);
+                             at(xo, (size_t)m0 * I), I, out_at(out_a, (size_t)m0 * O, out16), O, 0,
+                             out16, s);
     }
     grouped_flush(&batch);
 }
@@ -857,12 +895,12 @@ extern "C" void cuda_grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb
             if (pass == 0) {
                 if (dx)
                     grouped_add(&batch, 0, 0, I, rows, O, at(wao, (size_t)g * OI), I, da, O,
-                                dx + (size_t)m0 * I, I, !dx_first);
+                                dx + (size_t)m0 * I, I, !dx_first, output16(dx, M * I, 1));
                 grouped_add_pair(&batch, 0, 1, I, O, rows, at(xo, (size_t)m0 * I), I, da, O,
-                                 dwa + (size_t)g * OI, I, !dw_first, s);
+                                 dwa + (size_t)g * OI, I, !dw_first, 0, s);
             } else if (dx) {
                 grouped_add(&batch, 0, 0, I, rows, O, at(wbo, (size_t)g * OI), I, db, O,
-                            dx + (size_t)m0 * I, I, 1);
+                            dx + (size_t)m0 * I, I, 1, 0);
             }
         }
         grouped_flush(&batch);

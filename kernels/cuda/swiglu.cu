@@ -37,15 +37,34 @@ template <typename F> static __device__ __forceinline__ real db_term(F g, F x, F
     return (real)(g * x * s);
 }
 
+/* Reads of an input that is fp32, or 16-bit where it is marked (IN16: a buffer a GEMM
+ * wrote in 16 bits, backend.h mark_operand). */
+template <int IN16> static __device__ __forceinline__ float ld1(const void *p, size_t i, int bf16)
+{
+    if constexpr (IN16)
+        return moe_widen16(((const uint16_t *)p)[i], bf16);
+    else
+        return ((const real *)p)[i];
+}
+
+template <int IN16> static __device__ __forceinline__ float4 ld4(const void *p, size_t i, int bf16)
+{
+    if constexpr (IN16)
+        return moe_widen16x4(((const uint2 *)p)[i], bf16);
+    else
+        return ((const float4 *)p)[i];
+}
+
 /* h16 (a buffer marked as holding its GEMM operand, in a 16-bit precision): h is written
- * there as 16 bits, the same value rounded as the GEMM would round the fp32 h; else h. */
-template <typename F>
-static __global__ void swiglu_forward_kernel(real *h, uint16_t *h16, const real *a, const real *b,
+ * there as 16 bits, the same value rounded as the GEMM would round the fp32 h; else h.
+ * AB16: a and b are marked, 16-bit (the experts' gate and up outputs). */
+template <typename F, int AB16>
+static __global__ void swiglu_forward_kernel(real *h, uint16_t *h16, const void *a, const void *b,
                                              size_t n, int bf16)
 {
     MOE_CUDA_GRID_STRIDE(i, n)
     {
-        const real v = swiglu_h<F>(a[i], b[i]);
+        const real v = swiglu_h<F>(ld1<AB16>(a, i, bf16), ld1<AB16>(b, i, bf16));
         if (h16)
             h16[i] = moe_round16(v, bf16);
         else
@@ -54,13 +73,13 @@ static __global__ void swiglu_forward_kernel(real *h, uint16_t *h16, const real 
 }
 
 /* The same over n4 groups of 4 elements. */
-template <typename F>
-static __global__ void swiglu_forward4_kernel(float4 *h, uint2 *h16, const float4 *a,
-                                              const float4 *b, size_t n4, int bf16)
+template <typename F, int AB16>
+static __global__ void swiglu_forward4_kernel(float4 *h, uint2 *h16, const void *a, const void *b,
+                                              size_t n4, int bf16)
 {
     MOE_CUDA_GRID_STRIDE(i, n4)
     {
-        const float4 x = a[i], y = b[i];
+        const float4 x = ld4<AB16>(a, i, bf16), y = ld4<AB16>(b, i, bf16);
         const float4 v = make_float4(swiglu_h<F>(x.x, y.x), swiglu_h<F>(x.y, y.y),
                                      swiglu_h<F>(x.z, y.z), swiglu_h<F>(x.w, y.w));
         if (h16)
@@ -76,6 +95,26 @@ static uint16_t *in_place16(real *p, size_t n, int *bf16)
     return p && cuda_operand_in_place(p, n, bf16) ? (uint16_t *)p : NULL;
 }
 
+/* Whether a and b are marked (16-bit inputs); both or neither, else a failure. */
+static int inputs16(const real *a, const real *b, size_t n, int *bf16)
+{
+    const int a16 = cuda_operand_in_place(a, n, bf16), b16 = b && cuda_operand_in_place(b, n, bf16);
+    if (b && a16 != b16)
+        MOE_CUDA_FAIL("swiglu: one of a, b is marked as 16-bit and the other is not");
+    return a16;
+}
+
+/* Launches kernel K<F, AB16> (the fp32 mode: double; 16-bit modes: float, AB16 as marked). */
+#define SWIGLU_LAUNCH(K, fp32, ab16, blocks, ...)                                                  \
+    do {                                                                                           \
+        if (fp32)                                                                                  \
+            MOE_CUDA_LAUNCH((K<double, 0>), blocks, MOE_CUDA_THREADS, 0, __VA_ARGS__);             \
+        else if (ab16)                                                                             \
+            MOE_CUDA_LAUNCH((K<float, 1>), blocks, MOE_CUDA_THREADS, 0, __VA_ARGS__);              \
+        else                                                                                       \
+            MOE_CUDA_LAUNCH((K<float, 0>), blocks, MOE_CUDA_THREADS, 0, __VA_ARGS__);              \
+    } while (0)
+
 extern "C" void cuda_swiglu_forward(real *h, const real *a, const real *b, size_t n)
 {
     if (n == 0)
@@ -83,39 +122,31 @@ extern "C" void cuda_swiglu_forward(real *h, const real *a, const real *b, size_
     const bool fp32 = cuda_gemm_precision() == MOE_PREC_FP32;
     int bf16 = 0;
     uint16_t *h16 = in_place16(h, n, &bf16);
+    const int ab16 = inputs16(a, b, n, &bf16);
     if (n % 4 == 0 && moe_aligned16(h) && moe_aligned16(a) && moe_aligned16(b)) {
         const unsigned blocks = moe_cuda_blocks(n / 4, MOE_CUDA_THREADS);
-        float4 *h4 = (float4 *)h;
-        const float4 *a4 = (const float4 *)a, *b4 = (const float4 *)b;
-        if (fp32)
-            MOE_CUDA_LAUNCH(swiglu_forward4_kernel<double>, blocks, MOE_CUDA_THREADS, 0, h4,
-                            (uint2 *)h16, a4, b4, n / 4, bf16);
-        else
-            MOE_CUDA_LAUNCH(swiglu_forward4_kernel<float>, blocks, MOE_CUDA_THREADS, 0, h4,
-                            (uint2 *)h16, a4, b4, n / 4, bf16);
+        SWIGLU_LAUNCH(swiglu_forward4_kernel, fp32, ab16, blocks, (float4 *)h, (uint2 *)h16,
+                      (const void *)a, (const void *)b, n / 4, bf16);
         return;
     }
     const unsigned blocks = moe_cuda_blocks(n, MOE_CUDA_THREADS);
-    if (fp32)
-        MOE_CUDA_LAUNCH(swiglu_forward_kernel<double>, blocks, MOE_CUDA_THREADS, 0, h, h16, a, b, n,
-                        bf16);
-    else
-        MOE_CUDA_LAUNCH(swiglu_forward_kernel<float>, blocks, MOE_CUDA_THREADS, 0, h, h16, a, b, n,
-                        bf16);
+    SWIGLU_LAUNCH(swiglu_forward_kernel, fp32, ab16, blocks, h, h16, (const void *)a,
+                  (const void *)b, n, bf16);
 }
 
 /* da or db may be NULL (that gradient is not wanted); b is read only for da. Both are
- * overwritten (ops.h); da16 / db16 as h16 above. */
-template <typename F>
+ * overwritten (ops.h); da16 / db16 as h16 above. AB16: a, b and dh are marked, 16-bit
+ * (the experts' gate and up outputs and the gradient the down projection wrote). */
+template <typename F, int AB16>
 static __global__ void swiglu_backward_kernel(real *da, real *db, uint16_t *da16, uint16_t *db16,
-                                              const real *dh, const real *a, const real *b,
+                                              const void *dh, const void *a, const void *b,
                                               size_t n, int bf16)
 {
     MOE_CUDA_GRID_STRIDE(i, n)
     {
-        const F x = a[i], s = sigmoid(x), g = dh[i];
+        const F x = ld1<AB16>(a, i, bf16), s = sigmoid(x), g = ld1<AB16>(dh, i, bf16);
         if (da) {
-            const real v = da_term<F>(g, x, s, b[i]);
+            const real v = da_term<F>(g, x, s, ld1<AB16>(b, i, bf16));
             if (da16)
                 da16[i] = moe_round16(v, bf16);
             else
@@ -132,18 +163,18 @@ static __global__ void swiglu_backward_kernel(real *da, real *db, uint16_t *da16
 }
 
 /* The same over n4 groups of 4 elements. */
-template <typename F>
+template <typename F, int AB16>
 static __global__ void swiglu_backward4_kernel(float4 *da, float4 *db, uint2 *da16, uint2 *db16,
-                                               const float4 *dh, const float4 *a, const float4 *b,
+                                               const void *dh, const void *a, const void *b,
                                                size_t n4, int bf16)
 {
     MOE_CUDA_GRID_STRIDE(i, n4)
     {
-        const float4 a4 = a[i], g4 = dh[i];
+        const float4 a4 = ld4<AB16>(a, i, bf16), g4 = ld4<AB16>(dh, i, bf16);
         const F x[4] = {a4.x, a4.y, a4.z, a4.w}, g[4] = {g4.x, g4.y, g4.z, g4.w};
         const F s[4] = {sigmoid(x[0]), sigmoid(x[1]), sigmoid(x[2]), sigmoid(x[3])};
         if (da) {
-            const float4 y = b[i];
+            const float4 y = ld4<AB16>(b, i, bf16);
             const float4 v =
                 make_float4(da_term<F>(g[0], x[0], s[0], y.x), da_term<F>(g[1], x[1], s[1], y.y),
                             da_term<F>(g[2], x[2], s[2], y.z), da_term<F>(g[3], x[3], s[3], y.w));
@@ -172,24 +203,18 @@ extern "C" void cuda_swiglu_backward(real *da, real *db, const real *dh, const r
     const bool fp32 = cuda_gemm_precision() == MOE_PREC_FP32;
     int bf16 = 0;
     uint16_t *da16 = in_place16(da, n, &bf16), *db16 = in_place16(db, n, &bf16);
+    const int ab16 = inputs16(a, da ? b : NULL, n, &bf16);
+    if (ab16 != cuda_operand_in_place(dh, n, &bf16))
+        MOE_CUDA_FAIL("swiglu_backward: dh must be marked as 16-bit exactly when a and b are");
     if (n % 4 == 0 && moe_aligned16(da) && moe_aligned16(db) && moe_aligned16(dh) &&
         moe_aligned16(a) && moe_aligned16(b)) {
         const unsigned blocks = moe_cuda_blocks(n / 4, MOE_CUDA_THREADS);
-        float4 *da4 = (float4 *)da, *db4 = (float4 *)db;
-        const float4 *dh4 = (const float4 *)dh, *a4 = (const float4 *)a, *b4 = (const float4 *)b;
-        if (fp32)
-            MOE_CUDA_LAUNCH(swiglu_backward4_kernel<double>, blocks, MOE_CUDA_THREADS, 0, da4, db4,
-                            (uint2 *)da16, (uint2 *)db16, dh4, a4, b4, n / 4, bf16);
-        else
-            MOE_CUDA_LAUNCH(swiglu_backward4_kernel<float>, blocks, MOE_CUDA_THREADS, 0, da4, db4,
-                            (uint2 *)da16, (uint2 *)db16, dh4, a4, b4, n / 4, bf16);
+        SWIGLU_LAUNCH(swiglu_backward4_kernel, fp32, ab16, blocks, (float4 *)da, (float4 *)db,
+                      (uint2 *)da16, (uint2 *)db16, (const void *)dh, (const void *)a,
+                      (const void *)b, n / 4, bf16);
         return;
     }
     const unsigned blocks = moe_cuda_blocks(n, MOE_CUDA_THREADS);
-    if (fp32)
-        MOE_CUDA_LAUNCH(swiglu_backward_kernel<double>, blocks, MOE_CUDA_THREADS, 0, da, db, da16,
-                        db16, dh, a, b, n, bf16);
-    else
-        MOE_CUDA_LAUNCH(swiglu_backward_kernel<float>, blocks, MOE_CUDA_THREADS, 0, da, db, da16,
-                        db16, dh, a, b, n, bf16);
+    SWIGLU_LAUNCH(swiglu_backward_kernel, fp32, ab16, blocks, da, db, da16, db16, (const void *)dh,
+                  (const void *)a, (const void *)b, n, bf16);
 }

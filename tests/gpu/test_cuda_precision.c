@@ -9,7 +9,9 @@
  * weight outside the registered arena is reported, and every writer of a buffer marked as
  * holding its GEMM operand (SwiGLU, the cross-entropy backward, RMSNorm, the permutation)
  * stores the bits the rounding would give, and the GEMMs reading it give the same bits;
- * the grouped backward's write flags write dx and dw without reading them.
+ * the grouped backward's write flags write dx and dw without reading them; the experts'
+ * gate and up projections as one pair op (strided batches where the GEMMs run one by
+ * one); GEMM outputs marked as 16-bit and SwiGLU reading them.
  * Without a GPU: SKIP, exit 77. */
 #include <math.h>
 #include <stdio.h>
@@ -388,6 +390,76 @@ static void check_pair(const char *mode, double bound, const float *x, const flo
     free(nan_buf);
 }
 
+/* n values of a device buffer that holds 16-bit values in a 16-bit precision (marked),
+ * fp32 in fp32, as floats on the host. */
+static void read_marked(moe_precision p, float *h, const void *d, size_t n)
+{
+    if (p == MOE_PREC_FP32) {
+        to_host(h, d, n);
+        return;
+    }
+    uint16_t *t = malloc(sizeof(uint16_t) * n);
+    gpu->copy(t, d, sizeof(uint16_t) * n, MOE_COPY_D2H);
+    for (size_t i = 0; i < n; i++)
+        h[i] = p == MOE_PREC_BF16 ? moe_bf16_widen(t[i]) : moe_fp16_widen(t[i]);
+    free(t);
+}
+
+/* GEMM outputs marked as 16-bit (the experts' ea, eb and deh): the pair's forward writes
+ * both outputs and the grouped backward its dx (written, MOE_WRITE_DX) in 16 bits, each
+ * against the CPU's products (the bound of the mode); SwiGLU forward and backward read
+ * those 16-bit a, b, dh, against the CPU's SwiGLU of the same (widened) values within
+ * 1e-5. In fp32 the marks change nothing (the buffers hold fp32). Weights: the arena's
+ * groups [0, 2 G2) as (G2, O, I) twice, and its start as (G2, I, O) for the backward. */
+static void check_outputs16(moe_precision p, const char *mode, double bound, const float *x,
+                            const float *w, const float *dw_, const int *offsets, int G2, int N,
+                            int I, int O)
+{
+    const size_t no = (size_t)N * O, ni = (size_t)N * I, gw = (size_t)G2 * O * I;
+    float *ab = gpu->alloc(sizeof(float) * 2 * no), *dh = gpu->alloc(sizeof(float) * no),
+          *h = gpu->alloc(sizeof(float) * no), *da = gpu->alloc(sizeof(float) * 2 * no),
+          *dx_ = dev_copy(x, ni);
+    int st = gpu->mark_operand(ab, no) != MOE_OK || gpu->mark_operand(ab + no, no) != MOE_OK ||
+             gpu->mark_operand(dh, no) != MOE_OK;
+    float *ref = malloc(sizeof(float) * 4 * no), *got = malloc(sizeof(float) * 4 * no),
+          *hab = malloc(sizeof(float) * 3 * no);
+    /* gate and up: (N, I) x (G2, O, I) twice -> ab (N, O) twice, 16-bit */
+    gpu->grouped_matmul_forward_pair(ab, ab + no, dx_, dw_, dw_ + gw, offsets, G2, I, O);
+    moe_backend_cpu.grouped_matmul_forward(ref, x, w, offsets, G2, I, O);
+    moe_backend_cpu.grouped_matmul_forward(ref + no, x, w + gw, offsets, G2, I, O);
+    read_marked(p, hab, ab, no);
+    read_marked(p, hab + no, ab + no, no);
+    report("marked out: forward_pair", mode, rel_err(hab, ref, 2 * no), bound);
+    /* dh (N, O) = dout (N, I) W, W the arena's start as (G2, I, O): written, 16-bit */
+    gpu->grouped_matmul_backward(dh, NULL, dx_, NULL, dw_, offsets, G2, O, I, MOE_WRITE_DX);
+    for (size_t i = 0; i < no; i++)
+        ref[i] = NAN;
+    moe_backend_cpu.grouped_matmul_backward(ref, NULL, x, NULL, w, offsets, G2, O, I, MOE_WRITE_DX);
+    read_marked(p, hab + 2 * no, dh, no);
+    report("marked out: grouped dx written", mode, rel_err(hab + 2 * no, ref, no), bound);
+    /* SwiGLU from the 16-bit a, b (and dh) against the CPU's on the same values */
+    gpu->swiglu_forward(h, ab, ab + no, no);
+    gpu->swiglu_backward(da, da + no, dh, ab, ab + no, no);
+    moe_backend_cpu.swiglu_forward(ref, hab, hab + no, no);
+    moe_backend_cpu.swiglu_backward(ref + no, ref + 2 * no, hab + 2 * no, hab, hab + no, no);
+    to_host(got, h, no);
+    to_host(got + no, da, 2 * no);
+    report("swiglu from 16-bit a, b", mode, rel_err(got, ref, no), 1e-5);
+    report("swiglu_backward from 16-bit", mode, rel_err(got + no, ref + no, 2 * no), 1e-5);
+    report("marked out: marks taken", mode, st, 0.0);
+    gpu->mark_operand(ab, 0);
+    gpu->mark_operand(ab + no, 0);
+    gpu->mark_operand(dh, 0);
+    gpu->release(ab);
+    gpu->release(dh);
+    gpu->release(h);
+    gpu->release(da);
+    gpu->release(dx_);
+    free(ref);
+    free(got);
+    free(hab);
+}
+
 static void check_mode(moe_precision p, const char *mode, double bound)
 {
     const int N = 301, I = 160, O = 224, G = 5;
@@ -467,6 +539,8 @@ static void check_mode(moe_precision p, const char *mode, double bound)
     const int pair_offsets[2][3] = {{0, 140, 301}, {0, 0, 301}}; /* the second: one empty */
     check_pair(mode, bound, x, w, dw_, pair_offsets[0], 2, N, I, O);
     check_pair(mode, bound, x, w, dw_, pair_offsets[1], 2, N, I, O);
+    check_outputs16(p, mode, bound, x, w, dw_, pair_offsets[0], 2, N, I, O);
+    check_outputs16(p, mode, bound, x, w, dw_, pair_offsets[1], 2, N, I, O);
     check_ce_in_place(p, mode, dw_, 60, 1000, I); /* (V, I) weights: the arena's start */
     check_ce_in_place(p, mode, dw_, 60, 999, I);
     check_writers_marked(p, mode, dw_, 70, 160, 120); /* (O, D) weights: the arena's start */
