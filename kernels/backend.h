@@ -72,9 +72,9 @@ typedef enum { MOE_COPY_H2D, MOE_COPY_D2H, MOE_COPY_D2D } moe_copy_kind;
 /* Precision of the matrix products. fp32: everything fp32. bf16 / fp16: the operands of
  * every GEMM (matmul and grouped matmul, forward and backward) are rounded to 16 bits,
  * products accumulate in fp32 and outputs are fp32, except the outputs the model marks
- * as 16-bit (mark_operand: the experts' gate and up projections and the gradient of
- * their SwiGLU output); every other op, the master weights, the optimizer state (unless
- * [precision] optimizer_state = bf16), router logits and all reductions stay fp32. */
+ * as 16-bit (mark_operand: the experts' gate and up projections, the gradient of their
+ * SwiGLU output, the LM head's logits); every other op, the master weights, the optimizer state
+ * (unless [precision] optimizer_state = bf16), router logits and all reductions stay fp32. */
 typedef enum { MOE_PREC_FP32 = 0, MOE_PREC_BF16 = 1, MOE_PREC_FP16 = 2 } moe_precision;
 
 typedef struct moe_backend {

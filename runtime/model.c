@@ -337,8 +337,9 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
  * mark_operand), a 16-bit backend writes them as the GEMM operand at once, so no rounding
  * pass reads them again. Marked too: the experts' gate and up outputs ea, eb and the
  * gradient deh of their SwiGLU output, which only SwiGLU reads: a 16-bit backend's GEMMs
- * write them in 16 bits and SwiGLU reads them so (bf16 activations, as the peer keeps).
- * on = 0 removes the marks. */
+ * write them in 16 bits and SwiGLU reads them so (bf16 activations, as the peer keeps);
+ * likewise the LM head's logits, which only the cross-entropy reads (where they have a
+ * gradient buffer of their own: on a device). on = 0 removes the marks. */
 static moe_status mark_operands(moe_model *m, int on)
 {
     const size_t N = (size_t)m->Nc, Mx = (size_t)m->Mmax;
@@ -358,8 +359,10 @@ static moe_status mark_operands(moe_model *m, int on)
     MOE_CHECK(m->be->mark_operand(m->dfa, on ? N * Fmax : 0));
     MOE_CHECK(m->be->mark_operand(m->dfb, on ? N * Fmax : 0));
     MOE_CHECK(m->be->mark_operand(m->dea, on ? Mx * (size_t)m->F : 0));
-    if (m->dlogits && m->dlogits != m->logits)
+    if (m->dlogits && m->dlogits != m->logits) { /* and the logits: 16-bit from the GEMM */
         MOE_CHECK(m->be->mark_operand(m->dlogits, on ? (size_t)m->head_rows * m->V : 0));
+        MOE_CHECK(m->be->mark_operand(m->logits, on ? (size_t)m->head_rows * m->V : 0));
+    }
     return m->be->mark_operand(m->deb, on ? Mx * (size_t)m->F : 0);
 }
 
@@ -1264,6 +1267,9 @@ static void grad_ready(moe_model *m, int stage)
 moe_status moe_model_logits(moe_model *m, real *host)
 {
     const int Nc = m->Nc;
+    const int marked = m->dlogits && m->dlogits != m->logits; /* fp32 logits here */
+    if (marked)
+        MOE_CHECK(m->be->mark_operand(m->logits, 0));
     for (int i = 0; i < m->C; i++) {
         use_chunk(m, i);
         for (int r0 = 0; r0 < Nc; r0 += m->head_rows) {
@@ -1274,6 +1280,8 @@ moe_status moe_model_logits(moe_model *m, real *host)
                         sizeof(real) * (size_t)rows * m->V, MOE_COPY_D2H);
         }
     }
+    if (marked)
+        MOE_CHECK(m->be->mark_operand(m->logits, (size_t)m->head_rows * m->V));
     return m->be->sync();
 }
 

@@ -10,6 +10,9 @@
  * row's columns), so no thread divides to find its row; a separate dlogits marked as a
  * GEMM operand gets 16-bit values (no rounding pass before the LM head's GEMMs). Both
  * load float4 when V % 4 == 0 and the rows are 16-byte aligned, floats otherwise.
+ * Logits marked as 16-bit (the LM head's GEMM wrote them so, backend.h mark_operand) are
+ * read as 16 bits (L16: 8 bytes for 4 values, 2 for one), except in place (dlogits =
+ * logits), where the buffer is taken as fp32 both ways.
  *
  * The exponentials are in double in fp32 mode (as the CPU reference), in float in the
  * 16-bit modes (within 1e-6; memory-bound where double is slow, the T4). */
@@ -66,19 +69,38 @@ template <typename F> static __device__ void ce_block_merge(float &m, double &s)
     }
 }
 
+/* Logit i of the buffer (16-bit when L16). */
+template <bool L16>
+static __device__ __forceinline__ float ce_logit(const real *logits, size_t i, int bf16)
+{
+    if constexpr (L16)
+        return moe_widen16(((const uint16_t *)logits)[i], bf16);
+    else
+        return logits[i];
+}
+
+/* Logits 4c .. 4c + 3 from row start `row` (an element index; float4 or 8 bytes). */
+template <bool L16>
+static __device__ __forceinline__ float4 ce_logit4(const real *logits, size_t row, int c, int bf16)
+{
+    if constexpr (L16)
+        return moe_widen16x4(((const uint2 *)((const uint16_t *)logits + row))[c], bf16);
+    else
+        return ((const float4 *)(logits + row))[c];
+}
+
 /* One row of the forward (block n = blockIdx.x); V4: the row is read as float4. */
-template <typename F, bool V4>
+template <typename F, bool V4, bool L16>
 static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, const real *logits,
-                                                      const int32_t *targets, int V)
+                                                      const int32_t *targets, int V, int bf16)
 {
     const int n = blockIdx.x;
-    const real *l = logits + (size_t)n * V;
+    const size_t row = (size_t)n * V;
     float m = -INFINITY;
     double s = 0.0;
     if (V4) {
-        const float4 *l4 = (const float4 *)l;
         for (int c = threadIdx.x; c < V / 4; c += blockDim.x) {
-            const float4 x = l4[c];
+            const float4 x = ce_logit4<L16>(logits, row, c, bf16);
             ce_raise<F>(m, s, fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
             s += ce_exp<F>(x.x, m);
             s += ce_exp<F>(x.y, m);
@@ -87,7 +109,7 @@ static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, c
         }
     } else {
         for (int v = threadIdx.x; v < V; v += blockDim.x) {
-            const float x = l[v];
+            const float x = ce_logit<L16>(logits, row + v, bf16);
             ce_raise<F>(m, s, x);
             s += ce_exp<F>(x, m);
         }
@@ -96,15 +118,21 @@ static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, c
     if (threadIdx.x == 0) {
         const double r = (double)m + log(s);
         lse[n] = (real)r;
-        losses[n] = (real)(r - l[targets[n]]);
+        losses[n] = (real)(r - ce_logit<L16>(logits, row + targets[n], bf16));
     }
 }
 
-template <typename F, bool V4>
+template <typename F, bool V4, bool L16>
 static __global__ void cross_entropy_forward_kernel(real *losses, real *lse, const real *logits,
-                                                    const int32_t *targets, int V)
+                                                    const int32_t *targets, int V, int bf16)
 {
-    ce_forward_row<F, V4>(losses, lse, logits, targets, V);
+    ce_forward_row<F, V4, L16>(losses, lse, logits, targets, V, bf16);
+}
+
+/* Whether the logits (n) are marked as 16-bit (*bf16 their format). */
+static int logits16(const real *logits, size_t n, int *bf16)
+{
+    return cuda_operand_in_place(logits, n, bf16);
 }
 
 extern "C" void cuda_cross_entropy_forward(real *losses, real *lse, const real *logits,
@@ -113,20 +141,21 @@ extern "C" void cuda_cross_entropy_forward(real *losses, real *lse, const real *
     if (N <= 0 || V <= 0)
         return;
     const int v4 = V % 4 == 0 && moe_aligned16(logits);
-#define CE_FORWARD(F, V4)                                                                          \
-    MOE_CUDA_LAUNCH((cross_entropy_forward_kernel<F, V4>), N, MOE_CUDA_THREADS, 0, losses, lse,    \
-                    logits, targets, V)
-    if (cuda_gemm_precision() == MOE_PREC_FP32) {
+    int bf16 = 0;
+    const int l16 = logits16(logits, (size_t)N * V, &bf16);
+#define CE_FORWARD(F, V4, L16)                                                                     \
+    MOE_CUDA_LAUNCH((cross_entropy_forward_kernel<F, V4, L16>), N, MOE_CUDA_THREADS, 0, losses,    \
+                    lse, logits, targets, V, bf16)
+#define CE_FORWARD_FLOAT(V4, L16) CE_FORWARD(float, V4, L16)
+    if (cuda_gemm_precision() == MOE_PREC_FP32) { /* never l16 */
         if (v4)
-            CE_FORWARD(double, true);
+            CE_FORWARD(double, true, false);
         else
-            CE_FORWARD(double, false);
+            CE_FORWARD(double, false, false);
     } else {
-        if (v4)
-            CE_FORWARD(float, true);
-        else
-            CE_FORWARD(float, false);
+        MOE_CUDA_PICK2(v4, l16, CE_FORWARD_FLOAT, true, false, true, false);
     }
+#undef CE_FORWARD_FLOAT
 #undef CE_FORWARD
 }
 
@@ -141,16 +170,15 @@ static __device__ __forceinline__ real ce_grad(real x, F s, int hit, real dloss)
  * of row n (float4 groups when V4). No __restrict__: dlogits may be logits. O16: dlogits
  * is a buffer marked as holding its GEMM operand (never the logits themselves), written
  * in 16 bits (bf16 or fp16 by `bf16`) as the GEMM would round the fp32 value. */
-template <typename F, bool V4, bool O16>
+template <typename F, bool V4, bool O16, bool L16>
 static __device__ __forceinline__ void ce_backward_cols(real *dlogits, const real *logits, int n,
                                                         F s, int t, real dloss, int V, int bf16,
                                                         int first, int stride)
 {
     const size_t row = (size_t)n * V;
     if (V4) {
-        const float4 *l4 = (const float4 *)(logits + row);
         for (int c = first; c < V / 4; c += stride) {
-            const float4 x = l4[c];
+            const float4 x = ce_logit4<L16>(logits, row, c, bf16);
             const int v = 4 * c;
             const float4 d = make_float4(
                 ce_grad<F>(x.x, s, v == t, dloss), ce_grad<F>(x.y, s, v + 1 == t, dloss),
@@ -162,7 +190,7 @@ static __device__ __forceinline__ void ce_backward_cols(real *dlogits, const rea
         }
     } else {
         for (int v = first; v < V; v += stride) {
-            const real d = ce_grad<F>(logits[row + v], s, v == t, dloss);
+            const real d = ce_grad<F>(ce_logit<L16>(logits, row + v, bf16), s, v == t, dloss);
             if (O16)
                 ((uint16_t *)dlogits)[row + v] = moe_round16(d, bf16);
             else
@@ -173,32 +201,33 @@ static __device__ __forceinline__ void ce_backward_cols(real *dlogits, const rea
 
 /* The backward of one row (blockIdx.x), softmax from the saved lse; the row's columns
  * spread over the blocks of blockIdx.y. */
-template <typename F, bool V4, bool O16>
+template <typename F, bool V4, bool O16, bool L16>
 static __global__ void cross_entropy_backward_kernel(real *dlogits, const real *logits,
                                                      const real *lse, const int32_t *targets,
                                                      real dloss, int V, int bf16)
 {
     const int n = blockIdx.x;
-    ce_backward_cols<F, V4, O16>(dlogits, logits, n, (F)lse[n], targets[n], dloss, V, bf16,
-                                 blockIdx.y * blockDim.x + threadIdx.x, gridDim.y * blockDim.x);
+    ce_backward_cols<F, V4, O16, L16>(dlogits, logits, n, (F)lse[n], targets[n], dloss, V, bf16,
+                                      blockIdx.y * blockDim.x + threadIdx.x,
+                                      gridDim.y * blockDim.x);
 }
 
 /* Forward, then backward, of one row in one block (the fused LM head): the backward takes
  * the lse as stored (so the bits are the two kernels'), and its second read of the row,
  * which the block has just read, comes mostly from L2. */
-template <typename F, bool V4, bool O16>
+template <typename F, bool V4, bool O16, bool L16>
 static __global__ void cross_entropy_fused_kernel(real *losses, real *lse, real *dlogits,
                                                   const real *logits, const int32_t *targets,
                                                   real dloss, int V, int bf16)
 {
     __shared__ real row_lse;
     const int n = blockIdx.x;
-    ce_forward_row<F, V4>(losses, lse, logits, targets, V);
+    ce_forward_row<F, V4, L16>(losses, lse, logits, targets, V, bf16);
     if (threadIdx.x == 0)
         row_lse = lse[n];
     __syncthreads();
-    ce_backward_cols<F, V4, O16>(dlogits, logits, n, (F)row_lse, targets[n], dloss, V, bf16,
-                                 threadIdx.x, blockDim.x);
+    ce_backward_cols<F, V4, O16, L16>(dlogits, logits, n, (F)row_lse, targets[n], dloss, V, bf16,
+                                      threadIdx.x, blockDim.x);
 }
 
 extern "C" void cuda_cross_entropy_backward(real *dlogits, const real *logits, const real *lse,
@@ -208,23 +237,31 @@ extern "C" void cuda_cross_entropy_backward(real *dlogits, const real *logits, c
         return;
     int bf16 = 0; /* in place (dlogits = logits) the 16-bit writes would overtake the reads */
     const int o16 = dlogits != logits && cuda_operand_in_place(dlogits, (size_t)N * V, &bf16);
+    /* in place the buffer holds fp32 logits and gets fp32 gradients, marked or not */
+    const int l16 = dlogits != logits && logits16(logits, (size_t)N * V, &bf16);
     const int v4 = V % 4 == 0 && moe_aligned16(logits) && moe_aligned16(dlogits);
     const int cols = v4 ? V / 4 : V; /* items per row */
     const unsigned per_row = (unsigned)((cols + MOE_CUDA_THREADS - 1) / MOE_CUDA_THREADS);
     const dim3 grid((unsigned)N, per_row < 65535 ? per_row : 65535); /* grid.y <= 65535 */
-#define CE_BACKWARD(F, V4, O16)                                                                    \
-    MOE_CUDA_LAUNCH((cross_entropy_backward_kernel<F, V4, O16>), grid, MOE_CUDA_THREADS, 0,        \
+#define CE_BACKWARD(F, V4, O16, L16)                                                               \
+    MOE_CUDA_LAUNCH((cross_entropy_backward_kernel<F, V4, O16, L16>), grid, MOE_CUDA_THREADS, 0,   \
                     dlogits, logits, lse, targets, dloss, V, bf16)
-#define CE_BACKWARD_FLOAT(V4, O16) CE_BACKWARD(float, V4, O16)
-    if (cuda_gemm_precision() == MOE_PREC_FP32) { /* never o16 */
+#define CE_BACKWARD_L(V4, O16)                                                                     \
+    do {                                                                                           \
+        if (l16)                                                                                   \
+            CE_BACKWARD(float, V4, O16, true);                                                     \
+        else                                                                                       \
+            CE_BACKWARD(float, V4, O16, false);                                                    \
+    } while (0)
+    if (cuda_gemm_precision() == MOE_PREC_FP32) { /* never o16 or l16 */
         if (v4)
-            CE_BACKWARD(double, true, false);
+            CE_BACKWARD(double, true, false, false);
         else
-            CE_BACKWARD(double, false, false);
+            CE_BACKWARD(double, false, false, false);
     } else {
-        MOE_CUDA_PICK2(v4, o16, CE_BACKWARD_FLOAT, true, false, true, false);
+        MOE_CUDA_PICK2(v4, o16, CE_BACKWARD_L, true, false, true, false);
     }
-#undef CE_BACKWARD_FLOAT
+#undef CE_BACKWARD_L
 #undef CE_BACKWARD
 }
 
@@ -245,18 +282,25 @@ extern "C" void cuda_cross_entropy_fused(real *losses, real *lse, real *dlogits,
     }
     int bf16 = 0;
     const int o16 = cuda_operand_in_place(dlogits, (size_t)N * V, &bf16);
-#define CE_FUSED(F, V4, O16)                                                                       \
-    MOE_CUDA_LAUNCH((cross_entropy_fused_kernel<F, V4, O16>), N, MOE_CUDA_THREADS, 0, losses, lse, \
-                    dlogits, logits, targets, dloss, V, bf16)
-#define CE_FUSED_FLOAT(V4, O16) CE_FUSED(float, V4, O16)
-    if (cuda_gemm_precision() == MOE_PREC_FP32) { /* never o16 */
+    const int l16 = logits16(logits, (size_t)N * V, &bf16);
+#define CE_FUSED(F, V4, O16, L16)                                                                  \
+    MOE_CUDA_LAUNCH((cross_entropy_fused_kernel<F, V4, O16, L16>), N, MOE_CUDA_THREADS, 0, losses, \
+                    lse, dlogits, logits, targets, dloss, V, bf16)
+#define CE_FUSED_L(V4, O16)                                                                        \
+    do {                                                                                           \
+        if (l16)                                                                                   \
+            CE_FUSED(float, V4, O16, true);                                                        \
+        else                                                                                       \
+            CE_FUSED(float, V4, O16, false);                                                       \
+    } while (0)
+    if (cuda_gemm_precision() == MOE_PREC_FP32) { /* never o16 or l16 */
         if (v4)
-            CE_FUSED(double, true, false);
+            CE_FUSED(double, true, false, false);
         else
-            CE_FUSED(double, false, false);
+            CE_FUSED(double, false, false, false);
     } else {
-        MOE_CUDA_PICK2(v4, o16, CE_FUSED_FLOAT, true, false, true, false);
+        MOE_CUDA_PICK2(v4, o16, CE_FUSED_L, true, false, true, false);
     }
-#undef CE_FUSED_FLOAT
+#undef CE_FUSED_L
 #undef CE_FUSED
 }

@@ -237,6 +237,79 @@ static void check_ce_in_place(moe_precision p, const char *mode, const float *w,
     free(tg);
 }
 
+static void read_marked(moe_precision p, float *h, const void *d, size_t n);
+
+/* The LM head's logits marked as 16-bit: the GEMM writes them so (against the CPU's
+ * product, the mode's bound) and the cross-entropy (forward, backward, fused) reads them:
+ * losses, lse and dlogits against the CPU's on the same (widened) logits within 1e-5.
+ * V % 4 == 0 takes the float4 kernels, else the scalar ones. w: (V, I) at the arena's
+ * start. */
+static void check_ce_logits16(moe_precision p, const char *mode, double bound, const float *w,
+                              int N, int V, int I)
+{
+    const size_t n = (size_t)N * V;
+    float *hh = malloc(sizeof(float) * (size_t)N * I), *L = malloc(sizeof(float) * n),
+          *ref = malloc(sizeof(float) * n), *got = malloc(sizeof(float) * n);
+    float rl[2][N], gl[2][N]; /* losses, lse: reference and got */
+    int32_t *tg = malloc(sizeof(int32_t) * N);
+    fill(hh, (size_t)N * I, 31, 1.0);
+    for (int r = 0; r < N; r++)
+        tg[r] = (int32_t)(moe_rng_u64(7, 32, (uint64_t)r) % (uint64_t)V);
+    float *h = dev_copy(hh, (size_t)N * I), *lg = gpu->alloc(sizeof(float) * n),
+          *dl = gpu->alloc(sizeof(float) * n), *loss = gpu->alloc(sizeof(float) * N),
+          *lse = gpu->alloc(sizeof(float) * N);
+    int32_t *dtg = gpu->alloc(sizeof(int32_t) * N);
+    gpu->copy(dtg, tg, sizeof(int32_t) * N, MOE_COPY_H2D);
+    const int st = gpu->mark_operand(lg, n) != MOE_OK;
+    gpu->matmul_forward(lg, h, w, N, I, V);
+    read_marked(p, L, lg, n);
+    float *hw = malloc(sizeof(float) * (size_t)V * I);
+    to_host(hw, w, (size_t)V * I);
+    moe_backend_cpu.matmul_forward(ref, hh, hw, N, I, V);
+    char what[96];
+    snprintf(what, sizeof what, "logits16 V=%d: the GEMM's", V);
+    report(what, mode, rel_err(L, ref, n) + st, bound);
+    moe_backend_cpu.cross_entropy_forward(rl[0], rl[1], L, tg, N, V);
+    moe_backend_cpu.cross_entropy_backward(ref, L, rl[1], tg, 0.01f, N, V);
+    for (int k = 0; k < 2; k++) { /* the fused op; the forward and the backward */
+        if (k == 0) {
+            gpu->cross_entropy_fused(loss, lse, dl, lg, dtg, 0.01f, N, V);
+        } else {
+            gpu->cross_entropy_forward(loss, lse, lg, dtg, N, V);
+            gpu->cross_entropy_backward(dl, lg, lse, dtg, 0.01f, N, V);
+        }
+        to_host(gl[0], loss, N);
+        to_host(gl[1], lse, N);
+        to_host(got, dl, n);
+        snprintf(what, sizeof what, "logits16 V=%d: ce %s", V, k ? "fwd, bwd" : "fused");
+        report(what, mode,
+               rel_err(gl[0], rl[0], N) + rel_err(gl[1], rl[1], N) + rel_err(got, ref, n), 1e-5);
+    }
+    /* fused into a marked dlogits too (as the model runs it): 16-bit gradients */
+    float *dl16 = gpu->alloc(sizeof(float) * n);
+    const int st16 = gpu->mark_operand(dl16, n) != MOE_OK;
+    gpu->cross_entropy_fused(loss, lse, dl16, lg, dtg, 0.01f, N, V);
+    read_marked(p, got, dl16, n);
+    to_host(gl[0], loss, N);
+    snprintf(what, sizeof what, "logits16 V=%d: ce fused, dlogits16", V);
+    report(what, mode, rel_err(gl[0], rl[0], N) + rel_err(got, ref, n) + st16, bound);
+    gpu->mark_operand(dl16, 0);
+    gpu->release(dl16);
+    gpu->mark_operand(lg, 0);
+    gpu->release(h);
+    gpu->release(lg);
+    gpu->release(dl);
+    gpu->release(loss);
+    gpu->release(lse);
+    gpu->release(dtg);
+    free(hh);
+    free(L);
+    free(ref);
+    free(got);
+    free(tg);
+    free(hw);
+}
+
 /* RMSNorm forward (the attention's h1) and the experts' permutation (xperm) into buffers
  * marked as holding their GEMM operand, against unmarked ones; then the forward and
  * backward GEMMs that read them (as q = h1 Wq^T, ea = xperm W1^T). In a 16-bit precision
@@ -543,6 +616,8 @@ static void check_mode(moe_precision p, const char *mode, double bound)
     check_outputs16(p, mode, bound, x, w, dw_, pair_offsets[1], 2, N, I, O);
     check_ce_in_place(p, mode, dw_, 60, 1000, I); /* (V, I) weights: the arena's start */
     check_ce_in_place(p, mode, dw_, 60, 999, I);
+    check_ce_logits16(p, mode, bound, dw_, 60, 1000, I); /* (V, I) weights: the arena */
+    check_ce_logits16(p, mode, bound, dw_, 60, 999, I);
     check_writers_marked(p, mode, dw_, 70, 160, 120); /* (O, D) weights: the arena's start */
     check_writers_marked(p, mode, dw_, 70, 150, 120);
     if (gpu->sync() != MOE_OK) {
