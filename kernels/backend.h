@@ -128,6 +128,11 @@ typedef struct moe_backend {
      * (fp32 only) ignores it; in fp32 the marks change nothing. Fails when the backend's
      * table of marks is full. */
     moe_status (*mark_operand)(const void *p, size_t n);
+    /* Whether attention_forward and attention_backward take q, k, v marked as 16-bit
+     * (mark_operand) as they are, for heads of Hd: then, in a 16-bit precision, the GEMMs
+     * write q, k, v in 16 bits, rope_forward rotates marked ones in 16 bits and the
+     * attention reads them without making 16-bit copies. 0 on the cpu. */
+    int (*attention_operands16)(int Hd);
     /* The rate of the backend's own GEMM on an n x n x n product in the precision set
      * (16-bit operands for bf16/fp16, fp32 out), in FLOP/s, timed now (the bench's MFU
      * denominator); 0 when it cannot be measured (recorded for sync on a device). */

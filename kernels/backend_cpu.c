@@ -26,6 +26,11 @@ static moe_status cpu_wait(long mark, moe_status (*watch)(void *ctx), void *ctx)
     return MOE_OK;
 }
 static int cpu_capability(void) { return 0; }
+static int cpu_attention_operands16(int Hd)
+{
+    (void)Hd;
+    return 0;
+}
 static void *cpu_stream(void) { return NULL; }
 static moe_status cpu_set_precision(moe_precision p, const real *params, size_t n, size_t max)
 {
@@ -102,6 +107,7 @@ const moe_backend moe_backend_cpu = {.name = "cpu",
                                      .set_precision = cpu_set_precision,
                                      .refresh_shadow = cpu_refresh_shadow,
                                      .mark_operand = cpu_mark_operand,
+                                     .attention_operands16 = cpu_attention_operands16,
                                      .gemm_rate = cpu_gemm_rate,
                                      .mem_in_use = cpu_mem_in_use,
                                      .reserve = cpu_reserve,

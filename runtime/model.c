@@ -339,11 +339,14 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
  * gradient deh of their SwiGLU output, which only SwiGLU reads: a 16-bit backend's GEMMs
  * write them in 16 bits and SwiGLU reads them so (bf16 activations, as the peer keeps);
  * likewise the LM head's logits, which only the cross-entropy reads (where they have a
- * gradient buffer of their own: on a device). on = 0 removes the marks. */
+ * gradient buffer of their own: on a device); and q, k, v where the backend's attention
+ * reads them so (attention_operands16: rope rotates them in 16 bits, the attention takes
+ * them without copies). on = 0 removes the marks. */
 static moe_status mark_operands(moe_model *m, int on)
 {
     const size_t N = (size_t)m->Nc, Mx = (size_t)m->Mmax;
     const size_t Fmax = (size_t)(m->Fd > m->Fs ? m->Fd : m->Fs);
+    const int qkv16 = m->be->attention_operands16(m->Hd);
     for (int i = 0; m->chunk && i < m->C; i++)
         for (int l = 0; m->chunk[i].acts && l < m->L; l++) {
             const moe_layer_acts *a = &m->chunk[i].acts[l];
@@ -354,6 +357,11 @@ static moe_status mark_operands(moe_model *m, int on)
             MOE_CHECK(m->be->mark_operand(a->xperm, on ? Mx * (size_t)m->D : 0));
             MOE_CHECK(m->be->mark_operand(a->ea, on ? Mx * (size_t)m->F : 0));
             MOE_CHECK(m->be->mark_operand(a->eb, on ? Mx * (size_t)m->F : 0));
+            if (qkv16) {
+                MOE_CHECK(m->be->mark_operand(a->q, on ? N * (size_t)m->D : 0));
+                MOE_CHECK(m->be->mark_operand(a->k, on ? N * (size_t)m->D : 0));
+                MOE_CHECK(m->be->mark_operand(a->v, on ? N * (size_t)m->D : 0));
+            }
         }
     MOE_CHECK(m->be->mark_operand(m->deh, on ? Mx * (size_t)m->F : 0));
     MOE_CHECK(m->be->mark_operand(m->dfa, on ? N * Fmax : 0));

@@ -22,12 +22,14 @@
 #include "kernels/cuda/cuda_common.cuh"
 
 /* The tensor-core path (bf16 / fp16 precision; at the end of this file). Each returns 1
- * when it took the op, 0 when the fp32 kernels must run it. */
+ * when it took the op, 0 when the fp32 kernels must run it. in16: q, k, v are marked as
+ * 16-bit (qkv16: 1 all, 0 none, -1 a failure). */
+static int qkv16(const real *q, const real *k, const real *v, size_t n);
 static int flash_forward(real *out, real *lse, const real *q, const real *k, const real *v, int B,
-                         int T, int H, int Hd);
+                         int T, int H, int Hd, int in16);
 static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                           const float *dsum, const real *q, const real *k, const real *v, int B,
-                          int T, int H, int Hd, uint16_t *c16);
+                          int T, int H, int Hd, uint16_t *c16, int in16);
 static size_t flash_backward_copies(int B, int T, int H, int Hd);
 
 #define ATT_WARPS 8 /* queries (forward, dq) or keys (dk, dv) per block */
@@ -127,7 +129,8 @@ extern "C" void cuda_attention_forward(real *out, real *lse, const real *q, cons
 {
     if (B <= 0 || T <= 0 || H <= 0 || Hd <= 0 || !head_dim_ok(Hd))
         return;
-    if (flash_forward(out, lse, q, k, v, B, T, H, Hd))
+    const int in16 = qkv16(q, k, v, (size_t)B * T * H * Hd);
+    if (in16 < 0 || flash_forward(out, lse, q, k, v, B, T, H, Hd, in16))
         return;
     const size_t smem = sizeof(float) * ((size_t)ATT_TILE * (Hd + 1) + (size_t)ATT_TILE * Hd +
                                          (size_t)ATT_WARPS * Hd);
@@ -298,7 +301,8 @@ extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real
     const float scale = (float)(1.0 / sqrt((double)Hd));
     MOE_CUDA_LAUNCH(attention_dsum_kernel, (unsigned)((rows + ATT_WARPS - 1) / ATT_WARPS),
                     ATT_THREADS, 0, dsum, dout, out, B, T, H, Hd);
-    if (flash_backward(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16))
+    const int in16 = qkv16(q, k, v, (size_t)B * T * H * Hd);
+    if (in16 < 0 || flash_backward(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, in16))
         return;
     const dim3 grid((T + ATT_WARPS - 1) / ATT_WARPS, H, B);
     const size_t tile = (size_t)ATT_TILE * (Hd + 1), rowsmem = (size_t)ATT_WARPS * Hd;
@@ -1308,18 +1312,27 @@ static int fm_family(void)
     return cc >= 80 && !(e && strcmp(e, "wmma") == 0);
 }
 
+/* in16: q, k, v hold 16-bit values (marked, cuda_attention_operands16): the mma.sync
+ * kernels read them as they are. */
 template <class T16, int HD, int FM>
 static void flash_forward_run(real *out, real *lse, const real *q, const real *k, const real *v,
-                              int B, int T, int H, int Hd)
+                              int B, int T, int H, int Hd, int in16)
 {
     const dim3 grid((unsigned)(B * H), (unsigned)((T + FA_ROWS - 1) / FA_ROWS));
     const float sl2 = (float)(1.4426950408889634 / sqrt((double)Hd));
-    if constexpr (FM) { /* from 16-bit copies of q, k, v in the scratch */
+    if constexpr (FM) { /* from 16-bit copies of q, k, v in the scratch, or q, k, v */
         void (*kernel)(real *, real *, const T16 *, const T16 *, const T16 *, int, int, int,
                        float) = fm_forward_kernel<T16, HD>;
         const size_t n = (size_t)B * T * H * Hd, smem = fm_forward_smem(HD);
+        if (!fa_smem((const void *)kernel, smem))
+            return;
+        if (in16) {
+            MOE_CUDA_LAUNCH(kernel, grid, FA_THREADS, smem, out, lse, (const T16 *)q,
+                            (const T16 *)k, (const T16 *)v, T, H, Hd, sl2);
+            return;
+        }
         uint16_t *c = (uint16_t *)moe_cuda_scratch(sizeof(uint16_t) * 3 * n);
-        if (!c || !fa_smem((const void *)kernel, smem))
+        if (!c)
             return;
         cuda_round_operand(c, q, n);
         cuda_round_operand(c + n, k, n);
@@ -1327,6 +1340,7 @@ static void flash_forward_run(real *out, real *lse, const real *q, const real *k
         MOE_CUDA_LAUNCH(kernel, grid, FA_THREADS, smem, out, lse, (const T16 *)c,
                         (const T16 *)(c + n), (const T16 *)(c + 2 * n), T, H, Hd, sl2);
     } else {
+        (void)in16; /* never set without the mma.sync kernels */
         void (*kernel)(real *, real *, const real *, const real *, const real *, int, int, int,
                        float) = flash_forward_kernel<T16, HD>;
         const size_t smem = fa_forward_smem(HD);
@@ -1340,7 +1354,7 @@ static void flash_forward_run(real *out, real *lse, const real *q, const real *k
 template <class T16, int HD, int FM>
 static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                                const float *dsum, const real *q, const real *k, const real *v,
-                               int B, int T, int H, int Hd, uint16_t *c16)
+                               int B, int T, int H, int Hd, uint16_t *c16, int in16)
 {
     const float scale = (float)(1.0 / sqrt((double)Hd));
     const float sl2 = (float)(1.4426950408889634 / sqrt((double)Hd));
@@ -1355,9 +1369,15 @@ static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, c
         if (!fa_smem((const void *)kdq, smem) || !fa_smem((const void *)kdkv, smem))
             return;
         const T16 *q16 = (const T16 *)c16, *k16 = q16 + n, *v16 = k16 + n, *g16 = v16 + n;
-        cuda_round_operand(c16, q, n);
-        cuda_round_operand(c16 + n, k, n);
-        cuda_round_operand(c16 + 2 * n, v, n);
+        if (in16) { /* q, k, v hold their 16-bit values: only dout is copied */
+            q16 = (const T16 *)q;
+            k16 = (const T16 *)k;
+            v16 = (const T16 *)v;
+        } else {
+            cuda_round_operand(c16, q, n);
+            cuda_round_operand(c16 + n, k, n);
+            cuda_round_operand(c16 + 2 * n, v, n);
+        }
         cuda_round_operand(c16 + 3 * n, dout, n);
         if (dq)
             MOE_CUDA_LAUNCH(kdq, grid, FA_THREADS, smem, dq, g16, lse, dsum, q16, k16, v16, T, H,
@@ -1366,6 +1386,7 @@ static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, c
             MOE_CUDA_LAUNCH(kdkv, grid, FA_THREADS, smem, dk, dv, g16, lse, dsum, q16, k16, v16, T,
                             H, Hd, scale, sl2);
     } else {
+        (void)in16; /* never set without the mma.sync kernels */
         void (*kdq)(real *, const real *, const real *, const float *, const real *, const real *,
                     const real *, int, int, int, float, float) = flash_dq_kernel<T16, HD>;
         void (*kdkv)(real *, real *, const real *, const real *, const float *, const real *,
@@ -1383,46 +1404,74 @@ static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, c
 
 /* The instance for precision p, padded head dim HD and kernel family fm. */
 static void flash_forward_pick(moe_precision p, int HD, int fm, real *out, real *lse, const real *q,
-                               const real *k, const real *v, int B, int T, int H, int Hd)
+                               const real *k, const real *v, int B, int T, int H, int Hd, int in16)
 {
     typedef __nv_bfloat16 bf;
     if (p == MOE_PREC_BF16)
         (HD == 64 ? (fm ? flash_forward_run<bf, 64, 1> : flash_forward_run<bf, 64, 0>)
                   : (fm ? flash_forward_run<bf, 128, 1> : flash_forward_run<bf, 128, 0>))(
-            out, lse, q, k, v, B, T, H, Hd);
+            out, lse, q, k, v, B, T, H, Hd, in16);
     else
         (HD == 64 ? (fm ? flash_forward_run<__half, 64, 1> : flash_forward_run<__half, 64, 0>)
                   : (fm ? flash_forward_run<__half, 128, 1> : flash_forward_run<__half, 128, 0>))(
-            out, lse, q, k, v, B, T, H, Hd);
+            out, lse, q, k, v, B, T, H, Hd, in16);
 }
 
 static void flash_backward_pick(moe_precision p, int HD, int fm, real *dq, real *dk, real *dv,
                                 const real *dout, const real *lse, const float *dsum, const real *q,
                                 const real *k, const real *v, int B, int T, int H, int Hd,
-                                uint16_t *c16)
+                                uint16_t *c16, int in16)
 {
     typedef __nv_bfloat16 bf;
     if (p == MOE_PREC_BF16)
         (HD == 64 ? (fm ? flash_backward_run<bf, 64, 1> : flash_backward_run<bf, 64, 0>)
                   : (fm ? flash_backward_run<bf, 128, 1> : flash_backward_run<bf, 128, 0>))(
-            dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16);
+            dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, in16);
     else
         (HD == 64 ? (fm ? flash_backward_run<__half, 64, 1> : flash_backward_run<__half, 64, 0>)
                   : (fm ? flash_backward_run<__half, 128, 1> : flash_backward_run<__half, 128, 0>))(
-            dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16);
+            dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, in16);
 }
 
+/* Whether q, k, v (n each) are marked as 16-bit: all three (1), none (0), or a failure
+ * (recorded; -1). */
+static int qkv16(const real *q, const real *k, const real *v, size_t n)
+{
+    int bf16 = 0;
+    const int a = cuda_operand_in_place(q, n, &bf16), b = cuda_operand_in_place(k, n, &bf16),
+              c = cuda_operand_in_place(v, n, &bf16);
+    if (a == b && b == c)
+        return a;
+    MOE_CUDA_FAIL("attention: q, k, v must all be marked as 16-bit, or none");
+    return -1;
+}
+
+/* in16: q, k, v are 16-bit (marked); only the mma.sync kernels read them (else a failure,
+ * recorded, and 1: nothing else may read them). */
 static int flash_forward(real *out, real *lse, const real *q, const real *k, const real *v, int B,
-                         int T, int H, int Hd)
+                         int T, int H, int Hd, int in16)
 {
     const int HD = Hd <= 64 ? 64 : 128, fm = fm_family();
     const void *ptrs[4] = {out, q, k, v};
     const moe_precision p =
         fa_precision(Hd, fm ? fm_forward_smem(HD) : fa_forward_smem(HD), ptrs, 4);
+    if (in16 && (p == MOE_PREC_FP32 || !fm)) {
+        MOE_CUDA_FAIL("attention: 16-bit q, k, v need the mma.sync kernels (Hd %d)", Hd);
+        return 1;
+    }
     if (p == MOE_PREC_FP32)
         return 0;
-    flash_forward_pick(p, HD, fm, out, lse, q, k, v, B, T, H, Hd);
+    flash_forward_pick(p, HD, fm, out, lse, q, k, v, B, T, H, Hd, in16);
     return 1;
+}
+
+extern "C" int cuda_attention_operands16(int Hd)
+{
+    int cc, smem_max;
+    fa_device(&cc, &smem_max);
+    const int HD = Hd <= 64 ? 64 : 128;
+    return fm_family() && Hd % 16 == 0 && Hd <= 128 && fm_forward_smem(HD) <= (size_t)smem_max &&
+           fm_backward_smem(HD) <= (size_t)smem_max;
 }
 
 /* Whether the backward's tensor-core path, if taken, runs the mma.sync kernels: a 16-bit
@@ -1440,14 +1489,18 @@ static size_t flash_backward_copies(int B, int T, int H, int Hd)
 
 static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                           const float *dsum, const real *q, const real *k, const real *v, int B,
-                          int T, int H, int Hd, uint16_t *c16)
+                          int T, int H, int Hd, uint16_t *c16, int in16)
 {
     const int HD = Hd <= 64 ? 64 : 128, fm = fm_backward_used();
     const void *ptrs[7] = {dq, dk, dv, dout, q, k, v};
     const moe_precision p =
         fa_precision(Hd, fm ? fm_backward_smem(HD) : fa_backward_smem(HD), ptrs, 7);
+    if (in16 && (p == MOE_PREC_FP32 || !fm || !c16)) {
+        MOE_CUDA_FAIL("attention backward: 16-bit q, k, v need the mma.sync kernels (Hd %d)", Hd);
+        return 1;
+    }
     if (p == MOE_PREC_FP32 || (fm && !c16))
         return 0;
-    flash_backward_pick(p, HD, fm, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16);
+    flash_backward_pick(p, HD, fm, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, in16);
     return 1;
 }

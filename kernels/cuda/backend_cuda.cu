@@ -415,6 +415,7 @@ extern "C" moe_status cuda_gemm_set_precision(moe_precision p, const real *param
                                               size_t max_operand);
 extern "C" moe_status cuda_gemm_refresh_shadow(void);
 extern "C" moe_status cuda_gemm_mark_operand(const void *p, size_t n);
+extern "C" int cuda_attention_operands16(int Hd);
 
 static moe_status cuda_set_precision(moe_precision p, const real *params, size_t n_params,
                                      size_t max_operand)
@@ -475,6 +476,7 @@ static void fill_table(moe_backend *b)
     b->set_precision = cuda_set_precision;
     b->refresh_shadow = cuda_refresh_shadow;
     b->mark_operand = cuda_gemm_mark_operand;
+    b->attention_operands16 = cuda_attention_operands16;
     b->gemm_rate = cuda_gemm_rate;
     b->mem_in_use = cuda_mem_in_use;
     b->profile = cuda_profile;

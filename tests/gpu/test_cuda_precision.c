@@ -11,7 +11,8 @@
  * stores the bits the rounding would give, and the GEMMs reading it give the same bits;
  * the grouped backward's write flags write dx and dw without reading them; the experts'
  * gate and up projections as one pair op (strided batches where the GEMMs run one by
- * one); GEMM outputs marked as 16-bit and SwiGLU reading them.
+ * one); GEMM outputs marked as 16-bit and SwiGLU reading them; 16-bit logits into the
+ * cross-entropy; 16-bit q, k, v into rope and the attention.
  * Without a GPU: SKIP, exit 77. */
 #include <math.h>
 #include <stdio.h>
@@ -719,6 +720,91 @@ static void check_attention(moe_precision p, const char *mode, double bound, int
     free(pre);
 }
 
+/* q, k, v marked as 16-bit, as the model marks them where attention_operands16 says so
+ * (the GEMMs write them in 16 bits, rope rotates them so): the attention forward and
+ * backward must give the bits they give from fp32 buffers holding the same (widened)
+ * values, which they round to those 16 bits themselves; rope_forward on a marked buffer
+ * must store the rounding of the fp32 rotation of the widened values, bit for bit. */
+static void check_attention_marked(moe_precision p, const char *mode, int B, int T, int H, int Hd)
+{
+    const size_t n = (size_t)B * T * H * Hd, nl = (size_t)B * H * T;
+    if (p == MOE_PREC_FP32 || !gpu->attention_operands16(Hd))
+        return;
+    if (gpu->set_precision(p, NULL, 0, 0) != MOE_OK) {
+        printf("FAIL %s: set_precision\n", mode);
+        failures++;
+        return;
+    }
+    uint16_t *b16 = malloc(sizeof(uint16_t) * n);
+    float *hw = malloc(sizeof(float) * n), *got = malloc(sizeof(float) * n);
+    float *d32[4], *d16[3], *o[2], *l[2], *g[2][3];
+    for (int a = 0; a < 4; a++) { /* q, k, v, dout */
+        fill(hw, n, 40 + a, 1.0);
+        if (a < 3) { /* the 16-bit values, and the same widened into fp32 */
+            for (size_t i = 0; i < n; i++) {
+                b16[i] = p == MOE_PREC_BF16 ? moe_bf16_round(hw[i]) : moe_fp16_round(hw[i]);
+                hw[i] = p == MOE_PREC_BF16 ? moe_bf16_widen(b16[i]) : moe_fp16_widen(b16[i]);
+            }
+            d16[a] = gpu->alloc(sizeof(float) * n);
+            gpu->copy(d16[a], b16, sizeof(uint16_t) * n, MOE_COPY_H2D);
+        }
+        d32[a] = dev_copy(hw, n);
+    }
+    int st = 0;
+    for (int a = 0; a < 3; a++)
+        st += gpu->mark_operand(d16[a], n) != MOE_OK;
+    for (int k = 0; k < 2; k++) {
+        float *const *in = k ? d16 : d32;
+        o[k] = gpu->alloc(sizeof(float) * n);
+        l[k] = gpu->alloc(sizeof(float) * nl);
+        gpu->attention_forward(o[k], l[k], in[0], in[1], in[2], B, T, H, Hd);
+        for (int a = 0; a < 3; a++)
+            g[k][a] = gpu->alloc(sizeof(float) * n);
+        gpu->attention_backward(g[k][0], g[k][1], g[k][2], d32[3], o[0], l[0], in[0], in[1], in[2],
+                                B, T, H, Hd);
+    }
+    char what[80];
+    snprintf(what, sizeof what, "attention 16-bit q,k,v T=%d Hd=%d: same bits", T, Hd);
+    report(what, mode,
+           st + differ(o[0], o[1], n) + differ(l[0], l[1], nl) + differ(g[0][0], g[1][0], n) +
+               differ(g[0][1], g[1][1], n) + differ(g[0][2], g[1][2], n),
+           0.0);
+    /* rope on the marked q against the rounding of rope on the fp32 copy */
+    float *cs = gpu->alloc(sizeof(float) * (size_t)T * Hd), *sn = cs + (size_t)T * Hd / 2;
+    gpu->rope_tables(cs, sn, T, Hd, 10000.0);
+    gpu->rope_forward(d32[0], cs, sn, B, T, H, Hd);
+    gpu->rope_forward(d16[0], cs, sn, B, T, H, Hd);
+    to_host(got, d32[0], n);
+    uint16_t *r16 = malloc(sizeof(uint16_t) * n);
+    gpu->copy(r16, d16[0], sizeof(uint16_t) * n, MOE_COPY_D2H);
+    int bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += r16[i] != (p == MOE_PREC_BF16 ? moe_bf16_round(got[i]) : moe_fp16_round(got[i]));
+    snprintf(what, sizeof what, "rope 16-bit T=%d Hd=%d: rounded fp32 rotation", T, Hd);
+    report(what, mode, bad, 0.0);
+    if (gpu->sync() != MOE_OK) {
+        printf("FAIL %s: the backend reported an error\n", mode);
+        failures++;
+    }
+    for (int a = 0; a < 3; a++) {
+        gpu->mark_operand(d16[a], 0);
+        gpu->release(d16[a]);
+    }
+    for (int a = 0; a < 4; a++)
+        gpu->release(d32[a]);
+    for (int k = 0; k < 2; k++) {
+        gpu->release(o[k]);
+        gpu->release(l[k]);
+        for (int a = 0; a < 3; a++)
+            gpu->release(g[k][a]);
+    }
+    gpu->release(cs);
+    free(b16);
+    free(hw);
+    free(got);
+    free(r16);
+}
+
 /* The attention shapes of one precision: a tail tile (T = 200), one token, Hd = 128, a
  * padded head dim (Hd = 32) with dk NULL, Hd = 40 (not a multiple of 16: fp32 kernels in
  * every mode), and T = 700. */
@@ -730,6 +816,9 @@ static void check_attention_mode(moe_precision p, const char *mode, double bound
     check_attention(p, mode, bound, 1, 77, 2, 32, 1);
     check_attention(p, mode, bound, 1, 70, 2, 40, 0);
     check_attention(p, mode, bound, 1, 700, 2, 64, 0); /* 11 tiles: long causal walks */
+    check_attention_marked(p, mode, 2, 200, 3, 64);
+    check_attention_marked(p, mode, 1, 77, 2, 32);
+    check_attention_marked(p, mode, 2, 200, 3, 128);
 }
 
 int main(void)
