@@ -29,13 +29,7 @@ extern "C" void cuda_rope_tables(real *cos_t, real *sin_t, int T, int Hd, double
                     MOE_CUDA_THREADS, 0, cos_t, sin_t, T, Hd, theta);
 }
 
-/* x1' = x1 c - x2 s', x2' = x2 c + x1 s' with s' = dir * s, for V consecutive pairs
- * (i .. i+V-1, i + Hd/2 .. i + Hd/2 + V-1) of one head: V = 4 reads them with float4
- * (x, cos_t and sin_t 16-byte aligned, Hd/2 % 4 == 0), V = 1 one float each (moe_fvec,
- * cuda_common.cuh).
- * Block (tx, ty): ty rows of x (B*T rows of H heads of Hd) per block, tx threads over the
- * H * (Hd/2)/V groups of a row, so the only divisions are 32-bit ones per group. */
-/* V values at element p of a 16-bit buffer, widened (8 bytes when V = 4), and back. */
+/* V values at p of a 16-bit buffer, widened (8 bytes when V = 4). */
 template <int V> static __device__ __forceinline__ moe_fvec<V> load16_v(const uint16_t *p, int bf16)
 {
     moe_fvec<V> r;
@@ -48,7 +42,13 @@ template <int V> static __device__ __forceinline__ moe_fvec<V> load16_v(const ui
     return r;
 }
 
-/* X16: x holds 16-bit values (bf16 when bf16, else fp16). */
+/* x1' = x1 c - x2 s', x2' = x2 c + x1 s' with s' = dir * s, for V consecutive pairs
+ * (i .. i+V-1, i + Hd/2 .. i + Hd/2 + V-1) of one head: V = 4 reads them with float4
+ * (x, cos_t and sin_t 16-byte aligned, Hd/2 % 4 == 0), V = 1 one float each (moe_fvec,
+ * cuda_common.cuh).
+ * Block (tx, ty): ty rows of x (B*T rows of H heads of Hd) per block, tx threads over the
+ * H * (Hd/2)/V groups of a row, so the only divisions are 32-bit ones per group.
+ * X16: x holds 16-bit values (bf16 when bf16, else fp16). */
 template <int V, int X16>
 static __global__ void rope_rotate_kernel(real *x, const real *cos_t, const real *sin_t, int rows,
                                           int T, int H, int Hd, real dir, int bf16)
