@@ -30,7 +30,7 @@ static int flash_forward(real *out, real *lse, const real *q, const real *k, con
 static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                           const float *dsum, const real *q, const real *k, const real *v, int B,
                           int T, int H, int Hd, uint16_t *c16, int in16);
-static size_t flash_backward_copies(int B, int T, int H, int Hd);
+static size_t flash_backward_copies(int B, int T, int H, int Hd, int in16);
 
 #define ATT_WARPS 8 /* queries (forward, dq) or keys (dk, dv) per block */
 #define ATT_TILE 32 /* keys (or queries) per shared tile: one per lane */
@@ -292,7 +292,10 @@ extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real
     if (B <= 0 || T <= 0 || H <= 0 || Hd <= 0 || (!dq && !dk && !dv) || !head_dim_ok(Hd))
         return;
     const size_t rows = (size_t)B * H * T, dsum_bytes = (sizeof(float) * rows + 255) / 256 * 256;
-    const size_t copies = flash_backward_copies(B, T, H, Hd); /* after dsum, in the scratch */
+    const int in16 = qkv16(q, k, v, (size_t)B * T * H * Hd);
+    if (in16 < 0)
+        return;
+    const size_t copies = flash_backward_copies(B, T, H, Hd, in16); /* after dsum */
     char *scratch = (char *)moe_cuda_scratch(dsum_bytes + sizeof(uint16_t) * copies);
     if (!scratch)
         return;
@@ -301,8 +304,7 @@ extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real
     const float scale = (float)(1.0 / sqrt((double)Hd));
     MOE_CUDA_LAUNCH(attention_dsum_kernel, (unsigned)((rows + ATT_WARPS - 1) / ATT_WARPS),
                     ATT_THREADS, 0, dsum, dout, out, B, T, H, Hd);
-    const int in16 = qkv16(q, k, v, (size_t)B * T * H * Hd);
-    if (in16 < 0 || flash_backward(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, in16))
+    if (flash_backward(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, in16))
         return;
     const dim3 grid((T + ATT_WARPS - 1) / ATT_WARPS, H, B);
     const size_t tile = (size_t)ATT_TILE * (Hd + 1), rowsmem = (size_t)ATT_WARPS * Hd;
@@ -1350,7 +1352,8 @@ static void flash_forward_run(real *out, real *lse, const real *q, const real *k
     }
 }
 
-/* c16: room for 4 x B*T*H*Hd 16-bit values (the FM kernels' copies of q, k, v, dout). */
+/* c16: room for the FM kernels' 16-bit copies of q, k, v and dout, B*T*H*Hd values each
+ * (dout's alone, first, when in16). */
 template <class T16, int HD, int FM>
 static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                                const float *dsum, const real *q, const real *k, const real *v,
@@ -1368,7 +1371,9 @@ static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, c
         const size_t n = (size_t)B * T * H * Hd, smem = fm_backward_smem(HD);
         if (!fa_smem((const void *)kdq, smem) || !fa_smem((const void *)kdkv, smem))
             return;
-        const T16 *q16 = (const T16 *)c16, *k16 = q16 + n, *v16 = k16 + n, *g16 = v16 + n;
+        uint16_t *dout16 = in16 ? c16 : c16 + 3 * n;
+        const T16 *q16 = (const T16 *)c16, *k16 = q16 + n, *v16 = k16 + n;
+        const T16 *g16 = (const T16 *)dout16;
         if (in16) { /* q, k, v hold their 16-bit values: only dout is copied */
             q16 = (const T16 *)q;
             k16 = (const T16 *)k;
@@ -1378,7 +1383,7 @@ static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, c
             cuda_round_operand(c16 + n, k, n);
             cuda_round_operand(c16 + 2 * n, v, n);
         }
-        cuda_round_operand(c16 + 3 * n, dout, n);
+        cuda_round_operand(dout16, dout, n);
         if (dq)
             MOE_CUDA_LAUNCH(kdq, grid, FA_THREADS, smem, dq, g16, lse, dsum, q16, k16, v16, T, H,
                             Hd, scale, sl2);
@@ -1480,11 +1485,12 @@ extern "C" int cuda_attention_operands16(int Hd)
  * even when fa_precision then sends the op to the fp32 kernels). */
 static int fm_backward_used(void) { return cuda_gemm_precision() != MOE_PREC_FP32 && fm_family(); }
 
-/* The 16-bit values flash_backward needs room for in c16: 4 copies for the mma.sync
- * kernels, else none. */
-static size_t flash_backward_copies(int B, int T, int H, int Hd)
+/* The 16-bit values flash_backward needs room for in c16: for the mma.sync kernels 4
+ * copies (q, k, v, dout), or dout's alone where q, k, v hold 16-bit values (in16); else
+ * none. */
+static size_t flash_backward_copies(int B, int T, int H, int Hd, int in16)
 {
-    return fm_backward_used() ? 4 * (size_t)B * T * H * Hd : 0;
+    return fm_backward_used() ? (in16 ? 1 : 4) * (size_t)B * T * H * Hd : 0;
 }
 
 static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const real *lse,

@@ -88,6 +88,27 @@ static __device__ __forceinline__ float4 moe_widen16x4(uint2 v, int bf16)
         moe_widen16((uint16_t)(v.y & 0xffffu), bf16), moe_widen16((uint16_t)(v.y >> 16), bf16));
 }
 
+/* Element i of a buffer that holds fp32 values, or 16-bit ones (bf16 or fp16 by `bf16`)
+ * when IN16: an input a GEMM may have written in 16 bits (backend.h mark_operand). */
+template <int IN16>
+static __device__ __forceinline__ float moe_ld(const void *p, size_t i, int bf16)
+{
+    if constexpr (IN16)
+        return moe_widen16(((const uint16_t *)p)[i], bf16);
+    else
+        return ((const real *)p)[i];
+}
+
+/* Elements e .. e + 3 of such a buffer (e a multiple of 4; one float4, or 8 bytes). */
+template <int IN16>
+static __device__ __forceinline__ float4 moe_ld4(const void *p, size_t e, int bf16)
+{
+    if constexpr (IN16)
+        return moe_widen16x4(((const uint2 *)p)[e / 4], bf16);
+    else
+        return ((const float4 *)p)[e / 4];
+}
+
 /* The backend's cuBLASLt handle and its persistent workspace (matmul.cu). */
 cublasLtHandle_t moe_cuda_lt(void);
 void *moe_cuda_workspace(size_t *nbytes);
@@ -240,6 +261,21 @@ template <int V> static __device__ __forceinline__ void moe_store_v(real *p, con
         *(float4 *)p = make_float4(r.v[0], r.v[1], r.v[2], r.v[3]);
     else
         *p = r.v[0];
+}
+
+/* V values at p of a 16-bit buffer, widened (8 bytes when V = 4; the reverse of
+ * moe_store16_v). */
+template <int V>
+static __device__ __forceinline__ moe_fvec<V> moe_load16_v(const uint16_t *p, int bf16)
+{
+    moe_fvec<V> r;
+    if constexpr (V == 4) {
+        const float4 t = moe_ld4<1>(p, 0, bf16);
+        r.v[0] = t.x, r.v[1] = t.y, r.v[2] = t.z, r.v[3] = t.w;
+    } else {
+        r.v[0] = moe_ld<1>(p, 0, bf16);
+    }
+    return r;
 }
 
 /* The same V values rounded to 16 bits (moe_round16) at p (8-byte aligned when V = 4):

@@ -69,26 +69,6 @@ template <typename F> static __device__ void ce_block_merge(float &m, double &s)
     }
 }
 
-/* Logit i of the buffer (16-bit when L16). */
-template <bool L16>
-static __device__ __forceinline__ float ce_logit(const real *logits, size_t i, int bf16)
-{
-    if constexpr (L16)
-        return moe_widen16(((const uint16_t *)logits)[i], bf16);
-    else
-        return logits[i];
-}
-
-/* Logits 4c .. 4c + 3 from row start `row` (an element index; float4 or 8 bytes). */
-template <bool L16>
-static __device__ __forceinline__ float4 ce_logit4(const real *logits, size_t row, int c, int bf16)
-{
-    if constexpr (L16)
-        return moe_widen16x4(((const uint2 *)((const uint16_t *)logits + row))[c], bf16);
-    else
-        return ((const float4 *)(logits + row))[c];
-}
-
 /* One row of the forward (block n = blockIdx.x); V4: the row is read as float4. */
 template <typename F, bool V4, bool L16>
 static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, const real *logits,
@@ -100,7 +80,7 @@ static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, c
     double s = 0.0;
     if (V4) {
         for (int c = threadIdx.x; c < V / 4; c += blockDim.x) {
-            const float4 x = ce_logit4<L16>(logits, row, c, bf16);
+            const float4 x = moe_ld4<L16>(logits, row + 4 * (size_t)c, bf16);
             ce_raise<F>(m, s, fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
             s += ce_exp<F>(x.x, m);
             s += ce_exp<F>(x.y, m);
@@ -109,7 +89,7 @@ static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, c
         }
     } else {
         for (int v = threadIdx.x; v < V; v += blockDim.x) {
-            const float x = ce_logit<L16>(logits, row + v, bf16);
+            const float x = moe_ld<L16>(logits, row + v, bf16);
             ce_raise<F>(m, s, x);
             s += ce_exp<F>(x, m);
         }
@@ -118,7 +98,7 @@ static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, c
     if (threadIdx.x == 0) {
         const double r = (double)m + log(s);
         lse[n] = (real)r;
-        losses[n] = (real)(r - ce_logit<L16>(logits, row + targets[n], bf16));
+        losses[n] = (real)(r - moe_ld<L16>(logits, row + targets[n], bf16));
     }
 }
 
@@ -178,7 +158,7 @@ static __device__ __forceinline__ void ce_backward_cols(real *dlogits, const rea
     const size_t row = (size_t)n * V;
     if (V4) {
         for (int c = first; c < V / 4; c += stride) {
-            const float4 x = ce_logit4<L16>(logits, row, c, bf16);
+            const float4 x = moe_ld4<L16>(logits, row + 4 * (size_t)c, bf16);
             const int v = 4 * c;
             const float4 d = make_float4(
                 ce_grad<F>(x.x, s, v == t, dloss), ce_grad<F>(x.y, s, v + 1 == t, dloss),
@@ -190,7 +170,7 @@ static __device__ __forceinline__ void ce_backward_cols(real *dlogits, const rea
         }
     } else {
         for (int v = first; v < V; v += stride) {
-            const real d = ce_grad<F>(ce_logit<L16>(logits, row + v, bf16), s, v == t, dloss);
+            const real d = ce_grad<F>(moe_ld<L16>(logits, row + v, bf16), s, v == t, dloss);
             if (O16)
                 ((uint16_t *)dlogits)[row + v] = moe_round16(d, bf16);
             else
@@ -230,6 +210,41 @@ static __global__ void cross_entropy_fused_kernel(real *losses, real *lse, real 
                                       threadIdx.x, blockDim.x);
 }
 
+/* The instance a launcher runs, as a type: F the sums' type, V4 (rows read as float4),
+ * O16 (16-bit gradients written), L16 (16-bit logits read). */
+template <typename F_, bool V4_, bool O16_, bool L16_> struct ce_kind {
+    typedef F_ F;
+    static constexpr bool V4 = V4_, O16 = O16_, L16 = L16_;
+};
+
+template <bool V4, bool O16, typename Launch> static void ce_pick_l16(int l16, Launch &launch)
+{
+    if (l16)
+        launch(ce_kind<float, V4, O16, true>());
+    else
+        launch(ce_kind<float, V4, O16, false>());
+}
+
+/* launch(ce_kind<...>()) for the flags: sums in double in fp32 (where no buffer is
+ * marked, so never o16 or l16), in float in the 16-bit precisions. */
+template <typename Launch> static void ce_pick(int v4, int o16, int l16, Launch launch)
+{
+    if (cuda_gemm_precision() == MOE_PREC_FP32) {
+        if (v4)
+            launch(ce_kind<double, true, false, false>());
+        else
+            launch(ce_kind<double, false, false, false>());
+    } else if (v4 && o16) {
+        ce_pick_l16<true, true>(l16, launch);
+    } else if (v4) {
+        ce_pick_l16<true, false>(l16, launch);
+    } else if (o16) {
+        ce_pick_l16<false, true>(l16, launch);
+    } else {
+        ce_pick_l16<false, false>(l16, launch);
+    }
+}
+
 extern "C" void cuda_cross_entropy_backward(real *dlogits, const real *logits, const real *lse,
                                             const int32_t *targets, real dloss, int N, int V)
 {
@@ -243,26 +258,11 @@ extern "C" void cuda_cross_entropy_backward(real *dlogits, const real *logits, c
     const int cols = v4 ? V / 4 : V; /* items per row */
     const unsigned per_row = (unsigned)((cols + MOE_CUDA_THREADS - 1) / MOE_CUDA_THREADS);
     const dim3 grid((unsigned)N, per_row < 65535 ? per_row : 65535); /* grid.y <= 65535 */
-#define CE_BACKWARD(F, V4, O16, L16)                                                               \
-    MOE_CUDA_LAUNCH((cross_entropy_backward_kernel<F, V4, O16, L16>), grid, MOE_CUDA_THREADS, 0,   \
-                    dlogits, logits, lse, targets, dloss, V, bf16)
-#define CE_BACKWARD_L(V4, O16)                                                                     \
-    do {                                                                                           \
-        if (l16)                                                                                   \
-            CE_BACKWARD(float, V4, O16, true);                                                     \
-        else                                                                                       \
-            CE_BACKWARD(float, V4, O16, false);                                                    \
-    } while (0)
-    if (cuda_gemm_precision() == MOE_PREC_FP32) { /* never o16 or l16 */
-        if (v4)
-            CE_BACKWARD(double, true, false, false);
-        else
-            CE_BACKWARD(double, false, false, false);
-    } else {
-        MOE_CUDA_PICK2(v4, o16, CE_BACKWARD_L, true, false, true, false);
-    }
-#undef CE_BACKWARD_L
-#undef CE_BACKWARD
+    ce_pick(v4, o16, l16, [&](auto kind) {
+        typedef decltype(kind) K;
+        MOE_CUDA_LAUNCH((cross_entropy_backward_kernel<typename K::F, K::V4, K::O16, K::L16>), grid,
+                        MOE_CUDA_THREADS, 0, dlogits, logits, lse, targets, dloss, V, bf16);
+    });
 }
 
 extern "C" void cuda_cross_entropy_fused(real *losses, real *lse, real *dlogits, const real *logits,
@@ -283,24 +283,9 @@ extern "C" void cuda_cross_entropy_fused(real *losses, real *lse, real *dlogits,
     int bf16 = 0;
     const int o16 = cuda_operand_in_place(dlogits, (size_t)N * V, &bf16);
     const int l16 = logits16(logits, (size_t)N * V, &bf16);
-#define CE_FUSED(F, V4, O16, L16)                                                                  \
-    MOE_CUDA_LAUNCH((cross_entropy_fused_kernel<F, V4, O16, L16>), N, MOE_CUDA_THREADS, 0, losses, \
-                    lse, dlogits, logits, targets, dloss, V, bf16)
-#define CE_FUSED_L(V4, O16)                                                                        \
-    do {                                                                                           \
-        if (l16)                                                                                   \
-            CE_FUSED(float, V4, O16, true);                                                        \
-        else                                                                                       \
-            CE_FUSED(float, V4, O16, false);                                                       \
-    } while (0)
-    if (cuda_gemm_precision() == MOE_PREC_FP32) { /* never o16 or l16 */
-        if (v4)
-            CE_FUSED(double, true, false, false);
-        else
-            CE_FUSED(double, false, false, false);
-    } else {
-        MOE_CUDA_PICK2(v4, o16, CE_FUSED_L, true, false, true, false);
-    }
-#undef CE_FUSED_L
-#undef CE_FUSED
+    ce_pick(v4, o16, l16, [&](auto kind) {
+        typedef decltype(kind) K;
+        MOE_CUDA_LAUNCH((cross_entropy_fused_kernel<typename K::F, K::V4, K::O16, K::L16>), N,
+                        MOE_CUDA_THREADS, 0, losses, lse, dlogits, logits, targets, dloss, V, bf16);
+    });
 }

@@ -769,6 +769,19 @@ extern "C" void cuda_grouped_matmul_forward(real *out, const real *x, const real
     grouped_flush(&batch);
 }
 
+/* Where group g is empty and starts a run of empty groups: the run's slices of OI
+ * elements of dw zeroed with one memset (a weight gradient written, not added to). */
+static void zero_empty_run(real *dw, const int *offsets, int g, int G, size_t OI)
+{
+    if (g > 0 && offsets[g] == offsets[g - 1])
+        return; /* inside a run: zeroed where it started */
+    int e = g + 1;
+    while (e < G && offsets[e + 1] == offsets[e])
+        e++;
+    MOE_CUDA_OK(
+        cudaMemsetAsync(dw + (size_t)g * OI, 0, sizeof(real) * OI * (e - g), moe_cuda_stream()));
+}
+
 /* write (ops.h): the weight gradients (MOE_WRITE_DW) or the input gradient (MOE_WRITE_DX)
  * are written with beta 0, so their old contents are not read; the weight gradients'
  * slices of empty groups are zeroed, each run of them with one memset. */
@@ -785,13 +798,8 @@ extern "C" void cuda_grouped_matmul_backward(real *dx, real *dw, const real *dou
     for (int g = 0; g < G; g++) { /* as linear_backward, per group */
         const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
         if (rows <= 0) {
-            if (dw && dw_first && (g == 0 || offsets[g] > offsets[g - 1])) { /* a run starts */
-                int e = g + 1;
-                while (e < G && offsets[e + 1] == offsets[e])
-                    e++;
-                MOE_CUDA_OK(cudaMemsetAsync(dw + (size_t)g * OI, 0, sizeof(real) * OI * (e - g),
-                                            moe_cuda_stream()));
-            }
+            if (dw && dw_first)
+                zero_empty_run(dw, offsets, g, G, OI);
             continue;
         }
         if (dx)
@@ -876,18 +884,14 @@ extern "C" void cuda_grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb
     const int dw_first = (write & MOE_WRITE_DW) != 0, dx_first = (write & MOE_WRITE_DX) != 0;
     const void *xo = rounded_operand(x, M * I, 0);
     const void *wao = dx ? weight_operand(wa) : NULL, *wbo = dx ? weight_operand(wb) : NULL;
-    for (int pass = 0; pass < 2; pass++) { /* dx_b adds to dx_a: after the join of pass 0 */
+    const int dx16 = output16(dx, M * I, 1); /* 0: pass 1 adds to it (a marked dx fails) */
+    for (int pass = 0; pass < 2; pass++) {   /* dx_b adds to dx_a: after the join of pass 0 */
         for (int g = 0; g < G; g++) {
             const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
             if (rows <= 0) {
-                if (pass == 0 && dw_first && (g == 0 || offsets[g] > offsets[g - 1])) {
-                    int e = g + 1; /* a run of empty groups starts: both slices zeroed */
-                    while (e < G && offsets[e + 1] == offsets[e])
-                        e++;
-                    MOE_CUDA_OK(cudaMemsetAsync(dwa + (size_t)g * OI, 0,
-                                                sizeof(real) * OI * (e - g), moe_cuda_stream()));
-                    MOE_CUDA_OK(cudaMemsetAsync(dwb + (size_t)g * OI, 0,
-                                                sizeof(real) * OI * (e - g), moe_cuda_stream()));
+                if (pass == 0 && dw_first) {
+                    zero_empty_run(dwa, offsets, g, G, OI);
+                    zero_empty_run(dwb, offsets, g, G, OI);
                 }
                 continue;
             }
@@ -895,7 +899,7 @@ extern "C" void cuda_grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb
             if (pass == 0) {
                 if (dx)
                     grouped_add(&batch, 0, 0, I, rows, O, at(wao, (size_t)g * OI), I, da, O,
-                                dx + (size_t)m0 * I, I, !dx_first, output16(dx, M * I, 1));
+                                dx + (size_t)m0 * I, I, !dx_first, dx16);
                 grouped_add_pair(&batch, 0, 1, I, O, rows, at(xo, (size_t)m0 * I), I, da, O,
                                  dwa + (size_t)g * OI, I, !dw_first, 0, s);
             } else if (dx) {

@@ -29,19 +29,6 @@ extern "C" void cuda_rope_tables(real *cos_t, real *sin_t, int T, int Hd, double
                     MOE_CUDA_THREADS, 0, cos_t, sin_t, T, Hd, theta);
 }
 
-/* V values at p of a 16-bit buffer, widened (8 bytes when V = 4). */
-template <int V> static __device__ __forceinline__ moe_fvec<V> load16_v(const uint16_t *p, int bf16)
-{
-    moe_fvec<V> r;
-    if constexpr (V == 4) {
-        const float4 t = moe_widen16x4(*(const uint2 *)p, bf16);
-        r.v[0] = t.x, r.v[1] = t.y, r.v[2] = t.z, r.v[3] = t.w;
-    } else {
-        r.v[0] = moe_widen16(*p, bf16);
-    }
-    return r;
-}
-
 /* x1' = x1 c - x2 s', x2' = x2 c + x1 s' with s' = dir * s, for V consecutive pairs
  * (i .. i+V-1, i + Hd/2 .. i + Hd/2 + V-1) of one head: V = 4 reads them with float4
  * (x, cos_t and sin_t 16-byte aligned, Hd/2 % 4 == 0), V = 1 one float each (moe_fvec,
@@ -65,8 +52,8 @@ static __global__ void rope_rotate_kernel(real *x, const real *cos_t, const real
         const moe_fvec<V> c = moe_load_v<V>(ct + i), s = moe_load_v<V>(st + i);
         moe_fvec<V> a, b;
         if constexpr (X16) {
-            a = load16_v<V>((const uint16_t *)x + e1, bf16);
-            b = load16_v<V>((const uint16_t *)x + e2, bf16);
+            a = moe_load16_v<V>((const uint16_t *)x + e1, bf16);
+            b = moe_load16_v<V>((const uint16_t *)x + e2, bf16);
         } else {
             a = moe_load_v<V>(x + e1);
             b = moe_load_v<V>(x + e2);

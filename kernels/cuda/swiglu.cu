@@ -37,24 +37,6 @@ template <typename F> static __device__ __forceinline__ real db_term(F g, F x, F
     return (real)(g * x * s);
 }
 
-/* Reads of an input that is fp32, or 16-bit where it is marked (IN16: a buffer a GEMM
- * wrote in 16 bits, backend.h mark_operand). */
-template <int IN16> static __device__ __forceinline__ float ld1(const void *p, size_t i, int bf16)
-{
-    if constexpr (IN16)
-        return moe_widen16(((const uint16_t *)p)[i], bf16);
-    else
-        return ((const real *)p)[i];
-}
-
-template <int IN16> static __device__ __forceinline__ float4 ld4(const void *p, size_t i, int bf16)
-{
-    if constexpr (IN16)
-        return moe_widen16x4(((const uint2 *)p)[i], bf16);
-    else
-        return ((const float4 *)p)[i];
-}
-
 /* h16 (a buffer marked as holding its GEMM operand, in a 16-bit precision): h is written
  * there as 16 bits, the same value rounded as the GEMM would round the fp32 h; else h.
  * AB16: a and b are marked, 16-bit (the experts' gate and up outputs). */
@@ -64,7 +46,7 @@ static __global__ void swiglu_forward_kernel(real *h, uint16_t *h16, const void 
 {
     MOE_CUDA_GRID_STRIDE(i, n)
     {
-        const real v = swiglu_h<F>(ld1<AB16>(a, i, bf16), ld1<AB16>(b, i, bf16));
+        const real v = swiglu_h<F>(moe_ld<AB16>(a, i, bf16), moe_ld<AB16>(b, i, bf16));
         if (h16)
             h16[i] = moe_round16(v, bf16);
         else
@@ -79,7 +61,7 @@ static __global__ void swiglu_forward4_kernel(float4 *h, uint2 *h16, const void 
 {
     MOE_CUDA_GRID_STRIDE(i, n4)
     {
-        const float4 x = ld4<AB16>(a, i, bf16), y = ld4<AB16>(b, i, bf16);
+        const float4 x = moe_ld4<AB16>(a, 4 * i, bf16), y = moe_ld4<AB16>(b, 4 * i, bf16);
         const float4 v = make_float4(swiglu_h<F>(x.x, y.x), swiglu_h<F>(x.y, y.y),
                                      swiglu_h<F>(x.z, y.z), swiglu_h<F>(x.w, y.w));
         if (h16)
@@ -144,9 +126,9 @@ static __global__ void swiglu_backward_kernel(real *da, real *db, uint16_t *da16
 {
     MOE_CUDA_GRID_STRIDE(i, n)
     {
-        const F x = ld1<AB16>(a, i, bf16), s = sigmoid(x), g = ld1<AB16>(dh, i, bf16);
+        const F x = moe_ld<AB16>(a, i, bf16), s = sigmoid(x), g = moe_ld<AB16>(dh, i, bf16);
         if (da) {
-            const real v = da_term<F>(g, x, s, ld1<AB16>(b, i, bf16));
+            const real v = da_term<F>(g, x, s, moe_ld<AB16>(b, i, bf16));
             if (da16)
                 da16[i] = moe_round16(v, bf16);
             else
@@ -170,11 +152,11 @@ static __global__ void swiglu_backward4_kernel(float4 *da, float4 *db, uint2 *da
 {
     MOE_CUDA_GRID_STRIDE(i, n4)
     {
-        const float4 a4 = ld4<AB16>(a, i, bf16), g4 = ld4<AB16>(dh, i, bf16);
+        const float4 a4 = moe_ld4<AB16>(a, 4 * i, bf16), g4 = moe_ld4<AB16>(dh, 4 * i, bf16);
         const F x[4] = {a4.x, a4.y, a4.z, a4.w}, g[4] = {g4.x, g4.y, g4.z, g4.w};
         const F s[4] = {sigmoid(x[0]), sigmoid(x[1]), sigmoid(x[2]), sigmoid(x[3])};
         if (da) {
-            const float4 y = ld4<AB16>(b, i, bf16);
+            const float4 y = moe_ld4<AB16>(b, 4 * i, bf16);
             const float4 v =
                 make_float4(da_term<F>(g[0], x[0], s[0], y.x), da_term<F>(g[1], x[1], s[1], y.y),
                             da_term<F>(g[2], x[2], s[2], y.z), da_term<F>(g[3], x[3], s[3], y.w));
