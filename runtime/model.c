@@ -276,9 +276,11 @@ static void carve_chunk(moe_model *m, moe_chunk *ch, carve *c, carve *h)
     ch->ce_loss = TAKE(c, real, N);
     ch->dres = TAKE(c, real, N * D);
     ch->dh = TAKE(c, real, N * D);
-    ch->dyrecv = TAKE(c, real, R * D);
     ch->send_buf = TAKE(c, char, rows * m->row_bytes);
-    ch->recv_buf = TAKE(c, char, rows * m->row_bytes);
+    if (m->ep > 1) { /* at ep 1 the rows are read where they were packed (exchange_start) */
+        ch->dyrecv = TAKE(c, real, R * D);
+        ch->recv_buf = TAKE(c, char, rows * m->row_bytes);
+    }
     ch->aux_part = TAKE(c, double, router_aux_part_len(m->Nc, m->E));
 }
 
@@ -341,7 +343,11 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
  * likewise the LM head's logits, which only the cross-entropy reads (where they have a
  * gradient buffer of their own: on a device); and q, k, v where the backend's attention
  * reads them so (attention_operands16: rope rotates them in 16 bits, the attention takes
- * them without copies). on = 0 removes the marks. */
+ * them without copies). And the FFN's input h2 (read by GEMMs and by the dispatch's
+ * packing, which sends 16-bit rows in these precisions anyway), the received rows
+ * xrecv (unpacked in their 16 bits for the permutation) and the experts' output
+ * gradient deout (written by the combine's backward for the down projection's GEMMs).
+ * on = 0 removes the marks. */
 static moe_status mark_operands(moe_model *m, int on)
 {
     const size_t N = (size_t)m->Nc, Mx = (size_t)m->Mmax;
@@ -354,6 +360,8 @@ static moe_status mark_operands(moe_model *m, int on)
             MOE_CHECK(m->be->mark_operand(a->sh, on ? N * (size_t)m->Fs : 0));
             MOE_CHECK(m->be->mark_operand(a->eh, on ? Mx * (size_t)m->F : 0));
             MOE_CHECK(m->be->mark_operand(a->h1, on ? N * (size_t)m->D : 0));
+            MOE_CHECK(m->be->mark_operand(a->h2, on ? N * (size_t)m->D : 0));
+            MOE_CHECK(m->be->mark_operand(a->xrecv, on ? (size_t)m->Rmax * m->D : 0));
             MOE_CHECK(m->be->mark_operand(a->xperm, on ? Mx * (size_t)m->D : 0));
             MOE_CHECK(m->be->mark_operand(a->ea, on ? Mx * (size_t)m->F : 0));
             MOE_CHECK(m->be->mark_operand(a->eb, on ? Mx * (size_t)m->F : 0));
@@ -364,6 +372,7 @@ static moe_status mark_operands(moe_model *m, int on)
             }
         }
     MOE_CHECK(m->be->mark_operand(m->deh, on ? Mx * (size_t)m->F : 0));
+    MOE_CHECK(m->be->mark_operand(m->deout, on ? Mx * (size_t)m->D : 0));
     MOE_CHECK(m->be->mark_operand(m->dfa, on ? N * Fmax : 0));
     MOE_CHECK(m->be->mark_operand(m->dfb, on ? N * Fmax : 0));
     MOE_CHECK(m->be->mark_operand(m->dea, on ? Mx * (size_t)m->F : 0));
@@ -764,20 +773,24 @@ static void router_aux_layer(moe_model *m, int l, moe_fwd_stats *stats)
 
 /* Starts the chunk's exchange inside the EP group: send_rows[p] rows of row_nbytes bytes
  * (grouped by peer, in peer order) to each peer p; recv_rows[p] rows from each into
- * recv. It is in flight until exchange_finish; at ep 1 it is a copy, done at once. */
+ * recv. It is in flight until exchange_finish; the rows are then read at
+ * exchange_rows(m). At ep 1 nothing travels: the rows are read where they were packed
+ * (send), which no op writes before their reader has run. */
 static moe_status exchange_start(moe_model *m, const void *send, const int *send_rows, void *recv,
                                  const int *recv_rows, size_t row_nbytes)
 {
     moe_chunk *ch = &m->chunk[m->cur];
-    if (m->ep == 1) {
-        m->be->copy(recv, send, (size_t)send_rows[0] * row_nbytes, MOE_COPY_D2D);
+    ch->received = m->ep == 1 ? send : recv;
+    if (m->ep == 1)
         return MOE_OK;
-    }
     size_t *sc = m->xc_size, *sd = sc + m->ep, *rc = sd + m->ep, *rd = rc + m->ep;
     moe_comm_row_layout(m->ep, send_rows, recv_rows, row_nbytes, m->xc_size);
     return moe_comm_exchange_start(m->comm, send, sc, sd, recv, rc, rd, MOE_COMM_NONE,
                                    &ch->pending);
 }
+
+/* The rows the chunk's last exchange received. */
+static const void *exchange_rows(const moe_model *m) { return m->chunk[m->cur].received; }
 
 /* Waits for the chunk's exchange (on a GPU, the compute stream waits for it). */
 static moe_status exchange_finish(moe_model *m)
@@ -950,7 +963,7 @@ static moe_status layer_forward_experts(moe_model *m, int l)
         return MOE_OK;
     moe_comm_set_context(m->comm, "forward dispatch", l);
     MOE_CHECK(exchange_finish(m));
-    m->be->moe_unpack_dispatch(a->xrecv, a->lw, a->lidx, m->recv_buf, a->n_recv, m->D, m->K,
+    m->be->moe_unpack_dispatch(a->xrecv, a->lw, a->lidx, exchange_rows(m), a->n_recv, m->D, m->K,
                                m->dispatch_bytes, m->row_x16);
     moe_experts_forward(m, l, (real *)m->send_buf);
     return MOE_OK;
@@ -982,7 +995,7 @@ static moe_status layer_forward_end(moe_model *m, int l)
         swiglu_ffn_forward(m, out, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N, D, m->Fs);
     else
         m->be->zero(out, sizeof(real) * (size_t)N * D);
-    m->be->moe_permute_backward(out, (const real *)m->recv_buf, a->send_token, a->n_send, D,
+    m->be->moe_permute_backward(out, (const real *)exchange_rows(m), a->send_token, a->n_send, D,
                                 a->token_rows, N, m->ep);
     m->be->add_inplace(out, a->xmid, (size_t)N * D);
     return MOE_OK;
@@ -1227,7 +1240,7 @@ static moe_status layer_backward_experts(moe_model *m, int l)
         return MOE_OK;
     moe_comm_set_context(m->comm, "backward dispatch", l);
     MOE_CHECK(exchange_finish(m));
-    moe_experts_backward(m, l, m->dyrecv, (real *)m->send_buf);
+    moe_experts_backward(m, l, (const real *)exchange_rows(m), (real *)m->send_buf);
     moe_comm_set_context(m->comm, "backward combine", l);
     return exchange_start(m, m->send_buf, a->recv_rows, m->recv_buf, a->send_rows,
                           sizeof(real) * (m->D + m->K));
@@ -1245,7 +1258,7 @@ static moe_status layer_backward_end(moe_model *m, int l, int64_t step_sequences
         moe_comm_set_context(m->comm, "backward combine", l);
         MOE_CHECK(exchange_finish(m));
         m->be->zero(m->dw, sizeof(real) * (size_t)N * K);
-        m->be->moe_scatter_grad_rows(m->dh, m->dw, (const real *)m->recv_buf, a->send_token,
+        m->be->moe_scatter_grad_rows(m->dh, m->dw, (const real *)exchange_rows(m), a->send_token,
                                      a->n_send, D, K, a->token_rows, N, m->ep);
         router_backward_layer(m, l, step_sequences);
     }

@@ -112,10 +112,11 @@ typedef struct {
     real *dyrecv;                        /* (Rmax, D) */
     char *send_buf, *recv_buf;           /* packed exchange rows: max(rows) * row_bytes */
     double *aux_part;                    /* router_aux_part_len(Nc, E) */
-    double *aux_host; /* the same, fetched into host memory (read after the dispatch counts) */
-    int *pack_counts; /* MOE_PACK_COUNTS(ep, El): the dispatch counts, fetched likewise */
-    long mark;        /* the backend's queue mark after them */
-    int pending;      /* moe_comm_handle of its exchange in flight */
+    double *aux_host;     /* the same, fetched into host memory (read after the dispatch counts) */
+    int *pack_counts;     /* MOE_PACK_COUNTS(ep, El): the dispatch counts, fetched likewise */
+    long mark;            /* the backend's queue mark after them */
+    int pending;          /* moe_comm_handle of its exchange in flight */
+    const void *received; /* where its last exchange's rows arrive: recv, or at ep 1 send */
 } moe_chunk;
 
 typedef struct {

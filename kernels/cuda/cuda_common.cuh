@@ -183,6 +183,21 @@ void moe_cuda_prof_end(void);
             LAUNCH(X0, Y0);                                                                        \
     } while (0)
 
+/* The same for any number of run-time conditions, by type: f(moe_flag<a>(), moe_flag<b>(),
+ * ...) for the values of a, b, ... (f a generic lambda whose body names its kernel's
+ * instance by decltype(flag)::value). */
+template <bool B> struct moe_flag {
+    static constexpr bool value = B;
+};
+template <class F> static void moe_cuda_pick(F &&f) { f(); }
+template <class F, class... Rest> static void moe_cuda_pick(F &&f, bool a, Rest... rest)
+{
+    if (a)
+        moe_cuda_pick([&](auto... t) { f(moe_flag<true>(), t...); }, rest...);
+    else
+        moe_cuda_pick([&](auto... t) { f(moe_flag<false>(), t...); }, rest...);
+}
+
 #define MOE_CUDA_GRID_STRIDE(i, n)                                                                 \
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (size_t)(n);                \
          i += (size_t)blockDim.x * gridDim.x)

@@ -62,13 +62,61 @@ static __global__ void dispatch_counts_kernel(int *res, int *rowsrc, int32_t *to
     }
 }
 
+/* Values i .. i + V - 1 of a row's token part (x16 its format; V = 4: i % 4 == 0, the
+ * row 8-byte aligned), read and written. */
+template <int V> struct row_vals {
+    float v[V];
+};
+
+template <int V>
+static __device__ __forceinline__ void row_store(char *row, int i, const row_vals<V> &r, int x16)
+{
+    if (x16 == MOE_ROW_FP32) {
+        if constexpr (V == 4) { /* rows are 8-byte aligned: two 8-byte stores */
+            ((float2 *)row)[i / 2] = make_float2(r.v[0], r.v[1]);
+            ((float2 *)row)[i / 2 + 1] = make_float2(r.v[2], r.v[3]);
+        } else {
+            ((real *)row)[i] = r.v[0];
+        }
+    } else if constexpr (V == 4) {
+        ((uint2 *)row)[i / 4] =
+            moe_round16x4(make_float4(r.v[0], r.v[1], r.v[2], r.v[3]), x16 == MOE_ROW_BF16);
+    } else {
+        ((uint16_t *)row)[i] = moe_round16(r.v[0], x16 == MOE_ROW_BF16);
+    }
+}
+
+template <int V>
+static __device__ __forceinline__ row_vals<V> row_load(const char *row, int i, int x16)
+{
+    row_vals<V> r;
+    if (x16 == MOE_ROW_FP32) {
+        if constexpr (V == 4) {
+            const float2 a = ((const float2 *)row)[i / 2], b = ((const float2 *)row)[i / 2 + 1];
+            r.v[0] = a.x, r.v[1] = a.y, r.v[2] = b.x, r.v[3] = b.y;
+        } else {
+            r.v[0] = ((const real *)row)[i];
+        }
+    } else if constexpr (V == 4) {
+        const float4 t = moe_ld4<1>(row, (size_t)i, x16 == MOE_ROW_BF16);
+        r.v[0] = t.x, r.v[1] = t.y, r.v[2] = t.z, r.v[3] = t.w;
+    } else {
+        r.v[0] = moe_ld<1>(row, (size_t)i, x16 == MOE_ROW_BF16);
+    }
+    return r;
+}
+
+/* One thread per group of V token values (V = 4: D % 4 == 0, x 16-byte aligned) or per
+ * weight or expert id of a row. X16: x is marked as holding 16-bit values (bf16 by
+ * `bf16`), read as such. */
+template <int V, bool X16>
 static __global__ void dispatch_fill_kernel(char *rows, int32_t *send_token, const int *rowsrc,
                                             const real *x, const int32_t *idx, const real *w,
                                             const int32_t *slot_row, const int32_t *expert_rank,
                                             const int32_t *expert_local, const int *n_rows, int N,
-                                            int D, int K, size_t row_bytes, int x16)
+                                            int D, int K, size_t row_bytes, int x16, int bf16)
 {
-    const int W = D + 2 * K, n = *n_rows;
+    const int GD = D / V, W = GD + 2 * K, n = *n_rows;
     const size_t tb = moe_dispatch_token_bytes(D, x16);
     MOE_CUDA_GRID_STRIDE(e, (size_t)n * W)
     {
@@ -78,20 +126,22 @@ static __global__ void dispatch_fill_kernel(char *rows, int32_t *send_token, con
         real *wt = (real *)(row + tb);
         if (j == 0)
             send_token[r] = t;
-        if (j < D) {
-            const real v = x[(size_t)t * D + j];
-            if (x16 == MOE_ROW_FP32)
-                ((real *)row)[j] = v;
-            else if (x16 == MOE_ROW_BF16)
-                ((__nv_bfloat16 *)row)[j] = __float2bfloat16_rn(v);
-            else
-                ((__half *)row)[j] = __float2half_rn(v);
-        } else if (j < D + K) {
-            const int a = t * K + (j - D);
-            wt[j - D] = on_dest(idx, slot_row, expert_rank, a, p) ? w[a] : (real)0;
+        if (j < GD) {
+            const size_t at = (size_t)t * D + (size_t)j * V;
+            row_vals<V> v;
+            if constexpr (V == 4) {
+                const float4 q = moe_ld4<X16>(x, at, bf16);
+                v.v[0] = q.x, v.v[1] = q.y, v.v[2] = q.z, v.v[3] = q.w;
+            } else {
+                v.v[0] = moe_ld<X16>(x, at, bf16);
+            }
+            row_store<V>(row, j * V, v, x16);
+        } else if (j < GD + K) {
+            const int a = t * K + (j - GD);
+            wt[j - GD] = on_dest(idx, slot_row, expert_rank, a, p) ? w[a] : (real)0;
         } else {
-            const int a = t * K + (j - D - K);
-            ((int32_t *)(wt + K))[j - D - K] =
+            const int a = t * K + (j - GD - K);
+            ((int32_t *)(wt + K))[j - GD - K] =
                 on_dest(idx, slot_row, expert_rank, a, p) ? expert_local[idx[a]] : -1;
         }
     }
@@ -132,33 +182,54 @@ extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int32_t 
     MOE_CUDA_LAUNCH(dispatch_counts_kernel, blocks, MOE_CUDA_THREADS, 0, res, rowsrc, token_rows,
                     rowidx, assign, N, P);
     /* the row count stays on the device: the fill covers the most rows there can be */
-    MOE_CUDA_LAUNCH(dispatch_fill_kernel,
-                    moe_cuda_blocks((size_t)PN * (D + 2 * K), MOE_CUDA_THREADS), MOE_CUDA_THREADS,
-                    0, rows, send_token, rowsrc, x, idx, w, slot_row, expert_rank, expert_local,
-                    res + 2 * P, N, D, K, row_bytes, x16);
+    int bf16 = 0;
+    const bool in16 = cuda_operand_in_place(x, (size_t)N * D, &bf16);
+    const bool v4 = D % 4 == 0 && row_bytes % 8 == 0 && moe_aligned16(rows) && moe_aligned16(x);
+    const size_t items = (size_t)PN * ((v4 ? D / 4 : D) + 2 * K);
+    moe_cuda_pick(
+        [&](auto v4_, auto in16_) {
+            constexpr int V = decltype(v4_)::value ? 4 : 1;
+            constexpr bool X16 = decltype(in16_)::value;
+            MOE_CUDA_LAUNCH((dispatch_fill_kernel<V, X16>),
+                            moe_cuda_blocks(items, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0, rows,
+                            send_token, rowsrc, x, idx, w, slot_row, expert_rank, expert_local,
+                            res + 2 * P, N, D, K, row_bytes, x16, bf16);
+        },
+        v4, in16);
     moe_cuda_fetch_async(counts, res, sizeof(int) * n_counts);
 }
 
-/* x (R,D), w (R,K), lidx (R,K) from the rows: one thread per value. */
+/* x (R,D), w (R,K), lidx (R,K) from the rows: one thread per group of V token values
+ * (V = 4: D % 4 == 0, x 16-byte aligned, rows 8-byte) or per weight or id. O16: x is
+ * marked as holding 16-bit values (bf16 by `bf16`; the rows' own where they are 16-bit:
+ * copied exactly). */
+template <int V, bool O16>
 static __global__ void unpack_kernel(real *x, real *w, int32_t *lidx, const char *rows, int R,
-                                     int D, int K, size_t row_bytes, int x16)
+                                     int D, int K, size_t row_bytes, int x16, int bf16)
 {
-    const int W = D + 2 * K;
+    const int GD = D / V, W = GD + 2 * K;
     const size_t tb = moe_dispatch_token_bytes(D, x16);
     MOE_CUDA_GRID_STRIDE(e, (size_t)R * W)
     {
         const int r = (int)(e / W), j = (int)(e % W);
         const char *row = rows + (size_t)r * row_bytes;
         const real *wt = (const real *)(row + tb);
-        if (j < D)
-            x[(size_t)r * D + j] = x16 == MOE_ROW_FP32 ? ((const real *)row)[j]
-                                   : x16 == MOE_ROW_BF16
-                                       ? __bfloat162float(((const __nv_bfloat16 *)row)[j])
-                                       : __half2float(((const __half *)row)[j]);
-        else if (j < D + K)
-            w[(size_t)r * K + j - D] = wt[j - D];
-        else
-            lidx[(size_t)r * K + j - D - K] = ((const int32_t *)(wt + K))[j - D - K];
+        if (j < GD) {
+            const row_vals<V> v = row_load<V>(row, j * V, x16);
+            moe_fvec<V> f;
+#pragma unroll
+            for (int i = 0; i < V; i++)
+                f.v[i] = v.v[i];
+            const size_t at = (size_t)r * D + (size_t)j * V;
+            if (O16)
+                moe_store16_v<V>((uint16_t *)x + at, f, bf16);
+            else
+                moe_store_v<V>(x + at, f);
+        } else if (j < GD + K) {
+            w[(size_t)r * K + j - GD] = wt[j - GD];
+        } else {
+            lidx[(size_t)r * K + j - GD - K] = ((const int32_t *)(wt + K))[j - GD - K];
+        }
     }
 }
 
@@ -167,8 +238,18 @@ extern "C" void cuda_moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const 
 {
     if (R <= 0 || D + 2 * K <= 0)
         return;
-    MOE_CUDA_LAUNCH(unpack_kernel, moe_cuda_blocks((size_t)R * (D + 2 * K), MOE_CUDA_THREADS),
-                    MOE_CUDA_THREADS, 0, x, w, lidx, rows, R, D, K, row_bytes, x16);
+    int bf16 = 0;
+    const bool o16 = cuda_operand_in_place(x, (size_t)R * D, &bf16);
+    const bool v4 = D % 4 == 0 && row_bytes % 8 == 0 && moe_aligned16(rows) && moe_aligned16(x);
+    const size_t items = (size_t)R * ((v4 ? D / 4 : D) + 2 * K);
+    moe_cuda_pick(
+        [&](auto v4_, auto o16_) {
+            constexpr int V = decltype(v4_)::value ? 4 : 1;
+            constexpr bool O16 = decltype(o16_)::value;
+            MOE_CUDA_LAUNCH((unpack_kernel<V, O16>), moe_cuda_blocks(items, MOE_CUDA_THREADS),
+                            MOE_CUDA_THREADS, 0, x, w, lidx, rows, R, D, K, row_bytes, x16, bf16);
+        },
+        v4, o16);
 }
 
 static __global__ void pack_grad_kernel(real *rows, const real *dx, const real *dw, int R, int D,

@@ -128,16 +128,23 @@ extern "C" int cuda_moe_route_plan(int *offsets, int32_t *row_token, int32_t *ro
 /* ---- permute and combine ------------------------------------------------------------- */
 
 /* out row m = x row row_token[m], in groups of V columns; O16: out is marked as holding
- * its GEMM operand (the experts' input), so it gets the 16-bit values. */
-template <int V, bool O16>
+ * its GEMM operand (the experts' input), so it gets the 16-bit values; IN16: x is marked
+ * (the received rows, unpacked in their 16 bits) and read as such. */
+template <int V, bool O16, bool IN16>
 static __global__ void permute_kernel(real *out, const real *x, const int32_t *row_token, int M,
                                       int D, int bf16)
 {
     const int G = D / V; /* groups per row */
     MOE_CUDA_GRID_STRIDE(e, (size_t)M * G)
     {
-        const size_t m = e / G, d = (e % G) * V;
-        const moe_fvec<V> v = moe_load_v<V>(x + (size_t)row_token[m] * D + d);
+        const size_t m = e / G, d = (e % G) * V, at = (size_t)row_token[m] * D + d;
+        moe_fvec<V> v;
+        if constexpr (V == 4) {
+            const float4 t = moe_ld4<IN16>(x, at, bf16);
+            v.v[0] = t.x, v.v[1] = t.y, v.v[2] = t.z, v.v[3] = t.w;
+        } else {
+            v.v[0] = moe_ld<IN16>(x, at, bf16);
+        }
         if (O16)
             moe_store16_v<V>((uint16_t *)out + m * D + d, v, bf16);
         else
@@ -151,14 +158,19 @@ extern "C" void cuda_moe_permute(real *out, const real *x, const int32_t *row_to
         return;
     int bf16 = 0;
     const bool o16 = cuda_operand_in_place(out, (size_t)M * D, &bf16);
+    /* x's rows: the permutation's sources, of at most as many rows as the plan's */
+    const bool in16 = cuda_operand_in_place(x, (size_t)D, &bf16);
     const int v4 = D % 4 == 0 && moe_aligned16(out) && moe_aligned16(x);
     const size_t items = (size_t)M * (v4 ? D / 4 : D);
     const unsigned blocks = moe_cuda_blocks(items, MOE_CUDA_THREADS);
-#define PERMUTE(V, O16)                                                                            \
-    MOE_CUDA_LAUNCH((permute_kernel<V, O16>), blocks, MOE_CUDA_THREADS, 0, out, x, row_token, M,   \
-                    D, bf16)
-    MOE_CUDA_PICK2(v4, o16, PERMUTE, 4, 1, true, false);
-#undef PERMUTE
+    moe_cuda_pick(
+        [&](auto v4_, auto o16_, auto in16_) {
+            constexpr int V = decltype(v4_)::value ? 4 : 1;
+            constexpr bool O16 = decltype(o16_)::value, IN16 = decltype(in16_)::value;
+            MOE_CUDA_LAUNCH((permute_kernel<V, O16, IN16>), blocks, MOE_CUDA_THREADS, 0, out, x,
+                            row_token, M, D, bf16);
+        },
+        v4, o16, in16);
 }
 
 /* dx[token] += dout[row], rows of a token in row order. */
@@ -226,11 +238,13 @@ extern "C" void cuda_moe_combine_forward(real *y, const real *expert_out, const 
     moe_cuda_token_sums(op, row_token, M, D, slot_row, N, K);
 }
 
-/* dexpert_out[row] = w * dy[token]: one thread per group of V elements of a row. */
-template <int V>
+/* dexpert_out[row] = w * dy[token]: one thread per group of V elements of a row. O16:
+ * dexpert_out is marked as holding its GEMM operand (the down projection's output
+ * gradient), so it gets the 16-bit values. */
+template <int V, bool O16>
 static __global__ void combine_dexpert_kernel(real *dexpert_out, const real *dy, const real *w,
                                               const int32_t *row_token, const int32_t *row_slot,
-                                              int M, int D, int K)
+                                              int M, int D, int K, int bf16)
 {
     const int G = D / V;
     MOE_CUDA_GRID_STRIDE(e, (size_t)M * G)
@@ -242,7 +256,10 @@ static __global__ void combine_dexpert_kernel(real *dexpert_out, const real *dy,
 #pragma unroll
         for (int k = 0; k < V; k++)
             g.v[k] = __fmul_rn(wk, g.v[k]);
-        moe_store_v<V>(dexpert_out + m * D + d, g);
+        if (O16)
+            moe_store16_v<V>((uint16_t *)dexpert_out + m * D + d, g, bf16);
+        else
+            moe_store_v<V>(dexpert_out + m * D + d, g);
     }
 }
 
@@ -274,14 +291,15 @@ extern "C" void cuda_moe_combine_backward(real *dexpert_out, real *dw, const rea
     if (M <= 0)
         return;
     if (dexpert_out && D > 0) {
-        if (D % 4 == 0 && moe_aligned16(dexpert_out) && moe_aligned16(dy))
-            MOE_CUDA_LAUNCH(combine_dexpert_kernel<4>,
-                            moe_cuda_blocks((size_t)M * (D / 4), MOE_CUDA_THREADS),
-                            MOE_CUDA_THREADS, 0, dexpert_out, dy, w, row_token, row_slot, M, D, K);
-        else
-            MOE_CUDA_LAUNCH(combine_dexpert_kernel<1>,
-                            moe_cuda_blocks((size_t)M * D, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
-                            dexpert_out, dy, w, row_token, row_slot, M, D, K);
+        int bf16 = 0;
+        const bool o16 = cuda_operand_in_place(dexpert_out, (size_t)M * D, &bf16);
+        const int v4 = D % 4 == 0 && moe_aligned16(dexpert_out) && moe_aligned16(dy);
+        const size_t items = (size_t)M * (v4 ? D / 4 : D);
+#define COMBINE_DEXPERT(V, O16)                                                                    \
+    MOE_CUDA_LAUNCH((combine_dexpert_kernel<V, O16>), moe_cuda_blocks(items, MOE_CUDA_THREADS),    \
+                    MOE_CUDA_THREADS, 0, dexpert_out, dy, w, row_token, row_slot, M, D, K, bf16)
+        MOE_CUDA_PICK2(v4, o16, COMBINE_DEXPERT, 4, 1, true, false);
+#undef COMBINE_DEXPERT
     }
     if (dw)
         MOE_CUDA_LAUNCH(combine_dw_kernel,

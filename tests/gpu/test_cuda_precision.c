@@ -311,9 +311,11 @@ static void check_ce_logits16(moe_precision p, const char *mode, double bound, c
     free(hw);
 }
 
-/* RMSNorm forward (the attention's h1) and the experts' permutation (xperm) into buffers
- * marked as holding their GEMM operand, against unmarked ones; then the forward and
- * backward GEMMs that read them (as q = h1 Wq^T, ea = xperm W1^T). In a 16-bit precision
+/* RMSNorm forward (the attention's h1), the experts' permutation (xperm) and the
+ * combine's backward (deout, the gradient of the experts' outputs: N rows of tokens rt,
+ * slots r % 2 of 2, random weights) into buffers marked as holding their GEMM operand,
+ * against unmarked ones; then the forward and backward GEMMs that read them (as
+ * q = h1 Wq^T, ea = xperm W1^T, deh = deout W2). In a 16-bit precision
  * the marked ones hold the 16-bit values (bf16: bit for bit moe_bf16_round of the fp32
  * ones) and the GEMMs give the same bits; in fp32 nothing changes. D % 4 == 0 takes the
  * float4 kernels, otherwise the scalar ones. w: the arena, (O, D) weights at its start. */
@@ -321,17 +323,23 @@ static void check_writers_marked(moe_precision p, const char *mode, const float 
                                  int O)
 {
     const size_t n = (size_t)N * D;
-    float *hx = malloc(sizeof(float) * n), *hw = malloc(sizeof(float) * D);
-    int32_t *rt = malloc(sizeof(int32_t) * N);
+    float *hx = malloc(sizeof(float) * n), *hw = malloc(sizeof(float) * D),
+          *hk = malloc(sizeof(float) * 2 * N);
+    int32_t *rt = malloc(sizeof(int32_t) * 2 * N);
     fill(hx, n, 30, 2.0);
     fill(hw, D, 31, 1.0);
-    for (int r = 0; r < N; r++) /* a permutation with repeats, as top-k rows */
+    fill(hk, 2 * (size_t)N, 32, 1.0);
+    for (int r = 0; r < N; r++) { /* a permutation with repeats, as top-k rows */
         rt[r] = (int32_t)(moe_rng_u64(7, 32, (uint64_t)r) % (uint64_t)N);
+        rt[N + r] = r % 2; /* the rows' slots */
+    }
+    float *kw = dev_copy(hk, 2 * (size_t)N);
     float *x = dev_copy(hx, n), *nw = dev_copy(hw, D), *rstd = gpu->alloc(sizeof(float) * N);
     float *dout = dev_copy(hx, n); /* an incoming gradient of (N, O) needs O <= D */
-    int32_t *drt = gpu->alloc(sizeof(int32_t) * N);
-    gpu->copy(drt, rt, sizeof(int32_t) * N, MOE_COPY_H2D);
-    for (int which = 0; which < 2; which++) { /* 0: rmsnorm, 1: permute */
+    int32_t *drt = gpu->alloc(sizeof(int32_t) * 2 * N);
+    gpu->copy(drt, rt, sizeof(int32_t) * 2 * N, MOE_COPY_H2D);
+    static const char *names[3] = {"rmsnorm", "permute", "combine_backward"};
+    for (int which = 0; which < 3; which++) {
         float *o[2], *y[2], *gw[2];
         for (int k = 0; k < 2; k++) {
             o[k] = gpu->alloc(sizeof(float) * n);
@@ -343,17 +351,19 @@ static void check_writers_marked(moe_precision p, const char *mode, const float 
         for (int k = 0; k < 2; k++) {
             if (which == 0)
                 gpu->rmsnorm_forward(o[k], rstd, x, nw, N, D, 1e-5f);
-            else
+            else if (which == 1)
                 gpu->moe_permute(o[k], x, drt, N, D);
+            else
+                gpu->moe_combine_backward(o[k], NULL, x, NULL, kw, drt, drt + N, N, D, 2);
             gpu->matmul_forward(y[k], o[k], w, N, D, O);
             gpu->matmul_backward(NULL, gw[k], dout, o[k], w, N, D, O);
         }
         bad += (differ(o[0], o[1], n) != (p != MOE_PREC_FP32)) + bf16_mismatches(p, o[0], o[1], n);
         char what[96];
-        snprintf(what, sizeof what, "%s D=%d: output %s", which ? "permute" : "rmsnorm", D,
+        snprintf(what, sizeof what, "%s D=%d: output %s", names[which], D,
                  p != MOE_PREC_FP32 ? "16-bit" : "same");
         report(what, mode, bad, 0.0);
-        snprintf(what, sizeof what, "%s D=%d: GEMMs identical", which ? "permute" : "rmsnorm", D);
+        snprintf(what, sizeof what, "%s D=%d: GEMMs identical", names[which], D);
         report(what, mode, differ(y[0], y[1], (size_t)N * O) + differ(gw[0], gw[1], (size_t)O * D),
                0.0);
         gpu->mark_operand(o[1], 0);
@@ -368,8 +378,10 @@ static void check_writers_marked(moe_precision p, const char *mode, const float 
     gpu->release(rstd);
     gpu->release(dout);
     gpu->release(drt);
+    gpu->release(kw);
     free(hx);
     free(hw);
+    free(hk);
     free(rt);
 }
 
