@@ -15,20 +15,31 @@
  * logits), where the buffer is taken as fp32 both ways.
  *
  * The exponentials are in double in fp32 mode (as the CPU reference), in float in the
- * 16-bit modes (within 1e-6; memory-bound where double is slow, the T4). */
+ * 16-bit modes, where they are the fast exponential (__expf: ex2.approx of x log2(e),
+ * about 1e-6 relative for the arguments here, x - max >= about -40; the row's pass is
+ * then bound by memory, not by the exponentials' instructions). */
 #include "kernels/cuda/cuda_common.cuh"
+
+/* exp(x) in F: double's in fp32 mode, the fast float exponential otherwise (0 at -inf). */
+template <typename F> static __device__ __forceinline__ F ce_expf(F x)
+{
+    if constexpr (sizeof(F) == sizeof(float))
+        return __expf(x);
+    else
+        return exp(x);
+}
 
 /* exp(x - m) in F; a -inf value adds nothing (also when m is still -inf). */
 template <typename F> static __device__ __forceinline__ double ce_exp(float x, float m)
 {
-    return x == -INFINITY ? 0.0 : (double)exp((F)x - (F)m);
+    return x == -INFINITY ? 0.0 : (double)ce_expf<F>((F)x - (F)m);
 }
 
 /* Raises the running max m to x when x is larger, rescaling the sum s to the new max. */
 template <typename F> static __device__ __forceinline__ void ce_raise(float &m, double &s, float x)
 {
     if (x > m) {
-        s *= (double)exp((F)m - (F)x); /* 0 while m is -inf (s is 0 then too) */
+        s *= (double)ce_expf<F>((F)m - (F)x); /* 0 while m is -inf (s is 0 then too) */
         m = x;
     }
 }
@@ -40,7 +51,7 @@ static __device__ __forceinline__ void ce_merge(float &m, double &s, float m2, d
     const float mx = fmaxf(m, m2);
     if (mx == -INFINITY)
         return; /* neither has seen a value (or only -inf): s and s2 are 0 */
-    s = s * (double)exp((F)m - (F)mx) + s2 * (double)exp((F)m2 - (F)mx);
+    s = s * (double)ce_expf<F>((F)m - (F)mx) + s2 * (double)ce_expf<F>((F)m2 - (F)mx);
     m = mx;
 }
 
@@ -79,6 +90,7 @@ static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, c
     float m = -INFINITY;
     double s = 0.0;
     if (V4) {
+#pragma unroll 4 /* several loads in flight per thread */
         for (int c = threadIdx.x; c < V / 4; c += blockDim.x) {
             const float4 x = moe_ld4<L16>(logits, row + 4 * (size_t)c, bf16);
             ce_raise<F>(m, s, fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
@@ -143,7 +155,7 @@ extern "C" void cuda_cross_entropy_forward(real *losses, real *lse, const real *
 template <typename F>
 static __device__ __forceinline__ real ce_grad(real x, F s, int hit, real dloss)
 {
-    return (real)(dloss * (exp((F)x - s) - (F)hit));
+    return (real)(dloss * (ce_expf<F>((F)x - s) - (F)hit));
 }
 
 /* dlogits = dloss * (exp(logit - s) - onehot(t)) over the columns first, first + stride, ...
@@ -157,6 +169,7 @@ static __device__ __forceinline__ void ce_backward_cols(real *dlogits, const rea
 {
     const size_t row = (size_t)n * V;
     if (V4) {
+#pragma unroll 4
         for (int c = first; c < V / 4; c += stride) {
             const float4 x = moe_ld4<L16>(logits, row + 4 * (size_t)c, bf16);
             const int v = 4 * c;
