@@ -382,7 +382,7 @@ static void run_copy(void) { gpu->copy(cl.dst, cl.src, cl.nbytes, MOE_COPY_D2D);
 static void run_dense(void) { gpu->matmul_forward(cl.out, cl.x, cl.w, cl.N, cl.I, cl.O); }
 static void run_dense_bwd(void)
 {
-    gpu->matmul_backward(cl.dx, cl.dw, cl.dout, cl.x, cl.w, cl.N, cl.I, cl.O);
+    gpu->matmul_backward(cl.dx, cl.dw, cl.dout, cl.x, cl.w, cl.N, cl.I, cl.O, 0);
 }
 
 /* Device copy bandwidth, counting read + write (2 bytes per byte copied), as every
@@ -578,8 +578,10 @@ static void bench_route_plan(void)
 static void run_permute(void) { gpu->moe_permute(bf.out, bf.x, bf.row_token, bf.rows, opt.D); }
 static void run_permute_bwd(void)
 {
-    /* as the runtime on the experts' side: the token's rows gathered through slot_row */
-    gpu->moe_permute_backward(bf.dx, bf.dout, bf.row_token, bf.rows, opt.D, bf.slot_row, N_, opt.K);
+    /* as the runtime on the experts' side: the token's rows gathered through slot_row,
+     * written (no base) */
+    gpu->moe_permute_backward(bf.dx, NULL, bf.dout, bf.row_token, bf.rows, opt.D, bf.slot_row, N_,
+                              opt.K);
 }
 
 static void bench_permute(int bwd)
@@ -595,7 +597,7 @@ static void bench_permute(int bwd)
     } else {
         bf.dout = dfill((size_t)M * D, 1.0, 0);
         bf.dx = dreal((size_t)N * D);
-        bytes = 4.0 * ((double)M * D + 2.0 * N * D + M);
+        bytes = 4.0 * ((double)M * D + (double)N * D + M); /* rows read, dx written */
     }
     double ms = time_gpu(bwd ? run_permute_bwd : run_permute);
     char shape[64];
@@ -609,8 +611,9 @@ static void bench_permute_bwd(void) { bench_permute(1); }
 
 static void run_combine(void)
 {
-    gpu->moe_combine_forward(bf.y, bf.out, bf.wts, bf.row_token, bf.row_slot, bf.rows, opt.D, opt.K,
-                             bf.slot_row, N_);
+    /* as the runtime: written (no base) */
+    gpu->moe_combine_forward(bf.y, NULL, bf.out, bf.wts, bf.row_token, bf.row_slot, bf.rows, opt.D,
+                             opt.K, bf.slot_row, N_);
 }
 
 static void run_combine_bwd(void)
@@ -628,8 +631,8 @@ static void bench_combine(int bwd)
     bf.out = dfill((size_t)M * D, 1.0, 0); /* the experts' outputs */
     if (!bwd) {
         bf.y = dfill((size_t)N * D, 1.0, 0);
-        /* expert rows, y read and written, weights, row_token, row_slot */
-        bytes = 4.0 * ((double)M * D + 2.0 * N * D + (double)N * K + 2.0 * M);
+        /* expert rows, y written, weights, row_token, row_slot */
+        bytes = 4.0 * ((double)M * D + (double)N * D + (double)N * K + 2.0 * M);
     } else {
         bf.dx = dfill((size_t)N * D, 1.0, 0); /* dy */
         bf.dout = dreal((size_t)M * D);       /* dexpert_out = */
@@ -1208,7 +1211,7 @@ static void run_unpack(void)
 
 static void run_unpermute(void)
 {
-    gpu->moe_permute_backward(a2.y, a2.back, a2.send_token, a2.n_send, opt.D, NULL, 0, 0);
+    gpu->moe_permute_backward(a2.y, a2.y, a2.back, a2.send_token, a2.n_send, opt.D, NULL, 0, 0);
 }
 
 static int want(const char *name) { return !opt.op || strcmp(opt.op, name) == 0; }

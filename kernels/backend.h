@@ -29,6 +29,7 @@ extern "C" {
     X(rmsnorm_forward)                                                                             \
     X(rmsnorm_backward)                                                                            \
     X(matmul_forward)                                                                              \
+    X(matmul_forward_add)                                                                          \
     X(matmul_backward)                                                                             \
     X(grouped_matmul_forward)                                                                      \
     X(grouped_matmul_backward)                                                                     \

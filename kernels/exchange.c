@@ -75,12 +75,15 @@ void moe_pack_grad_rows(real *rows, const real *dx, const real *dw, int R, int D
 }
 
 /* In row order: token_rows (the inverse map) is not needed. */
-void moe_scatter_grad_rows(real *dx, real *dw, const real *rows, const int32_t *send_token, int n,
-                           int D, int K, const int32_t *token_rows, int N, int P)
+void moe_scatter_grad_rows(real *dx, real *dw, const real *base, const real *rows,
+                           const int32_t *send_token, int n, int D, int K,
+                           const int32_t *token_rows, int N, int P)
 {
     (void)token_rows;
-    (void)N;
     (void)P;
+    moe_rows_base(dx, base, N, D);
+    if (N > 0)
+        memset(dw, 0, sizeof(real) * (size_t)N * K);
     for (int r = 0; r < n; r++) {
         const real *row = rows + (size_t)r * (D + K);
         real *x = dx + (size_t)send_token[r] * D, *g = dw + (size_t)send_token[r] * K;

@@ -41,6 +41,18 @@ void matmul_forward(real *out, const real *x, const real *w, int N, int I, int O
     }
 }
 
+void matmul_forward_add(real *out, const real *base, const real *x, const real *w, int N, int I,
+                        int O)
+{
+#pragma omp parallel for schedule(static) if ((long)N * I * O > PAR_MIN_WORK)
+    for (int n = 0; n < N; n++) {
+        const real *xr = x + (size_t)n * I, *b = base + (size_t)n * O;
+        real *o = out + (size_t)n * O;
+        for (int j = 0; j < O; j++)
+            o[j] = b[j] + dot_lanes(xr, w + (size_t)j * I, I);
+    }
+}
+
 /* dx (N,I) += dout (N,O) W (O,I): row n of dx += sum_o dout[n,o] * W[o,:]. */
 static void matmul_backward_dx(real *dx, const real *dout, const real *w, int N, int I, int O)
 {
@@ -73,8 +85,12 @@ static void matmul_backward_dw(real *dw, const real *dout, const real *x, int N,
 }
 
 void matmul_backward(real *dx, real *dw, const real *dout, const real *x, const real *w, int N,
-                     int I, int O)
+                     int I, int O, int write)
 {
+    if (dx && (write & MOE_WRITE_DX))
+        memset(dx, 0, sizeof(real) * (size_t)N * I);
+    if (dw && (write & MOE_WRITE_DW))
+        memset(dw, 0, sizeof(real) * (size_t)O * I);
     if (dx)
         matmul_backward_dx(dx, dout, w, N, I, O);
     if (dw)
@@ -105,7 +121,7 @@ void grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x
             continue;
         matmul_backward(dx ? dx + (size_t)m0 * I : NULL, dw ? dw + (size_t)g * O * I : NULL,
                         dout + (size_t)m0 * O, x + (size_t)m0 * I, w + (size_t)g * O * I, rows, I,
-                        O);
+                        O, 0);
     }
 }
 

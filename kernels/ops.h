@@ -61,9 +61,15 @@ void rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x, 
 
 /* ---- linear: out (N,O) = x (N,I) W^T, W (O,I) -------------------------------------- */
 void matmul_forward(real *out, const real *x, const real *w, int N, int I, int O);
-/* dx (N,I) += dout W ; dw (O,I) += dout^T x. Either may be NULL. */
+/* out (N,O) = base (N,O) + x W^T (a residual added as the product is written; base may be
+ * out): the sum of the fp32 product and base, rounded once. */
+void matmul_forward_add(real *out, const real *base, const real *x, const real *w, int N, int I,
+                        int O);
+/* dx (N,I) += dout W ; dw (O,I) += dout^T x. Either may be NULL. write (the flags
+ * MOE_WRITE_DX, MOE_WRITE_DW below): that gradient is written, not added to (its contents
+ * before are ignored). */
 void matmul_backward(real *dx, real *dw, const real *dout, const real *x, const real *w, int N,
-                     int I, int O);
+                     int I, int O, int write);
 
 /* ---- grouped linear: rows offsets[g]..offsets[g+1] of x use weight g ------------- */
 /* x (M,I), w (G,O,I), out (M,O); offsets (G+1), offsets[0] = 0, offsets[G] = M.
@@ -174,18 +180,23 @@ int moe_route_plan(int *offsets, int32_t *row_token, int32_t *row_slot, int32_t 
 
 /* out (M,D) = x[row_token[m]] (gather tokens into expert order). */
 void moe_permute(real *out, const real *x, const int32_t *row_token, int M, int D);
-/* dx (N,D) += scatter of dout (M,D): the rows of a token added in row order.
+/* dx (N,D) = base + scatter of dout (M,D): base's row (0 where base is NULL; base may be
+ * dx itself: the rows are added to it), then the rows of the token added in row order.
  * slot_row (N,K), optional (NULL: not known): the inverse of row_token, the row of each
  * (token, slot) or -1, every row once; it lets a backend gather each token's rows instead
- * of sorting the rows by token (the same sums). Without it N and K are not read. */
-void moe_permute_backward(real *dx, const real *dout, const int32_t *row_token, int M, int D,
-                          const int32_t *slot_row, int N, int K);
+ * of sorting the rows by token (the same sums). Without it K is not read; N is read
+ * where base is not dx. */
+void moe_permute_backward(real *dx, const real *base, const real *dout, const int32_t *row_token,
+                          int M, int D, const int32_t *slot_row, int N, int K);
+/* Not an op: the reference's start of those sums, dx (n,D) = base (0 where base is NULL),
+ * nothing where base is dx. */
+void moe_rows_base(real *dx, const real *base, int n, int D);
 
-/* y (N,D) += sum over kept rows of w[token, slot] * expert_out[row], in row order;
- * slot_row (N,K) optional, as for moe_permute_backward. */
-void moe_combine_forward(real *y, const real *expert_out, const real *w, const int32_t *row_token,
-                         const int32_t *row_slot, int M, int D, int K, const int32_t *slot_row,
-                         int N);
+/* y (N,D) = base + sum over kept rows of w[token, slot] * expert_out[row], in row order
+ * (base as for moe_permute_backward); slot_row (N,K) optional, as there. */
+void moe_combine_forward(real *y, const real *base, const real *expert_out, const real *w,
+                         const int32_t *row_token, const int32_t *row_slot, int M, int D, int K,
+                         const int32_t *slot_row, int N);
 /* dexpert_out (M,D) = w * dy[token] (OVERWRITES: each row is one product, and its caller
  * would only zero it first); dw (N,K) += <dy[token], expert_out[row]>. */
 void moe_combine_backward(real *dexpert_out, real *dw, const real *dy, const real *expert_out,
@@ -245,19 +256,21 @@ void moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows, int
                        const real *x, const int32_t *idx, const real *w, const int32_t *slot_row,
                        const int32_t *expert_rank, const int32_t *expert_local, int N, int D, int K,
                        int P, int El, size_t row_bytes, int x16);
-/* Splits R dispatch rows into x (R,D) (16-bit tokens widened, exactly), w (R,K), lidx
- * (R,K). */
+/* Splits R dispatch rows into x (R,D) (16-bit tokens widened, exactly; a backend keeps
+ * them in 16 bits where x is marked, backend.h mark_operand), w (R,K), lidx (R,K). */
 void moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int R, int D, int K,
                          size_t row_bytes, int x16);
 /* rows (R, D+K) = [dx | dw] row by row (the gradient rows sent back). */
 void moe_pack_grad_rows(real *rows, const real *dx, const real *dw, int R, int D, int K);
-/* dx (N,D) += dx part and dw (N,K) += dw part of rows (n, D+K), row r for token
- * send_token[r] (several rows may name one token), a token's rows in row order.
- * token_rows (N,P), optional (NULL: not known; then N and P are not read): the inverse of
- * send_token from moe_pack_dispatch, which lets a backend gather each token's rows
- * instead of sorting the rows by token (the same sums). */
-void moe_scatter_grad_rows(real *dx, real *dw, const real *rows, const int32_t *send_token, int n,
-                           int D, int K, const int32_t *token_rows, int N, int P);
+/* dx (N,D) = base + the dx parts and dw (N,K) = the dw parts of rows (n, D+K) (written:
+ * 0 for a token without rows), row r for token send_token[r] (several rows may name one
+ * token), a token's rows in row order; base as for moe_permute_backward. token_rows
+ * (N,P), optional (NULL: not known; then P is not read): the inverse of send_token from
+ * moe_pack_dispatch, which lets a backend gather each token's rows instead of sorting
+ * the rows by token (the same sums). */
+void moe_scatter_grad_rows(real *dx, real *dw, const real *base, const real *rows,
+                           const int32_t *send_token, int n, int D, int K,
+                           const int32_t *token_rows, int N, int P);
 
 /* ---- loss ----------------------------------------------------------------------------- */
 /* losses (N) = lse_n - logits[n, targets[n]], lse (N) saved. logits (N,V). */

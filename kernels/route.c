@@ -109,12 +109,22 @@ void moe_permute(real *out, const real *x, const int32_t *row_token, int M, int 
 
 /* Sequential over rows: a token appears in up to K rows, summed in row order (the
  * reference needs no inverse map). */
-void moe_permute_backward(real *dx, const real *dout, const int32_t *row_token, int M, int D,
-                          const int32_t *slot_row, int N, int K)
+void moe_rows_base(real *dx, const real *base, int n, int D)
+{
+    if (base == dx || n <= 0)
+        return;
+    if (base)
+        memcpy(dx, base, sizeof(real) * (size_t)n * D);
+    else
+        memset(dx, 0, sizeof(real) * (size_t)n * D);
+}
+
+void moe_permute_backward(real *dx, const real *base, const real *dout, const int32_t *row_token,
+                          int M, int D, const int32_t *slot_row, int N, int K)
 {
     (void)slot_row;
-    (void)N;
     (void)K;
+    moe_rows_base(dx, base, N, D);
     for (int m = 0; m < M; m++) {
         real *d = dx + (size_t)row_token[m] * D;
         const real *g = dout + (size_t)m * D;
@@ -124,12 +134,12 @@ void moe_permute_backward(real *dx, const real *dout, const int32_t *row_token, 
 }
 
 /* Sequential over rows, like the permute backward. */
-void moe_combine_forward(real *y, const real *expert_out, const real *w, const int32_t *row_token,
-                         const int32_t *row_slot, int M, int D, int K, const int32_t *slot_row,
-                         int N)
+void moe_combine_forward(real *y, const real *base, const real *expert_out, const real *w,
+                         const int32_t *row_token, const int32_t *row_slot, int M, int D, int K,
+                         const int32_t *slot_row, int N)
 {
     (void)slot_row;
-    (void)N;
+    moe_rows_base(y, base, N, D);
     for (int m = 0; m < M; m++) {
         int n = row_token[m];
         real wk = w[(size_t)n * K + row_slot[m]];

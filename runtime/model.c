@@ -714,19 +714,19 @@ static void attention_block_forward(moe_model *m, int l)
     m->be->rope_forward(a->q, m->rope_cos, m->rope_sin, m->Bc, m->T, m->H, m->Hd);
     m->be->rope_forward(a->k, m->rope_cos, m->rope_sin, m->Bc, m->T, m->H, m->Hd);
     m->be->attention_forward(a->att, a->att_lse, a->q, a->k, a->v, m->Bc, m->T, m->H, m->Hd);
-    m->be->matmul_forward(a->xmid, a->att, w->wo, N, D, D);
-    m->be->add_inplace(a->xmid, m->x[l], (size_t)N * D);
+    m->be->matmul_forward_add(a->xmid, m->x[l], a->att, w->wo, N, D, D); /* + the residual */
 }
 
-/* SwiGLU FFN of width F on rows x (n, D): out (n, D) = (silu(x W1^T) * x W3^T) W2^T. */
-static void swiglu_ffn_forward(const moe_model *m, real *out, real *fa, real *fb, real *fh,
-                               const real *x, const real *w1, const real *w3, const real *w2, int n,
-                               int D, int F)
+/* SwiGLU FFN of width F on rows x (n, D): out (n, D) = base + (silu(x W1^T) * x W3^T) W2^T
+ * (base: the residual, added by the last GEMM). */
+static void swiglu_ffn_forward(const moe_model *m, real *out, const real *base, real *fa, real *fb,
+                               real *fh, const real *x, const real *w1, const real *w3,
+                               const real *w2, int n, int D, int F)
 {
     m->be->matmul_forward(fa, x, w1, n, D, F);
     m->be->matmul_forward(fb, x, w3, n, D, F);
     m->be->swiglu_forward(fh, fa, fb, (size_t)n * F);
-    m->be->matmul_forward(out, fh, w2, n, F, D);
+    m->be->matmul_forward_add(out, base, fh, w2, n, F, D);
 }
 
 /* Router: logits, probabilities, top-k and the aux partials of the chunk; the partials
@@ -912,8 +912,7 @@ static void moe_experts_forward(moe_model *m, int l, real *out)
                                        F);
     m->be->swiglu_forward(a->eh, a->ea, a->eb, (size_t)M * F);
     m->be->grouped_matmul_forward(a->eout, a->eh, w->ew2, a->offsets, m->El, F, D);
-    m->be->zero(out, sizeof(real) * (size_t)R * D);
-    m->be->moe_combine_forward(out, a->eout, a->lw, a->row_token, a->row_slot, M, D, K,
+    m->be->moe_combine_forward(out, NULL, a->eout, a->lw, a->row_token, a->row_slot, M, D, K,
                                a->lslot_row, R);
 }
 
@@ -928,8 +927,8 @@ static void layer_forward_begin(moe_model *m, int l)
     m->be->rmsnorm_forward(a->h2, a->rstd2, a->xmid, w->ffn_norm, N, D, (real)m->cfg.norm_eps);
     if (l < m->cfg.dense_layers) {
         real *out = m->x[l + 1];
-        swiglu_ffn_forward(m, out, a->fa, a->fb, a->fh, a->h2, w->w1, w->w3, w->w2, N, D, m->Fd);
-        m->be->add_inplace(out, a->xmid, (size_t)N * D);
+        swiglu_ffn_forward(m, out, a->xmid, a->fa, a->fb, a->fh, a->h2, w->w1, w->w3, w->w2, N, D,
+                           m->Fd);
         return;
     }
     router_forward_layer(m, l);
@@ -991,13 +990,15 @@ static moe_status layer_forward_end(moe_model *m, int l)
         return MOE_OK;
     moe_comm_set_context(m->comm, "forward combine", l);
     MOE_CHECK(exchange_finish(m));
-    if (m->Fs > 0)
-        swiglu_ffn_forward(m, out, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N, D, m->Fs);
-    else
-        m->be->zero(out, sizeof(real) * (size_t)N * D);
-    m->be->moe_permute_backward(out, (const real *)exchange_rows(m), a->send_token, a->n_send, D,
-                                a->token_rows, N, m->ep);
-    m->be->add_inplace(out, a->xmid, (size_t)N * D);
+    const real *rows = (const real *)exchange_rows(m);
+    const real *base = a->xmid; /* (xmid + shared experts) + the rows, in row order */
+    if (m->Fs > 0) {
+        swiglu_ffn_forward(m, out, a->xmid, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N,
+                           D, m->Fs);
+        base = out;
+    }
+    m->be->moe_permute_backward(out, base, rows, a->send_token, a->n_send, D, a->token_rows, N,
+                                m->ep);
     return MOE_OK;
 }
 
@@ -1061,7 +1062,7 @@ static void head_backward(moe_model *m, int r0, int rows, int64_t step_sequences
         m->be->cross_entropy_backward(m->dlogits, m->logits, m->ce_lse + r0, m->targets + r0,
                                       head_dloss(m, step_sequences), rows, m->V);
     m->be->matmul_backward(m->dh + (size_t)r0 * m->D, m->g.lm_head, m->dlogits, h, m->p.lm_head,
-                           rows, m->D, m->V);
+                           rows, m->D, m->V, MOE_WRITE_DX); /* each head chunk's rows of dh */
 }
 
 /* The final norm's backward for the current chunk: dL/dx[L] into m->dres from m->dh. */
@@ -1107,8 +1108,6 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
                                (real)m->cfg.norm_eps);
         /* LM head and cross-entropy in chunks of head_rows tokens: the logits of the whole
          * chunk never exist at once; fused, each chunk's backward follows at once */
-        if (m->head_sequences > 0)
-            m->be->zero(m->dh, sizeof(real) * (size_t)Nc * D);
         for (int r0 = 0; r0 < Nc; r0 += m->head_rows) {
             int rows = Nc - r0 < m->head_rows ? Nc - r0 : m->head_rows;
             m->be->matmul_forward(m->logits, m->hf + (size_t)r0 * D, m->p.lm_head, rows, D, m->V);
@@ -1156,11 +1155,10 @@ static void swiglu_ffn_backward(moe_model *m, real *dx, real *gw1, real *gw3, re
                                 int n, int D, int F)
 {
     size_t nf = (size_t)n * F;
-    m->be->zero(m->dfh, sizeof(real) * nf);
-    m->be->matmul_backward(m->dfh, gw2, dout, fh, w2, n, F, D);
+    m->be->matmul_backward(m->dfh, gw2, dout, fh, w2, n, F, D, MOE_WRITE_DX);
     m->be->swiglu_backward(m->dfa, m->dfb, m->dfh, fa, fb, nf); /* overwrites dfa, dfb */
-    m->be->matmul_backward(dx, gw1, m->dfa, x, w1, n, D, F);
-    m->be->matmul_backward(dx, gw3, m->dfb, x, w3, n, D, F);
+    m->be->matmul_backward(dx, gw1, m->dfa, x, w1, n, D, F, 0);
+    m->be->matmul_backward(dx, gw3, m->dfb, x, w3, n, D, F, 0);
 }
 
 /* Gradient of the router: top-k weights (dw), aux and z terms, softmax, linear. The aux
@@ -1180,7 +1178,7 @@ static void router_backward_layer(moe_model *m, int l, int64_t step_sequences)
                                K, m->loss_scale * m->cfg.aux_loss_coef / n_micro,
                                m->loss_scale * m->cfg.z_loss_coef / n_micro);
     m->be->softmax_backward(m->drlogits, m->dprobs, a->probs, N, E);
-    m->be->matmul_backward(m->dh, g->router, m->drlogits, a->h2, w->router, N, m->D, E);
+    m->be->matmul_backward(m->dh, g->router, m->drlogits, a->h2, w->router, N, m->D, E, 0);
 }
 
 /* Experts' side of backward: from dy (R, D), the gradient of each received row's
@@ -1203,8 +1201,7 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
     m->be->swiglu_backward(m->dea, m->deb, m->deh, a->ea, a->eb, (size_t)M * F); /* overwrites */
     m->be->grouped_matmul_backward_pair(m->dxperm, g->ew1, g->ew3, m->dea, m->deb, a->xperm, w->ew1,
                                         w->ew3, a->offsets, m->El, D, F, first | MOE_WRITE_DX);
-    m->be->zero(m->dxrecv, sizeof(real) * (size_t)R * D);
-    m->be->moe_permute_backward(m->dxrecv, m->dxperm, a->row_token, M, D, a->lslot_row, R, K);
+    m->be->moe_permute_backward(m->dxrecv, NULL, m->dxperm, a->row_token, M, D, a->lslot_row, R, K);
     m->be->moe_pack_grad_rows(out, m->dxrecv, m->dlw, R, D, K);
 }
 
@@ -1219,7 +1216,8 @@ static moe_status layer_backward_begin(moe_model *m, int l)
     moe_layer_acts *a = &m->acts[l];
     const int N = m->Nc, D = m->D;
     moe_comm_set_context(m->comm, "backward dispatch", l); /* named by a timeout (comm.h) */
-    m->be->zero(m->dh, sizeof(real) * (size_t)N * D);
+    if (l < m->cfg.dense_layers || m->Fs > 0)              /* else the scatter of (c) writes dh */
+        m->be->zero(m->dh, sizeof(real) * (size_t)N * D);
     if (l < m->cfg.dense_layers) {
         swiglu_ffn_backward(m, m->dh, g->w1, g->w3, g->w2, m->dres, a->h2, a->fa, a->fb, a->fh,
                             w->w1, w->w3, w->w2, N, D, m->Fd);
@@ -1253,28 +1251,25 @@ static moe_status layer_backward_end(moe_model *m, int l, int64_t step_sequences
     const moe_layer_view *g = &m->g.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int N = m->Nc, D = m->D, K = m->K;
-    const size_t ND = (size_t)N * D;
     if (l >= m->cfg.dense_layers) {
         moe_comm_set_context(m->comm, "backward combine", l);
         MOE_CHECK(exchange_finish(m));
-        m->be->zero(m->dw, sizeof(real) * (size_t)N * K);
-        m->be->moe_scatter_grad_rows(m->dh, m->dw, (const real *)exchange_rows(m), a->send_token,
-                                     a->n_send, D, K, a->token_rows, N, m->ep);
+        m->be->moe_scatter_grad_rows(m->dh, m->dw, m->Fs > 0 ? m->dh : NULL,
+                                     (const real *)exchange_rows(m), a->send_token, a->n_send, D, K,
+                                     a->token_rows, N, m->ep);
         router_backward_layer(m, l, step_sequences);
     }
     m->be->rmsnorm_backward(m->dres, g->ffn_norm, m->dh, a->xmid, w->ffn_norm, a->rstd2, N, D);
 
     /* attention branch: xmid = x[l] + attn(norm(x[l])) */
-    m->be->zero(m->datt, sizeof(real) * ND);
-    m->be->zero(m->dh, sizeof(real) * ND); /* dq, dk, dv: written by attention_backward */
-    m->be->matmul_backward(m->datt, g->wo, m->dres, a->att, w->wo, N, D, D);
+    m->be->matmul_backward(m->datt, g->wo, m->dres, a->att, w->wo, N, D, D, MOE_WRITE_DX);
     m->be->attention_backward(m->dq, m->dk, m->dv, m->datt, a->att, a->att_lse, a->q, a->k, a->v,
                               m->Bc, m->T, m->H, m->Hd);
     m->be->rope_backward(m->dq, m->rope_cos, m->rope_sin, m->Bc, m->T, m->H, m->Hd);
     m->be->rope_backward(m->dk, m->rope_cos, m->rope_sin, m->Bc, m->T, m->H, m->Hd);
-    m->be->matmul_backward(m->dh, g->wq, m->dq, a->h1, w->wq, N, D, D);
-    m->be->matmul_backward(m->dh, g->wk, m->dk, a->h1, w->wk, N, D, D);
-    m->be->matmul_backward(m->dh, g->wv, m->dv, a->h1, w->wv, N, D, D);
+    m->be->matmul_backward(m->dh, g->wq, m->dq, a->h1, w->wq, N, D, D, MOE_WRITE_DX);
+    m->be->matmul_backward(m->dh, g->wk, m->dk, a->h1, w->wk, N, D, D, 0);
+    m->be->matmul_backward(m->dh, g->wv, m->dv, a->h1, w->wv, N, D, D, 0);
     m->be->rmsnorm_backward(m->dres, g->attn_norm, m->dh, m->x[l], w->attn_norm, a->rstd1, N, D);
     return MOE_OK;
 }
@@ -1309,7 +1304,6 @@ moe_status moe_model_logits(moe_model *m, real *host)
 moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
 {
     const int Nc = m->Nc, D = m->D;
-    const size_t ND = (size_t)Nc * D;
     const int64_t fused = m->head_done; /* the forward ran the LM head's backward */
     m->head_done = 0;
     if (fused && fused != step_sequences)
@@ -1322,7 +1316,6 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
     for (int i = 0; i < m->C && !begun; i++) {
         use_chunk(m, i);
         if (!fused) {
-            m->be->zero(m->dh, sizeof(real) * ND);
             for (int r0 = 0; r0 < Nc; r0 += m->head_rows) {
                 int rows = Nc - r0 < m->head_rows ? Nc - r0 : m->head_rows;
                 if (rows < Nc || m->C > 1) /* the logits of this one were overwritten */

@@ -375,6 +375,30 @@ __global__ void moe_runs_kernel(Op op, const int *order, const int32_t *keys, in
     }
 }
 
+/* dx (n, D) = base (0 where NULL), nothing where base is dx: the start of the sums below
+ * where the runs store only the tokens with rows. */
+static inline void moe_cuda_rows_base(real *dx, const real *base, int n, int D)
+{
+    if (base == dx || n <= 0 || D <= 0)
+        return;
+    const size_t bytes = sizeof(real) * (size_t)n * D;
+    if (base)
+        MOE_CUDA_OK(cudaMemcpyAsync(dx, base, bytes, cudaMemcpyDeviceToDevice, moe_cuda_stream()));
+    else
+        MOE_CUDA_OK(cudaMemsetAsync(dx, 0, bytes, moe_cuda_stream()));
+}
+
+/* A start value of those sums: base[i], or 0 where base is NULL. */
+static __device__ __forceinline__ float moe_base_value(const real *base, size_t i)
+{
+    return base ? base[i] : 0.f;
+}
+
+static __device__ __forceinline__ float4 moe_base_value4(const real *base, size_t i)
+{
+    return base ? *(const float4 *)(base + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
 /* Sorts items 0..n-1 by keys (non-negative) and runs op over every (run, column < W). */
 template <class Op> static void moe_cuda_runs(const Op &op, const int32_t *keys, int n, int W)
 {
@@ -415,8 +439,7 @@ static __global__ void moe_gather_rows_kernel(Op op, const int32_t *slot_row, in
                 rows[i] = rows[i - 1];
             rows[i] = r;
         }
-        if (c == 0)
-            continue; /* nothing to add: the value stays as it is */
+        /* every token stored: one without rows gets its base value */
         if constexpr (V == 4) {
             float4 v = op.load4(n, j);
             for (int i = 0; i < c; i++) {
@@ -434,8 +457,11 @@ static __global__ void moe_gather_rows_kernel(Op op, const int32_t *slot_row, in
     }
 }
 
-/* The token sums of op over the M rows of tokens row_token (columns < W): by gathering
- * through slot_row (N, K) when given, else by sorting the rows. */
+/* The token sums of op over the M rows of tokens row_token (columns < W), onto the op's
+ * start values (load: its base, 0, or the destination itself): by gathering through
+ * slot_row (N, K) when given (every token stored), else by sorting the rows (the
+ * destination first set to the start values by op.start(N): the runs store only tokens
+ * with rows). */
 template <class Op>
 static void moe_cuda_token_sums(const Op &op, const int32_t *row_token, int M, int W,
                                 const int32_t *slot_row, int N, int K)
@@ -455,6 +481,7 @@ static void moe_cuda_token_sums(const Op &op, const int32_t *row_token, int M, i
                         slot_row, N, K, W);
         return;
     }
+    op.start(N);
     moe_cuda_runs(op, row_token, M, W);
 }
 

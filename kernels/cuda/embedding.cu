@@ -4,10 +4,6 @@
  * sort) and add each id's rows in position order, as the CPU reference does. */
 #include "kernels/cuda/cuda_common.cuh"
 
-extern "C" void cuda_moe_permute(real *out, const real *x, const int32_t *row_token, int M, int D);
-extern "C" void cuda_moe_permute_backward(real *dx, const real *dout, const int32_t *row_token,
-                                          int M, int D, const int32_t *slot_row, int N, int K);
-
 extern "C" void cuda_embedding_forward(real *out, const int32_t *tokens, const real *table, int N,
                                        int D)
 {
@@ -17,5 +13,6 @@ extern "C" void cuda_embedding_forward(real *out, const int32_t *tokens, const r
 extern "C" void cuda_embedding_backward(real *dtable, const real *dout, const int32_t *tokens,
                                         int N, int D)
 {
-    cuda_moe_permute_backward(dtable, dout, tokens, N, D, NULL, 0, 0); /* no inverse: sorted */
+    /* added to the table's gradient; no inverse: sorted */
+    cuda_moe_permute_backward(dtable, dtable, dout, tokens, N, D, NULL, 0, 0);
 }

@@ -273,26 +273,35 @@ extern "C" void cuda_moe_pack_grad_rows(real *rows, const real *dx, const real *
                     MOE_CUDA_THREADS, 0, rows, dx, dw, R, D, K);
 }
 
-/* dx[token] += row[0..D), dw[token] += row[D..D+K), rows of a token in row order. */
+/* dx[token] = base[token] + row[0..D) ..., dw[token] = row[D..D+K) ..., rows of a token
+ * in row order. */
 struct scatter_grad {
     real *dx, *dw;
-    const real *rows;
+    const real *base, *rows;
     int D, K;
     static constexpr bool vec4 = false; /* a row's columns go to two arrays */
     bool aligned16() const { return false; }
+    void start(int N) const
+    {
+        moe_cuda_rows_base(dx, base, N, D);
+        moe_cuda_rows_base(dw, NULL, N, K);
+    }
     __device__ float *dst(int t, int j) const
     {
         return j < D ? dx + (size_t)t * D + j : dw + (size_t)t * K + (j - D);
     }
-    __device__ float load(int t, int j) const { return *dst(t, j); }
+    __device__ float load(int t, int j) const
+    {
+        return j < D ? moe_base_value(base, (size_t)t * D + j) : 0.f;
+    }
     __device__ float value(int r, int j) const { return rows[(size_t)r * (D + K) + j]; }
     __device__ void store(int t, int j, float v) const { *dst(t, j) = v; }
 };
 
-extern "C" void cuda_moe_scatter_grad_rows(real *dx, real *dw, const real *rows,
+extern "C" void cuda_moe_scatter_grad_rows(real *dx, real *dw, const real *base, const real *rows,
                                            const int32_t *send_token, int n, int D, int K,
                                            const int32_t *token_rows, int N, int P)
 {
-    scatter_grad op = {dx, dw, rows, D, K};
+    scatter_grad op = {dx, dw, base, rows, D, K};
     moe_cuda_token_sums(op, send_token, n, D + K, token_rows, N, P);
 }

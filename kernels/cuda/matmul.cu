@@ -430,19 +430,27 @@ static int batch_alignment(const void *p, long long stride, size_t elem)
     return a < s ? a : s;
 }
 
-/* out16: 0 when C is fp32, else its 16-bit cudaDataType_t (a marked output, written). */
+/* out16: 0 when C is fp32, else its 16-bit cudaDataType_t (a marked output, written).
+ * accumulate: C = base + A B, base = Cin (of C's layout), or C itself where Cin is NULL. */
 static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A, int lda,
-                    const void *B, int ldb, void *C, int ldc, int accumulate, int out16,
-                    gemm_batch bt)
+                    const void *B, int ldb, void *C, const void *Cin, int ldc, int accumulate,
+                    int out16, gemm_batch bt)
 {
+    if (!Cin)
+        Cin = C;
     const size_t c_bytes = out16 ? sizeof(uint16_t) : sizeof(real);
     if (m <= 0 || n <= 0 || !A || !B)
         return;
     if (k <= 0) { /* an empty sum */
-        if (!accumulate)
-            for (int b = 0; b < bt.count; b++)
-                MOE_CUDA_OK(cudaMemsetAsync((char *)C + b * bt.sc * c_bytes, 0,
-                                            c_bytes * (size_t)m * n, lane_stream(lane)));
+        for (int b = 0; b < bt.count; b++) {
+            char *c = (char *)C + b * bt.sc * c_bytes;
+            if (!accumulate)
+                MOE_CUDA_OK(cudaMemsetAsync(c, 0, c_bytes * (size_t)m * n, lane_stream(lane)));
+            else if (Cin != C) /* C = base (ldc = m: a whole matrix) */
+                MOE_CUDA_OK(cudaMemcpyAsync(c, (const char *)Cin + b * bt.sc * c_bytes,
+                                            c_bytes * (size_t)m * n, cudaMemcpyDeviceToDevice,
+                                            lane_stream(lane)));
+        }
         return;
     }
     const size_t op_bytes = prec == MOE_PREC_FP32 ? sizeof(real) : sizeof(uint16_t);
@@ -459,6 +467,8 @@ static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A
     key.align_a = batch_alignment(A, bt.sa, op_bytes);
     key.align_b = batch_alignment(B, bt.sb, op_bytes);
     key.align_c = batch_alignment(C, bt.sc, c_bytes);
+    if (batch_alignment(Cin, bt.sc, c_bytes) < key.align_c)
+        key.align_c = batch_alignment(Cin, bt.sc, c_bytes);
     key.accumulate = accumulate;
     key.operand_type = (int)operand_type();
     key.out16 = out16;
@@ -484,7 +494,7 @@ static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A
             return;
         MOE_CUDA_PROF_BEGIN("cublasLt GEMM");
         const cublasStatus_t st =
-            cublasLtMatmul(moe_cuda_lt(), p->op, &alpha, A, p->la, B, p->lb, &beta, C, p->lc, C,
+            cublasLtMatmul(moe_cuda_lt(), p->op, &alpha, A, p->la, B, p->lb, &beta, Cin, p->lc, C,
                            p->lc, &p->algo, ws, ws_bytes, lane_stream(lane));
         MOE_CUDA_PROF_END();
         if (st == CUBLAS_STATUS_SUCCESS)
@@ -518,26 +528,28 @@ static void *out_at(void *base, size_t elems, int out16)
 static void gemm(int ta, int tb, int m, int n, int k, const void *A, int lda, const void *B,
                  int ldb, real *C, int ldc, int accumulate)
 {
-    gemm_on(0, ta, tb, m, n, k, A, lda, B, ldb, C, ldc, accumulate,
+    gemm_on(0, ta, tb, m, n, k, A, lda, B, ldb, C, NULL, ldc, accumulate,
             output16(C, (size_t)m * n, accumulate), single);
 }
 
-/* out (N,O) = x (N,I) W^T: out^T = op_T(W stored I x O) x^T. The operands are already in
- * the GEMM precision (xo: x's operand, wo: w's). */
-static void linear_forward(real *out, const void *xo, const void *wo, int N, int I, int O)
+/* out (N,O) = base + x (N,I) W^T (base NULL: none): out^T = op_T(W stored I x O) x^T. The
+ * operands are already in the GEMM precision (xo: x's operand, wo: w's). */
+static void linear_forward(real *out, const real *base, const void *xo, const void *wo, int N,
+                           int I, int O)
 {
-    gemm(1, 0, O, N, I, wo, I, xo, I, out, O, 0);
+    gemm_on(0, 1, 0, O, N, I, wo, I, xo, I, out, base, O, base != NULL,
+            output16(out, (size_t)N * O, base != NULL), single);
 }
 
 /* dx (N,I) += dout W: dx^T (I,N) = W^T (stored I x O) dout^T (O,N).
  * dw (O,I) += dout^T x: dw^T (I,O) = x^T (I,N) op_T(dout^T stored O x N). */
 static void linear_backward(real *dx, real *dw, const void *douto, const void *xo, const void *wo,
-                            int N, int I, int O)
+                            int N, int I, int O, int write)
 {
     if (dx)
-        gemm(0, 0, I, N, O, wo, I, douto, O, dx, I, 1);
+        gemm(0, 0, I, N, O, wo, I, douto, O, dx, I, !(write & MOE_WRITE_DX));
     if (dw)
-        gemm(0, 1, I, O, N, xo, I, douto, O, dw, I, 1);
+        gemm(0, 1, I, O, N, xo, I, douto, O, dw, I, !(write & MOE_WRITE_DW));
 }
 
 /* Pointer arithmetic on an operand of the current precision. */
@@ -549,15 +561,21 @@ static const void *at(const void *base, size_t elems)
 
 extern "C" void cuda_matmul_forward(real *out, const real *x, const real *w, int N, int I, int O)
 {
-    linear_forward(out, rounded_operand(x, (size_t)N * I, 0), weight_operand(w), N, I, O);
+    linear_forward(out, NULL, rounded_operand(x, (size_t)N * I, 0), weight_operand(w), N, I, O);
+}
+
+extern "C" void cuda_matmul_forward_add(real *out, const real *base, const real *x, const real *w,
+                                        int N, int I, int O)
+{
+    linear_forward(out, base, rounded_operand(x, (size_t)N * I, 0), weight_operand(w), N, I, O);
 }
 
 extern "C" void cuda_matmul_backward(real *dx, real *dw, const real *dout, const real *x,
-                                     const real *w, int N, int I, int O)
+                                     const real *w, int N, int I, int O, int write)
 {
     const void *douto = rounded_operand(dout, (size_t)N * O, 1);
     const void *xo = dw ? rounded_operand(x, (size_t)N * I, 0) : NULL;
-    linear_backward(dx, dw, douto, xo, dx ? weight_operand(w) : NULL, N, I, O);
+    linear_backward(dx, dw, douto, xo, dx ? weight_operand(w) : NULL, N, I, O, write);
 }
 
 /* ---- grouped: every non-empty group in one cublasGemmGroupedBatchedEx call ---------- */
@@ -683,8 +701,8 @@ static void grouped_flush(grouped_batch *g)
     for (int i = 0, j = 0; i < n; i += g->pair[i] ? 2 : 1, j++) {
         gemm_on(j % use, g->ta[i] == CUBLAS_OP_T, g->tb[i] == CUBLAS_OP_T, g->m[i], g->nn[i],
                 g->k[i], g->ptr.p[i], g->lda[i], g->ptr.p[GROUPED_MAX + i], g->ldb[i],
-                (void *)g->ptr.p[2 * GROUPED_MAX + i], g->ldc[i], g->beta[i] != 0.0f, g->out16[i],
-                g->pair[i] ? g->stride[i] : single);
+                (void *)g->ptr.p[2 * GROUPED_MAX + i], NULL, g->ldc[i], g->beta[i] != 0.0f,
+                g->out16[i], g->pair[i] ? g->stride[i] : single);
         n_single += g->pair[i] ? 2 : 1;
         n_pairs += g->pair[i];
     }

@@ -173,20 +173,21 @@ extern "C" void cuda_moe_permute(real *out, const real *x, const int32_t *row_to
         v4, o16, in16);
 }
 
-/* dx[token] += dout[row], rows of a token in row order. */
+/* dx[token] = base[token] + dout[row] ..., rows of a token in row order. */
 struct permute_grad {
     real *dx;
-    const real *dout;
+    const real *base, *dout;
     int D;
     static constexpr bool vec4 = true;
-    bool aligned16() const { return moe_aligned16(dx) && moe_aligned16(dout); }
-    __device__ float load(int n, int j) const { return dx[(size_t)n * D + j]; }
+    bool aligned16() const
+    {
+        return moe_aligned16(dx) && moe_aligned16(dout) && (!base || moe_aligned16(base));
+    }
+    void start(int N) const { moe_cuda_rows_base(dx, base, N, D); }
+    __device__ float load(int n, int j) const { return moe_base_value(base, (size_t)n * D + j); }
     __device__ float value(int m, int j) const { return dout[(size_t)m * D + j]; }
     __device__ void store(int n, int j, float v) const { dx[(size_t)n * D + j] = v; }
-    __device__ float4 load4(int n, int j) const
-    {
-        return *(const float4 *)(dx + (size_t)n * D + j);
-    }
+    __device__ float4 load4(int n, int j) const { return moe_base_value4(base, (size_t)n * D + j); }
     __device__ float4 value4(int m, int j) const
     {
         return *(const float4 *)(dout + (size_t)m * D + j);
@@ -197,29 +198,35 @@ struct permute_grad {
     }
 };
 
-extern "C" void cuda_moe_permute_backward(real *dx, const real *dout, const int32_t *row_token,
-                                          int M, int D, const int32_t *slot_row, int N, int K)
+extern "C" void cuda_moe_permute_backward(real *dx, const real *base, const real *dout,
+                                          const int32_t *row_token, int M, int D,
+                                          const int32_t *slot_row, int N, int K)
 {
-    permute_grad op = {dx, dout, D};
+    permute_grad op = {dx, base, dout, D};
     moe_cuda_token_sums(op, row_token, M, D, slot_row, N, K);
 }
 
-/* y[token] += w[token, slot] * expert_out[row], rows of a token in row order. */
+/* y[token] = base[token] + w[token, slot] * expert_out[row] ..., rows of a token in row
+ * order. */
 struct combine_sum {
     real *y;
-    const real *expert_out, *w;
+    const real *base, *expert_out, *w;
     const int32_t *row_token, *row_slot;
     int D, K;
     static constexpr bool vec4 = true;
-    bool aligned16() const { return moe_aligned16(y) && moe_aligned16(expert_out); }
-    __device__ float load(int n, int j) const { return y[(size_t)n * D + j]; }
+    bool aligned16() const
+    {
+        return moe_aligned16(y) && moe_aligned16(expert_out) && (!base || moe_aligned16(base));
+    }
+    void start(int N) const { moe_cuda_rows_base(y, base, N, D); }
+    __device__ float load(int n, int j) const { return moe_base_value(base, (size_t)n * D + j); }
     __device__ float value(int m, int j) const
     {
         const real wk = w[(size_t)row_token[m] * K + row_slot[m]];
         return __fmul_rn(wk, expert_out[(size_t)m * D + j]);
     }
     __device__ void store(int n, int j, float v) const { y[(size_t)n * D + j] = v; }
-    __device__ float4 load4(int n, int j) const { return *(const float4 *)(y + (size_t)n * D + j); }
+    __device__ float4 load4(int n, int j) const { return moe_base_value4(base, (size_t)n * D + j); }
     __device__ float4 value4(int m, int j) const
     {
         const real wk = w[(size_t)row_token[m] * K + row_slot[m]];
@@ -230,11 +237,12 @@ struct combine_sum {
     __device__ void store4(int n, int j, float4 v) const { *(float4 *)(y + (size_t)n * D + j) = v; }
 };
 
-extern "C" void cuda_moe_combine_forward(real *y, const real *expert_out, const real *w,
-                                         const int32_t *row_token, const int32_t *row_slot, int M,
-                                         int D, int K, const int32_t *slot_row, int N)
+extern "C" void cuda_moe_combine_forward(real *y, const real *base, const real *expert_out,
+                                         const real *w, const int32_t *row_token,
+                                         const int32_t *row_slot, int M, int D, int K,
+                                         const int32_t *slot_row, int N)
 {
-    combine_sum op = {y, expert_out, w, row_token, row_slot, D, K};
+    combine_sum op = {y, base, expert_out, w, row_token, row_slot, D, K};
     moe_cuda_token_sums(op, row_token, M, D, slot_row, N, K);
 }
 

@@ -362,19 +362,40 @@ static void test_matmul(int N, int I, int O, const char *name)
     gpu_done();
     check_f("out", HOSTF(dout, NO), out, NO, O, GEMM_K(I));
 
+    begin("matmul_forward_add", name);
+    { /* out = base + x W^T: into a buffer of NaN, and in place over base */
+        float *base = frand(NO, -1, 1), *ref = fnan(NO);
+        float *dbase = DEVF(base, NO), *dsum = DEVF(fnan(NO), NO), *din = DEVF(base, NO);
+        cpu->matmul_forward_add(ref, base, x, w, N, I, O);
+        gpu->matmul_forward_add(dsum, dbase, dx_, dw_, N, I, O);
+        gpu->matmul_forward_add(din, din, dx_, dw_, N, I, O);
+        gpu_done();
+        check_f("base + out", HOSTF(dsum, NO), ref, NO, O, GEMM_K(I));
+        check_f("base + out in place", HOSTF(din, NO), HOSTF(dsum, NO), NO, O, EXACT);
+    }
+
     begin("matmul_backward", name);
     float *g = frand(NO, -0.5, 0.5), *dg = DEVF(g, NO);
     for (int variant = 0; variant < 3; variant++) { /* both, dx only, dw only */
         float *gx = variant != 2 ? frand(NI, -1, 1) : NULL;
         float *gw = variant != 1 ? frand(OI, -1, 1) : NULL;
         float *dgx = gx ? DEVF(gx, NI) : NULL, *dgw = gw ? DEVF(gw, OI) : NULL;
-        cpu->matmul_backward(gx, gw, g, x, w, N, I, O);
-        gpu->matmul_backward(dgx, dgw, dg, dx_, dw_, N, I, O);
+        cpu->matmul_backward(gx, gw, g, x, w, N, I, O, 0);
+        gpu->matmul_backward(dgx, dgw, dg, dx_, dw_, N, I, O, 0);
         gpu_done();
         if (gx)
             check_f("dx", HOSTF(dgx, NI), gx, NI, I, GEMM_K(O));
         if (gw)
             check_f("dw", HOSTF(dgw, OI), gw, OI, I, GEMM_K(N));
+    }
+    { /* written (MOE_WRITE_DX, MOE_WRITE_DW): the GPU's gradients start as NaN */
+        float *gx = frand(NI, -1, 1), *gw = frand(OI, -1, 1);
+        float *dgx = DEVF(fnan(NI), NI), *dgw = DEVF(fnan(OI), OI);
+        cpu->matmul_backward(gx, gw, g, x, w, N, I, O, MOE_WRITE_DX | MOE_WRITE_DW);
+        gpu->matmul_backward(dgx, dgw, dg, dx_, dw_, N, I, O, MOE_WRITE_DX | MOE_WRITE_DW);
+        gpu_done();
+        check_f("dx written", HOSTF(dgx, NI), gx, NI, I, GEMM_K(O));
+        check_f("dw written", HOSTF(dgw, OI), gw, OI, I, GEMM_K(N));
     }
     free_all();
 }
@@ -733,23 +754,47 @@ static void test_route(int N, int E, int K, int group, int capacity, int mode, i
     int32_t *sr = DEVI(slot_row, NK);
     float *g = frand(MD, -1, 1), *y = frand(ND, -1, 1), *eo = frand(MD, -1, 1);
     float *deo = DEVF(eo, MD);
-    for (int gather = 0; gather < 2; gather++) {
-        begin("moe_permute_backward", name);
-        float *gx = frand(ND, -1, 1), *dgx = DEVF(gx, ND);
-        cpu->moe_permute_backward(gx, g, row_token, M, D, NULL, 0, 0);
-        gpu->moe_permute_backward(dgx, DEVF(g, MD), rt, M, D, gather ? sr : NULL, N, K);
-        gpu_done();
-        check_f(gather ? "dx (gathered)" : "dx (sorted)", HOSTF(dgx, ND), gx, ND, D, EXACT);
+    /* and each from three bases: the destination itself (added to), another buffer, none
+     * (written: the GPU's destination starts as NaN) */
+    static const char *bases[3] = {"added", "from a base", "written"};
+    for (int gather = 0; gather < 2; gather++)
+        for (int b = 0; b < 3; b++) {
+            char what[64];
+            begin("moe_permute_backward", name);
+            float *gx = frand(ND, -1, 1), *base = frand(ND, -1, 1);
+            float *dgx = DEVF(b == 2 ? fnan(ND) : gx, ND), *dbase = DEVF(base, ND);
+            cpu->moe_permute_backward(gx,
+                                      b == 0   ? gx
+                                      : b == 1 ? base
+                                               : NULL,
+                                      g, row_token, M, D, NULL, N, 0);
+            gpu->moe_permute_backward(dgx,
+                                      b == 0   ? dgx
+                                      : b == 1 ? dbase
+                                               : NULL,
+                                      DEVF(g, MD), rt, M, D, gather ? sr : NULL, N, K);
+            gpu_done();
+            snprintf(what, sizeof what, "dx (%s, %s)", gather ? "gathered" : "sorted", bases[b]);
+            check_f(what, HOSTF(dgx, ND), gx, ND, D, EXACT);
 
-        begin("moe_combine_forward", name);
-        float *yc = hmem(sizeof(float) * ND);
-        memcpy(yc, y, sizeof(float) * ND);
-        float *dy = DEVF(yc, ND);
-        cpu->moe_combine_forward(yc, eo, w, row_token, row_slot, M, D, K, NULL, 0);
-        gpu->moe_combine_forward(dy, deo, dw_, rt, rs, M, D, K, gather ? sr : NULL, N);
-        gpu_done();
-        check_f(gather ? "y (gathered)" : "y (sorted)", HOSTF(dy, ND), yc, ND, D, EXACT);
-    }
+            begin("moe_combine_forward", name);
+            float *yc = hmem(sizeof(float) * ND);
+            memcpy(yc, y, sizeof(float) * ND);
+            float *dy = DEVF(b == 2 ? fnan(ND) : yc, ND);
+            cpu->moe_combine_forward(yc,
+                                     b == 0   ? yc
+                                     : b == 1 ? base
+                                              : NULL,
+                                     eo, w, row_token, row_slot, M, D, K, NULL, N);
+            gpu->moe_combine_forward(dy,
+                                     b == 0   ? dy
+                                     : b == 1 ? dbase
+                                              : NULL,
+                                     deo, dw_, rt, rs, M, D, K, gather ? sr : NULL, N);
+            gpu_done();
+            snprintf(what, sizeof what, "y (%s, %s)", gather ? "gathered" : "sorted", bases[b]);
+            check_f(what, HOSTF(dy, ND), yc, ND, D, EXACT);
+        }
 
     begin("moe_combine_backward", name);
     float *gy = frand(ND, -1, 1), *dgy = DEVF(gy, ND);
@@ -776,8 +821,8 @@ static void test_permute_backward_any(int N, int M, int D, const char *name)
     const size_t ND = (size_t)N * D, MD = (size_t)M * D;
     int32_t *rt = irand(M, 0, N);
     float *gx = frand(ND, -1, 1), *g = frand(MD, -1, 1), *dgx = DEVF(gx, ND);
-    cpu->moe_permute_backward(gx, g, rt, M, D, NULL, 0, 0);
-    gpu->moe_permute_backward(dgx, DEVF(g, MD), DEVI(rt, M), M, D, NULL, 0, 0);
+    cpu->moe_permute_backward(gx, gx, g, rt, M, D, NULL, 0, 0);
+    gpu->moe_permute_backward(dgx, dgx, DEVF(g, MD), DEVI(rt, M), M, D, NULL, 0, 0);
     gpu_done();
     check_f("dx", HOSTF(dgx, ND), gx, ND, D, EXACT);
     free_all();
@@ -936,28 +981,51 @@ static void test_exchange(int N, int E, int K, int P, int D, int capacity, const
     float *srows = frand(nw, -1, 1);
     /* twice: rows sorted by token (no inverse map), and gathered through token_rows; the
      * forward's sums of the returned rows (moe_permute_backward) likewise */
-    for (int gather = 0; gather < 2; gather++) {
-        begin("moe_scatter_grad_rows", name);
-        float *sdx = frand((size_t)N * D, -1, 1), *sdw = frand(NK, -1, 1);
-        float *dsdx = DEVF(sdx, (size_t)N * D), *dsdw = DEVF(sdw, NK);
-        cpu->moe_scatter_grad_rows(sdx, sdw, srows, st, n, D, K, NULL, 0, 0);
-        gpu->moe_scatter_grad_rows(dsdx, dsdw, DEVF(srows, nw), DEVI(st, n), n, D, K,
-                                   gather ? dtrows : NULL, N, P);
-        gpu_done();
-        check_f(gather ? "dx (gathered)" : "dx (sorted)", HOSTF(dsdx, (size_t)N * D), sdx,
-                (size_t)N * D, D, EXACT);
-        check_f(gather ? "dw (gathered)" : "dw (sorted)", HOSTF(dsdw, NK), sdw, NK, K, EXACT);
+    /* dx from the three bases of test_route's ops; dw written (the GPU's starts as NaN) */
+    static const char *bases[3] = {"added", "from a base", "written"};
+    const size_t nd = (size_t)N * D;
+    for (int gather = 0; gather < 2; gather++)
+        for (int b = 0; b < 3; b++) {
+            char what[64];
+            begin("moe_scatter_grad_rows", name);
+            float *sdx = frand(nd, -1, 1), *sdw = frand(NK, -1, 1), *base = frand(nd, -1, 1);
+            float *dsdx = DEVF(b == 2 ? fnan(nd) : sdx, nd), *dsdw = DEVF(fnan(NK), NK);
+            float *dbase = DEVF(base, nd);
+            cpu->moe_scatter_grad_rows(sdx, sdw,
+                                       b == 0   ? sdx
+                                       : b == 1 ? base
+                                                : NULL,
+                                       srows, st, n, D, K, NULL, N, 0);
+            gpu->moe_scatter_grad_rows(dsdx, dsdw,
+                                       b == 0   ? dsdx
+                                       : b == 1 ? dbase
+                                                : NULL,
+                                       DEVF(srows, nw), DEVI(st, n), n, D, K,
+                                       gather ? dtrows : NULL, N, P);
+            gpu_done();
+            snprintf(what, sizeof what, "dx (%s, %s)", gather ? "gathered" : "sorted", bases[b]);
+            check_f(what, HOSTF(dsdx, nd), sdx, nd, D, EXACT);
+            snprintf(what, sizeof what, "dw (%s, %s)", gather ? "gathered" : "sorted", bases[b]);
+            check_f(what, HOSTF(dsdw, NK), sdw, NK, K, EXACT);
 
-        begin("moe_permute_backward of returned rows", name);
-        float *rx = frand((size_t)N * D, -1, 1), *drx = DEVF(rx, (size_t)N * D);
-        float *ret = frand((size_t)n * D, -1, 1);
-        cpu->moe_permute_backward(rx, ret, st, n, D, NULL, 0, 0);
-        gpu->moe_permute_backward(drx, DEVF(ret, (size_t)n * D), DEVI(st, n), n, D,
-                                  gather ? dtrows : NULL, N, P);
-        gpu_done();
-        check_f(gather ? "y (gathered)" : "y (sorted)", HOSTF(drx, (size_t)N * D), rx,
-                (size_t)N * D, D, EXACT);
-    }
+            begin("moe_permute_backward of returned rows", name);
+            float *rx = frand(nd, -1, 1), *drx = DEVF(b == 2 ? fnan(nd) : rx, nd);
+            float *ret = frand((size_t)n * D, -1, 1);
+            cpu->moe_permute_backward(rx,
+                                      b == 0   ? rx
+                                      : b == 1 ? base
+                                               : NULL,
+                                      ret, st, n, D, NULL, N, 0);
+            gpu->moe_permute_backward(drx,
+                                      b == 0   ? drx
+                                      : b == 1 ? dbase
+                                               : NULL,
+                                      DEVF(ret, (size_t)n * D), DEVI(st, n), n, D,
+                                      gather ? dtrows : NULL, N, P);
+            gpu_done();
+            snprintf(what, sizeof what, "y (%s, %s)", gather ? "gathered" : "sorted", bases[b]);
+            check_f(what, HOSTF(drx, nd), rx, nd, D, EXACT);
+        }
     free_all();
 }
 

@@ -195,7 +195,7 @@ static void check_ce_in_place(moe_precision p, const char *mode, const float *w,
         gw[k] = gpu->alloc(sizeof(float) * (size_t)V * I);
         gpu->zero(gx[k], sizeof(float) * (size_t)N * I);
         gpu->zero(gw[k], sizeof(float) * (size_t)V * I);
-        gpu->matmul_backward(gx[k], gw[k], dl[k], h, w, N, I, V);
+        gpu->matmul_backward(gx[k], gw[k], dl[k], h, w, N, I, V, 0);
     }
     const int want_differ = p != MOE_PREC_FP32;
     char what[96];
@@ -356,7 +356,7 @@ static void check_writers_marked(moe_precision p, const char *mode, const float 
             else
                 gpu->moe_combine_backward(o[k], NULL, x, NULL, kw, drt, drt + N, N, D, 2);
             gpu->matmul_forward(y[k], o[k], w, N, D, O);
-            gpu->matmul_backward(NULL, gw[k], dout, o[k], w, N, D, O);
+            gpu->matmul_backward(NULL, gw[k], dout, o[k], w, N, D, O, 0);
         }
         bad += (differ(o[0], o[1], n) != (p != MOE_PREC_FP32)) + bf16_mismatches(p, o[0], o[1], n);
         char what[96];
@@ -577,10 +577,10 @@ static void check_mode(moe_precision p, const char *mode, double bound)
     /* backward: dx, dw (+= into zero) */
     memset(refx, 0, sizeof(float) * N * I);
     memset(ref, 0, sizeof(float) * nw);
-    moe_backend_cpu.matmul_backward(refx, ref, dout, x, w, N, I, O);
+    moe_backend_cpu.matmul_backward(refx, ref, dout, x, w, N, I, O, 0);
     gpu->zero(dgx, sizeof(float) * N * I);
     gpu->zero(dgw, sizeof(float) * nw);
-    gpu->matmul_backward(dgx, dgw, ddout, dx_, dw_, N, I, O);
+    gpu->matmul_backward(dgx, dgw, ddout, dx_, dw_, N, I, O, 0);
     to_host(gotx, dgx, (size_t)N * I);
     report("matmul_backward dx", mode, rel_err(gotx, refx, (size_t)N * I), bound);
     to_host(got, dgw, (size_t)O * I);

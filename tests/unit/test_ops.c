@@ -187,6 +187,33 @@ static void test_pack_dispatch(void **state)
     }
 }
 
+/* The gradient rows back to their tokens: dx = base + the rows' dx parts (row order), dw =
+ * their dw parts, written; a token without rows gets its base and a zero dw. */
+static void test_scatter_grad_rows(void **state)
+{
+    (void)state;
+    enum { N = 3, D = 2, K = 2, n = 3 };
+    const int32_t send_token[n] = {2, 0, 2};
+    const real rows[n * (D + K)] = {1, 2, 0.5f, 0.25f, 3, 4, 1, 2, 5, 6, 0.125f, 4};
+    const real base[N * D] = {10, 20, 30, 40, 50, 60};
+    real dx[N * D], dw[N * K], dxa[N * D];
+    for (int i = 0; i < N * D; i++)
+        dx[i] = NAN, dxa[i] = base[i];
+    for (int i = 0; i < N * K; i++)
+        dw[i] = NAN;
+    moe_scatter_grad_rows(dx, dw, base, rows, send_token, n, D, K, NULL, N, 1);
+    const real want_dx[N * D] = {13, 24, 30, 40, 56, 68};
+    const real want_dw[N * K] = {1, 2, 0, 0, 0.625f, 4.25f};
+    assert_memory_equal(dx, want_dx, sizeof dx);
+    assert_memory_equal(dw, want_dw, sizeof dw);
+    /* base = dx: added to what dx holds; base NULL: from 0 */
+    moe_scatter_grad_rows(dxa, dw, dxa, rows, send_token, n, D, K, NULL, N, 1);
+    assert_memory_equal(dxa, want_dx, sizeof dxa);
+    moe_scatter_grad_rows(dx, dw, NULL, rows, send_token, n, D, K, NULL, N, 1);
+    const real want_0[N * D] = {3, 4, 0, 0, 6, 8};
+    assert_memory_equal(dx, want_0, sizeof dx);
+}
+
 /* The host's fp16 and bf16 rounding on values whose encodings are known: ties to even,
  * the largest finite, overflow, subnormals, the smallest normal, signs, NaN. */
 static void test_half_rounding(void **state)
@@ -270,11 +297,25 @@ static void test_permute_combine_forward(void **state)
 
     const real eo[M * D] = {1, 1, 2, 2, 3, 3};
     real y[PN * D] = {1, 1, 1, 1, 1, 1, 1, 1};
-    moe_combine_forward(y, eo, plan_w, row_token, row_slot, M, D, PK, NULL, 0);
+    moe_combine_forward(y, y, eo, plan_w, row_token, row_slot, M, D, PK, NULL, 0);
     /* token 0: all dropped; t1: 0.7*2; t2: 0.6*1; t3: 0.8*3, each added to 1 */
     const double want_y[PN * D] = {1,       1,       1 + 0.7 * 2, 1 + 0.7 * 2,
                                    1 + 0.6, 1 + 0.6, 1 + 0.8 * 3, 1 + 0.8 * 3};
     assert_true(close_to("y", y, want_y, PN * D, 1e-6, 1e-6));
+    /* from a base of 2 into a buffer of NaN, and written (base NULL): token 0 gets its base */
+    const real two[PN * D] = {2, 2, 2, 2, 2, 2, 2, 2};
+    real yb[PN * D], yw[PN * D];
+    for (int i = 0; i < PN * D; i++)
+        yb[i] = yw[i] = NAN;
+    moe_combine_forward(yb, two, eo, plan_w, row_token, row_slot, M, D, PK, NULL, PN);
+    moe_combine_forward(yw, NULL, eo, plan_w, row_token, row_slot, M, D, PK, NULL, PN);
+    double want_b[PN * D], want_w[PN * D];
+    for (int i = 0; i < PN * D; i++) {
+        want_b[i] = want_y[i] + 1;
+        want_w[i] = want_y[i] - 1;
+    }
+    assert_true(close_to("y from base 2", yb, want_b, PN * D, 1e-6, 1e-6));
+    assert_true(close_to("y written", yw, want_w, PN * D, 1e-6, 1e-6));
 }
 
 /* ---- router --------------------------------------------------------------------- */
@@ -783,10 +824,21 @@ static void check_matmul_naive(int N, int I, int O)
             want_dw[o * I + i] = s;
         }
     matmul_forward(out, x, w, N, I, O);
-    matmul_backward(dx, dw, g, x, w, N, I, O);
+    matmul_backward(dx, dw, g, x, w, N, I, O, 0);
     assert_true(close_to("out", out, want_out, no, 1e-5, 1e-5));
     assert_true(close_to("dx", dx, want_dx, nx, 1e-5, 1e-5));
     assert_true(close_to("dw", dw, want_dw, nw, 1e-5, 1e-5));
+    /* the residual form: out = base + x W^T, into another buffer and in place */
+    real *base = alloc_fill(no, 17), *outa = malloc(no * sizeof(real));
+    real *inplace = malloc(no * sizeof(real));
+    memcpy(inplace, base, no * sizeof(real));
+    for (size_t i = 0; i < no; i++)
+        want_out[i] += base[i];
+    matmul_forward_add(outa, base, x, w, N, I, O);
+    matmul_forward_add(inplace, inplace, x, w, N, I, O);
+    assert_true(close_to("base + out", outa, want_out, no, 1e-5, 1e-5));
+    assert_memory_equal(inplace, outa, no * sizeof(real));
+    free(base), free(outa), free(inplace);
     free(x), free(w), free(g), free(out), free(dx), free(dw);
     free(want_out), free(want_dx), free(want_dw);
 }
@@ -876,7 +928,7 @@ static void det_run(det_result *r, const real *x, const real *w, const real *g, 
     r->dx = copy_of(g, DN * DI); /* nonzero starts, the same for both runs */
     r->dw = copy_of(g, DO * DI);
     matmul_forward(r->out, x, w, DN, DI, DO);
-    matmul_backward(r->dx, r->dw, g, x, w, DN, DI, DO);
+    matmul_backward(r->dx, r->dw, g, x, w, DN, DI, DO, 0);
 
     const real *q = qkv, *k = qkv + na, *v = qkv + 2 * na;
     r->att = malloc(na * sizeof(real));
@@ -938,6 +990,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_route_plan_dropless),
         cmocka_unit_test(test_pack_dispatch),
+        cmocka_unit_test(test_scatter_grad_rows),
         cmocka_unit_test(test_half_rounding),
         cmocka_unit_test(test_route_plan_capacity),
         cmocka_unit_test(test_permute_combine_forward),

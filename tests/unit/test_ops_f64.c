@@ -239,15 +239,21 @@ static void check_matmul(int N, int I, int O)
                 1};
     real *dx0 = buf_rand(&pl, nx, 0.1, 1), *dx = buf_copy(&pl, dx0, nx);
     real *dw0 = buf_rand(&pl, nw, 0.1, 1), *dw = buf_copy(&pl, dw0, nw);
-    matmul_backward(dx, dw, m.R, m.x, m.w, N, I, O);
+    matmul_backward(dx, dw, m.R, m.x, m.w, N, I, O, 0);
     assert_true(check_fd("dx", m.x, added(&pl, dx, dx0, nx), nx, I, mm_loss, &m));
     assert_true(check_fd("dw", m.w, added(&pl, dw, dw0, nw), nw, I, mm_loss, &m));
 
     real *dxb = buf_copy(&pl, dx0, nx), *dwb = buf_copy(&pl, dw0, nw);
-    matmul_backward(dxb, NULL, m.R, m.x, m.w, N, I, O);
-    matmul_backward(NULL, dwb, m.R, m.x, m.w, N, I, O);
+    matmul_backward(dxb, NULL, m.R, m.x, m.w, N, I, O, 0);
+    matmul_backward(NULL, dwb, m.R, m.x, m.w, N, I, O, 0);
     assert_memory_equal(dxb, dx, nx * sizeof(real));
     assert_memory_equal(dwb, dw, nw * sizeof(real));
+
+    /* written (MOE_WRITE_DX, MOE_WRITE_DW): the random contents before are gone */
+    real *dxw = buf_copy(&pl, dx0, nx), *dww = buf_copy(&pl, dw0, nw);
+    matmul_backward(dxw, dww, m.R, m.x, m.w, N, I, O, MOE_WRITE_DX | MOE_WRITE_DW);
+    assert_true(check_fd("dx written", m.x, dxw, nx, I, mm_loss, &m));
+    assert_true(check_fd("dw written", m.w, dww, nw, I, mm_loss, &m));
     pool_free(&pl);
 }
 
@@ -647,9 +653,8 @@ typedef struct {
 static double combine_loss(void *c)
 {
     route_ctx *r = c;
-    memcpy(r->y, r->y0, RT_N * RT_D * sizeof(real));
-    moe_combine_forward(r->y, r->eo, r->w, r->p->row_token, r->p->row_slot, r->p->M, RT_D, RT_K,
-                        NULL, 0);
+    moe_combine_forward(r->y, r->y0, r->eo, r->w, r->p->row_token, r->p->row_slot, r->p->M, RT_D,
+                        RT_K, NULL, RT_N); /* y = y0 + the weighted rows */
     return dot(r->R, r->y, RT_N * RT_D);
 }
 
@@ -712,9 +717,16 @@ static void test_moe_permute_backward(void **state)
                    buf_rand(&pl, RT_N * RT_D, 0.1, 1),
                    &p};
     real *dx0 = buf_rand(&pl, RT_N * RT_D, 0.1, 1), *dx = buf_copy(&pl, dx0, RT_N * RT_D);
-    moe_permute_backward(dx, r.R, p.row_token, p.M, RT_D, NULL, 0, 0);
+    moe_permute_backward(dx, dx, r.R, p.row_token, p.M, RT_D, NULL, 0, 0); /* added to dx */
     assert_true(
         check_fd("dx", r.x, added(&pl, dx, dx0, RT_N * RT_D), RT_N * RT_D, RT_D, permute_loss, &r));
+    /* from another base (N read), and written (base NULL) over random contents */
+    real *dxo = buf_rand(&pl, RT_N * RT_D, 0.1, 3);
+    moe_permute_backward(dxo, dx0, r.R, p.row_token, p.M, RT_D, NULL, RT_N, 0);
+    assert_memory_equal(dxo, dx, RT_N * RT_D * sizeof(real));
+    real *dxw = buf_rand(&pl, RT_N * RT_D, 0.1, 4);
+    moe_permute_backward(dxw, NULL, r.R, p.row_token, p.M, RT_D, NULL, RT_N, 0);
+    assert_true(check_fd("dx written", r.x, dxw, RT_N * RT_D, RT_D, permute_loss, &r));
     pool_free(&pl);
 }
 
