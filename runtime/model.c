@@ -347,7 +347,10 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
  * packing, which sends 16-bit rows in these precisions anyway), the received rows
  * xrecv (unpacked in their 16 bits for the permutation) and the experts' output
  * gradient deout (written by the combine's backward for the down projection's GEMMs).
- * on = 0 removes the marks. */
+ * Where the attention takes q, k, v so, also its output att (written in 16 bits by the
+ * attention, read by the output projection's GEMMs and the backward's row sums) and the
+ * gradients datt (written by a GEMM), dq, dk, dv (written by the attention's backward,
+ * rotated by rope, read by GEMMs). on = 0 removes the marks. */
 static moe_status mark_operands(moe_model *m, int on)
 {
     const size_t N = (size_t)m->Nc, Mx = (size_t)m->Mmax;
@@ -369,8 +372,15 @@ static moe_status mark_operands(moe_model *m, int on)
                 MOE_CHECK(m->be->mark_operand(a->q, on ? N * (size_t)m->D : 0));
                 MOE_CHECK(m->be->mark_operand(a->k, on ? N * (size_t)m->D : 0));
                 MOE_CHECK(m->be->mark_operand(a->v, on ? N * (size_t)m->D : 0));
+                MOE_CHECK(m->be->mark_operand(a->att, on ? N * (size_t)m->D : 0));
             }
         }
+    if (qkv16) { /* the attention's backward: its input and output gradients */
+        MOE_CHECK(m->be->mark_operand(m->datt, on ? N * (size_t)m->D : 0));
+        MOE_CHECK(m->be->mark_operand(m->dq, on ? N * (size_t)m->D : 0));
+        MOE_CHECK(m->be->mark_operand(m->dk, on ? N * (size_t)m->D : 0));
+        MOE_CHECK(m->be->mark_operand(m->dv, on ? N * (size_t)m->D : 0));
+    }
     MOE_CHECK(m->be->mark_operand(m->deh, on ? Mx * (size_t)m->F : 0));
     MOE_CHECK(m->be->mark_operand(m->deout, on ? Mx * (size_t)m->D : 0));
     MOE_CHECK(m->be->mark_operand(m->dfa, on ? N * Fmax : 0));

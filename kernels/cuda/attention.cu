@@ -21,16 +21,22 @@
 
 #include "kernels/cuda/cuda_common.cuh"
 
+/* Which of the op's buffers are marked as holding 16-bit values (backend.h mark_operand):
+ * the mma.sync kernels read them (q, k, v as a whole; out and dout) or write them (out,
+ * dq, dk, dv) so; no other kernel takes them. */
+enum { ATT_QKV16 = 1, ATT_OUT16 = 2, ATT_DOUT16 = 4, ATT_DQ16 = 8, ATT_DK16 = 16, ATT_DV16 = 32 };
+
 /* The tensor-core path (bf16 / fp16 precision; at the end of this file). Each returns 1
- * when it took the op, 0 when the fp32 kernels must run it. in16: q, k, v are marked as
- * 16-bit (qkv16: 1 all, 0 none, -1 a failure). */
-static int qkv16(const real *q, const real *k, const real *v, size_t n);
+ * when it took the op, 0 when the fp32 kernels must run it. m16: the ATT_*16 flags of
+ * the buffers (att_marks; -1 a failure). */
+static int att_marks(const real *q, const real *k, const real *v, const real *out, const real *dout,
+                     const real *dq, const real *dk, const real *dv, size_t n);
 static int flash_forward(real *out, real *lse, const real *q, const real *k, const real *v, int B,
-                         int T, int H, int Hd, int in16);
+                         int T, int H, int Hd, int m16);
 static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                           const float *dsum, const real *q, const real *k, const real *v, int B,
-                          int T, int H, int Hd, uint16_t *c16, int in16);
-static size_t flash_backward_copies(int B, int T, int H, int Hd, int in16);
+                          int T, int H, int Hd, uint16_t *c16, int m16);
+static size_t flash_backward_copies(int B, int T, int H, int Hd, int m16);
 
 #define ATT_WARPS 8 /* queries (forward, dq) or keys (dk, dv) per block */
 #define ATT_TILE 32 /* keys (or queries) per shared tile: one per lane */
@@ -129,8 +135,8 @@ extern "C" void cuda_attention_forward(real *out, real *lse, const real *q, cons
 {
     if (B <= 0 || T <= 0 || H <= 0 || Hd <= 0 || !head_dim_ok(Hd))
         return;
-    const int in16 = qkv16(q, k, v, (size_t)B * T * H * Hd);
-    if (in16 < 0 || flash_forward(out, lse, q, k, v, B, T, H, Hd, in16))
+    const int m16 = att_marks(q, k, v, out, NULL, NULL, NULL, NULL, (size_t)B * T * H * Hd);
+    if (m16 < 0 || flash_forward(out, lse, q, k, v, B, T, H, Hd, m16))
         return;
     const size_t smem = sizeof(float) * ((size_t)ATT_TILE * (Hd + 1) + (size_t)ATT_TILE * Hd +
                                          (size_t)ATT_WARPS * Hd);
@@ -141,9 +147,11 @@ extern "C" void cuda_attention_forward(real *out, real *lse, const real *q, cons
 
 /* ---- backward ------------------------------------------------------------------------ */
 
-/* dsum (B, H, T) = dout_i . out_i, one warp per (sequence, head, query). */
+/* dsum (B, H, T) = dout_i . out_i, one warp per (sequence, head, query); G16, O16: dout,
+ * out hold 16-bit values (bf16 by `bf16`). */
+template <int G16, int O16>
 static __global__ void attention_dsum_kernel(float *dsum, const real *dout, const real *out, int B,
-                                             int T, int H, int Hd)
+                                             int T, int H, int Hd, int bf16)
 {
     const size_t w = (size_t)blockIdx.x * ATT_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -154,7 +162,7 @@ static __global__ void attention_dsum_kernel(float *dsum, const real *dout, cons
     const size_t off = (b * T + i) * (size_t)H * Hd + h * Hd;
     double s = 0.0;
     for (int d = lane; d < Hd; d += 32)
-        s += (double)dout[off + d] * out[off + d];
+        s += (double)moe_ld<G16>(dout, off + d, bf16) * moe_ld<O16>(out, off + d, bf16);
     s = moe_warp_sum_d(s);
     if (lane == 0)
         dsum[w] = (float)s;
@@ -292,19 +300,26 @@ extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real
     if (B <= 0 || T <= 0 || H <= 0 || Hd <= 0 || (!dq && !dk && !dv) || !head_dim_ok(Hd))
         return;
     const size_t rows = (size_t)B * H * T, dsum_bytes = (sizeof(float) * rows + 255) / 256 * 256;
-    const int in16 = qkv16(q, k, v, (size_t)B * T * H * Hd);
-    if (in16 < 0)
+    const int m16 = att_marks(q, k, v, out, dout, dq, dk, dv, (size_t)B * T * H * Hd);
+    if (m16 < 0)
         return;
-    const size_t copies = flash_backward_copies(B, T, H, Hd, in16); /* after dsum */
+    const size_t copies = flash_backward_copies(B, T, H, Hd, m16); /* after dsum */
     char *scratch = (char *)moe_cuda_scratch(dsum_bytes + sizeof(uint16_t) * copies);
     if (!scratch)
         return;
     float *dsum = (float *)scratch;
     uint16_t *c16 = copies ? (uint16_t *)(scratch + dsum_bytes) : NULL;
     const float scale = (float)(1.0 / sqrt((double)Hd));
-    MOE_CUDA_LAUNCH(attention_dsum_kernel, (unsigned)((rows + ATT_WARPS - 1) / ATT_WARPS),
-                    ATT_THREADS, 0, dsum, dout, out, B, T, H, Hd);
-    if (flash_backward(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, in16))
+    const unsigned dsum_blocks = (unsigned)((rows + ATT_WARPS - 1) / ATT_WARPS);
+    const int bf16 = cuda_gemm_precision() == MOE_PREC_BF16;
+    moe_cuda_pick(
+        [&](auto g16_, auto o16_) {
+            constexpr int G16 = decltype(g16_)::value, O16 = decltype(o16_)::value;
+            MOE_CUDA_LAUNCH((attention_dsum_kernel<G16, O16>), dsum_blocks, ATT_THREADS, 0, dsum,
+                            dout, out, B, T, H, Hd, bf16);
+        },
+        (m16 & ATT_DOUT16) != 0, (m16 & ATT_OUT16) != 0);
+    if (flash_backward(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, m16))
         return;
     const dim3 grid((T + ATT_WARPS - 1) / ATT_WARPS, H, B);
     const size_t tile = (size_t)ATT_TILE * (Hd + 1), rowsmem = (size_t)ATT_WARPS * Hd;
@@ -921,11 +936,12 @@ static __device__ __forceinline__ void fm_pv(float (&acc)[HD / 8][4], const floa
     }
 }
 
-/* g[row] = mul * acc for the lane's 2 rows (row0 + lane / 4, + 8) below T, columns < Hd. */
-template <int HD>
-static __device__ __forceinline__ void fm_store_rows(real *g, size_t ld, int row0, int T, int Hd,
-                                                     float mul, const float (&acc)[HD / 8][4],
-                                                     int lane)
+/* g[base + row] = mul * acc for the lane's 2 rows (row0 + lane / 4, + 8) below T, columns
+ * < Hd; o16: g holds T16 values (a marked buffer), else fp32. */
+template <class T16, int HD>
+static __device__ __forceinline__ void
+fm_store_rows(real *g, size_t base, size_t ld, int row0, int T, int Hd, float mul,
+              const float (&acc)[HD / 8][4], int lane, int o16)
 {
     if (!g)
         return;
@@ -934,12 +950,16 @@ static __device__ __forceinline__ void fm_store_rows(real *g, size_t ld, int row
         const int row = row0 + (lane >> 2) + 8 * r;
         if (row >= T)
             continue;
-        real *dst = g + (size_t)row * ld + 2 * (lane & 3);
+        const size_t at = base + (size_t)row * ld + 2 * (lane & 3);
 #pragma unroll
         for (int n = 0; n < HD / 8; n++) {
             if (8 * n + 2 * (lane & 3) >= Hd)
                 continue;
-            *(float2 *)(dst + 8 * n) = make_float2(mul * acc[n][2 * r], mul * acc[n][2 * r + 1]);
+            const float a = mul * acc[n][2 * r], b = mul * acc[n][2 * r + 1];
+            if (o16)
+                *(unsigned *)((T16 *)g + at + 8 * n) = fm_pack<T16>(a, b);
+            else
+                *(float2 *)(g + at + 8 * n) = make_float2(a, b);
         }
     }
 }
@@ -1007,7 +1027,7 @@ static size_t fm_backward_smem(int HD)
 template <class T16, int HD>
 static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
     fm_forward_kernel(real *out, real *lse, const T16 *q, const T16 *k, const T16 *v, int T, int H,
-                      int Hd, float sl2)
+                      int Hd, float sl2, int o16)
 {
     if constexpr (FM_SKIP) {
         __trap();
@@ -1088,12 +1108,16 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
             if (row[r] >= T)
                 continue;
             const float inv = 1.f / l[r];
-            real *orow = out + base + (size_t)row[r] * ld + 2 * quad;
+            const size_t orow = base + (size_t)row[r] * ld + 2 * quad; /* o16: T16 values */
 #pragma unroll
             for (int n = 0; n < HD / 8; n++)
-                if (8 * n + 2 * quad < Hd)
-                    *(float2 *)(orow + 8 * n) =
-                        make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+                if (8 * n + 2 * quad < Hd) {
+                    const float a = o[n][2 * r] * inv, b = o[n][2 * r + 1] * inv;
+                    if (o16)
+                        *(unsigned *)((T16 *)out + orow + 8 * n) = fm_pack<T16>(a, b);
+                    else
+                        *(float2 *)(out + orow + 8 * n) = make_float2(a, b);
+                }
             if (quad == 0)
                 lse[(size_t)bh * T + row[r]] = (m[r] + log2f(l[r])) * FA_LN2;
         }
@@ -1104,7 +1128,7 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
 template <class T16, int HD>
 static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
     fm_dq_kernel(real *dq, const T16 *dout, const real *lse, const float *dsum, const T16 *q,
-                 const T16 *k, const T16 *v, int T, int H, int Hd, float scale, float sl2)
+                 const T16 *k, const T16 *v, int T, int H, int Hd, float scale, float sl2, int dq16)
 {
     if constexpr (FM_SKIP) {
         __trap();
@@ -1164,7 +1188,7 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
             fm_wait_all();
             __syncthreads();
         }
-        fm_store_rows<HD>(dq + base, ld, first, T, Hd, scale, acc, lane);
+        fm_store_rows<T16, HD>(dq, base, ld, first, T, Hd, scale, acc, lane, dq16);
     }
 }
 
@@ -1174,7 +1198,7 @@ template <class T16, int HD>
 static __global__ void __launch_bounds__(FA_THREADS, 2)
     fm_dkv_kernel(real *dk, real *dv, const T16 *dout, const real *lse, const float *dsum,
                   const T16 *q, const T16 *k, const T16 *v, int T, int H, int Hd, float scale,
-                  float sl2)
+                  float sl2, int dk16, int dv16)
 {
     if constexpr (FM_SKIP) {
         __trap();
@@ -1249,8 +1273,8 @@ static __global__ void __launch_bounds__(FA_THREADS, 2)
             fm_wait_all();
             __syncthreads();
         }
-        fm_store_rows<HD>(dv ? dv + base : NULL, ld, first, T, Hd, 1.f, dva, lane);
-        fm_store_rows<HD>(dk ? dk + base : NULL, ld, first, T, Hd, scale, dka, lane);
+        fm_store_rows<T16, HD>(dv, base, ld, first, T, Hd, 1.f, dva, lane, dv16);
+        fm_store_rows<T16, HD>(dk, base, ld, first, T, Hd, scale, dka, lane, dk16);
     }
 }
 
@@ -1314,23 +1338,24 @@ static int fm_family(void)
     return cc >= 80 && !(e && strcmp(e, "wmma") == 0);
 }
 
-/* in16: q, k, v hold 16-bit values (marked, cuda_attention_operands16): the mma.sync
- * kernels read them as they are. */
+/* m16 (ATT_*16): q, k, v hold 16-bit values (marked, cuda_attention_operands16), which
+ * the mma.sync kernels read as they are; out gets 16-bit values. */
 template <class T16, int HD, int FM>
 static void flash_forward_run(real *out, real *lse, const real *q, const real *k, const real *v,
-                              int B, int T, int H, int Hd, int in16)
+                              int B, int T, int H, int Hd, int m16)
 {
     const dim3 grid((unsigned)(B * H), (unsigned)((T + FA_ROWS - 1) / FA_ROWS));
     const float sl2 = (float)(1.4426950408889634 / sqrt((double)Hd));
     if constexpr (FM) { /* from 16-bit copies of q, k, v in the scratch, or q, k, v */
-        void (*kernel)(real *, real *, const T16 *, const T16 *, const T16 *, int, int, int,
-                       float) = fm_forward_kernel<T16, HD>;
+        void (*kernel)(real *, real *, const T16 *, const T16 *, const T16 *, int, int, int, float,
+                       int) = fm_forward_kernel<T16, HD>;
         const size_t n = (size_t)B * T * H * Hd, smem = fm_forward_smem(HD);
+        const int o16 = (m16 & ATT_OUT16) != 0;
         if (!fa_smem((const void *)kernel, smem))
             return;
-        if (in16) {
+        if (m16 & ATT_QKV16) {
             MOE_CUDA_LAUNCH(kernel, grid, FA_THREADS, smem, out, lse, (const T16 *)q,
-                            (const T16 *)k, (const T16 *)v, T, H, Hd, sl2);
+                            (const T16 *)k, (const T16 *)v, T, H, Hd, sl2, o16);
             return;
         }
         uint16_t *c = (uint16_t *)moe_cuda_scratch(sizeof(uint16_t) * 3 * n);
@@ -1340,9 +1365,9 @@ static void flash_forward_run(real *out, real *lse, const real *q, const real *k
         cuda_round_operand(c + n, k, n);
         cuda_round_operand(c + 2 * n, v, n);
         MOE_CUDA_LAUNCH(kernel, grid, FA_THREADS, smem, out, lse, (const T16 *)c,
-                        (const T16 *)(c + n), (const T16 *)(c + 2 * n), T, H, Hd, sl2);
+                        (const T16 *)(c + n), (const T16 *)(c + 2 * n), T, H, Hd, sl2, o16);
     } else {
-        (void)in16; /* never set without the mma.sync kernels */
+        (void)m16; /* never set without the mma.sync kernels */
         void (*kernel)(real *, real *, const real *, const real *, const real *, int, int, int,
                        float) = flash_forward_kernel<T16, HD>;
         const size_t smem = fa_forward_smem(HD);
@@ -1352,46 +1377,49 @@ static void flash_forward_run(real *out, real *lse, const real *q, const real *k
     }
 }
 
-/* c16: room for the FM kernels' 16-bit copies of q, k, v and dout, B*T*H*Hd values each
- * (dout's alone, first, when in16). */
+/* c16: room for the FM kernels' 16-bit copies of q, k, v and dout, B*T*H*Hd values each,
+ * of those not marked (m16: ATT_*16): q, k, v's first, then dout's. */
 template <class T16, int HD, int FM>
 static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                                const float *dsum, const real *q, const real *k, const real *v,
-                               int B, int T, int H, int Hd, uint16_t *c16, int in16)
+                               int B, int T, int H, int Hd, uint16_t *c16, int m16)
 {
     const float scale = (float)(1.0 / sqrt((double)Hd));
     const float sl2 = (float)(1.4426950408889634 / sqrt((double)Hd));
     const dim3 grid((unsigned)(B * H), (unsigned)((T + FA_ROWS - 1) / FA_ROWS));
     if constexpr (FM) {
         void (*kdq)(real *, const T16 *, const real *, const float *, const T16 *, const T16 *,
-                    const T16 *, int, int, int, float, float) = fm_dq_kernel<T16, HD>;
+                    const T16 *, int, int, int, float, float, int) = fm_dq_kernel<T16, HD>;
         void (*kdkv)(real *, real *, const T16 *, const real *, const float *, const T16 *,
-                     const T16 *, const T16 *, int, int, int, float, float) =
+                     const T16 *, const T16 *, int, int, int, float, float, int, int) =
             fm_dkv_kernel<T16, HD>;
         const size_t n = (size_t)B * T * H * Hd, smem = fm_backward_smem(HD);
         if (!fa_smem((const void *)kdq, smem) || !fa_smem((const void *)kdkv, smem))
             return;
-        uint16_t *dout16 = in16 ? c16 : c16 + 3 * n;
-        const T16 *q16 = (const T16 *)c16, *k16 = q16 + n, *v16 = k16 + n;
-        const T16 *g16 = (const T16 *)dout16;
-        if (in16) { /* q, k, v hold their 16-bit values: only dout is copied */
-            q16 = (const T16 *)q;
-            k16 = (const T16 *)k;
-            v16 = (const T16 *)v;
-        } else {
-            cuda_round_operand(c16, q, n);
-            cuda_round_operand(c16 + n, k, n);
-            cuda_round_operand(c16 + 2 * n, v, n);
+        const T16 *q16 = (const T16 *)q, *k16 = (const T16 *)k, *v16 = (const T16 *)v;
+        const T16 *g16 = (const T16 *)dout;
+        uint16_t *next = c16; /* the copies of what is not marked */
+        if (!(m16 & ATT_QKV16)) {
+            cuda_round_operand(next, q, n);
+            cuda_round_operand(next + n, k, n);
+            cuda_round_operand(next + 2 * n, v, n);
+            q16 = (const T16 *)next;
+            k16 = q16 + n;
+            v16 = k16 + n;
+            next += 3 * n;
         }
-        cuda_round_operand(dout16, dout, n);
+        if (!(m16 & ATT_DOUT16)) {
+            cuda_round_operand(next, dout, n);
+            g16 = (const T16 *)next;
+        }
         if (dq)
             MOE_CUDA_LAUNCH(kdq, grid, FA_THREADS, smem, dq, g16, lse, dsum, q16, k16, v16, T, H,
-                            Hd, scale, sl2);
+                            Hd, scale, sl2, (m16 & ATT_DQ16) != 0);
         if (dk || dv)
             MOE_CUDA_LAUNCH(kdkv, grid, FA_THREADS, smem, dk, dv, g16, lse, dsum, q16, k16, v16, T,
-                            H, Hd, scale, sl2);
+                            H, Hd, scale, sl2, (m16 & ATT_DK16) != 0, (m16 & ATT_DV16) != 0);
     } else {
-        (void)in16; /* never set without the mma.sync kernels */
+        (void)m16; /* never set without the mma.sync kernels */
         void (*kdq)(real *, const real *, const real *, const float *, const real *, const real *,
                     const real *, int, int, int, float, float) = flash_dq_kernel<T16, HD>;
         void (*kdkv)(real *, real *, const real *, const real *, const float *, const real *,
@@ -1409,64 +1437,72 @@ static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, c
 
 /* The instance for precision p, padded head dim HD and kernel family fm. */
 static void flash_forward_pick(moe_precision p, int HD, int fm, real *out, real *lse, const real *q,
-                               const real *k, const real *v, int B, int T, int H, int Hd, int in16)
+                               const real *k, const real *v, int B, int T, int H, int Hd, int m16)
 {
     typedef __nv_bfloat16 bf;
     if (p == MOE_PREC_BF16)
         (HD == 64 ? (fm ? flash_forward_run<bf, 64, 1> : flash_forward_run<bf, 64, 0>)
                   : (fm ? flash_forward_run<bf, 128, 1> : flash_forward_run<bf, 128, 0>))(
-            out, lse, q, k, v, B, T, H, Hd, in16);
+            out, lse, q, k, v, B, T, H, Hd, m16);
     else
         (HD == 64 ? (fm ? flash_forward_run<__half, 64, 1> : flash_forward_run<__half, 64, 0>)
                   : (fm ? flash_forward_run<__half, 128, 1> : flash_forward_run<__half, 128, 0>))(
-            out, lse, q, k, v, B, T, H, Hd, in16);
+            out, lse, q, k, v, B, T, H, Hd, m16);
 }
 
 static void flash_backward_pick(moe_precision p, int HD, int fm, real *dq, real *dk, real *dv,
                                 const real *dout, const real *lse, const float *dsum, const real *q,
                                 const real *k, const real *v, int B, int T, int H, int Hd,
-                                uint16_t *c16, int in16)
+                                uint16_t *c16, int m16)
 {
     typedef __nv_bfloat16 bf;
     if (p == MOE_PREC_BF16)
         (HD == 64 ? (fm ? flash_backward_run<bf, 64, 1> : flash_backward_run<bf, 64, 0>)
                   : (fm ? flash_backward_run<bf, 128, 1> : flash_backward_run<bf, 128, 0>))(
-            dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, in16);
+            dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, m16);
     else
         (HD == 64 ? (fm ? flash_backward_run<__half, 64, 1> : flash_backward_run<__half, 64, 0>)
                   : (fm ? flash_backward_run<__half, 128, 1> : flash_backward_run<__half, 128, 0>))(
-            dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, in16);
+            dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, m16);
 }
 
-/* Whether q, k, v (n each) are marked as 16-bit: all three (1), none (0), or a failure
- * (recorded; -1). */
-static int qkv16(const real *q, const real *k, const real *v, size_t n)
+/* The ATT_*16 flags of the buffers given (NULL: not marked; n elements each), or -1 (a
+ * failure, recorded) where q, k, v are not all marked or all unmarked. */
+static int att_marks(const real *q, const real *k, const real *v, const real *out, const real *dout,
+                     const real *dq, const real *dk, const real *dv, size_t n)
 {
     int bf16 = 0;
     const int a = cuda_operand_in_place(q, n, &bf16), b = cuda_operand_in_place(k, n, &bf16),
               c = cuda_operand_in_place(v, n, &bf16);
-    if (a == b && b == c)
-        return a;
-    MOE_CUDA_FAIL("attention: q, k, v must all be marked as 16-bit, or none");
-    return -1;
+    if (a != b || b != c) {
+        MOE_CUDA_FAIL("attention: q, k, v must all be marked as 16-bit, or none");
+        return -1;
+    }
+    const real *const ptr[5] = {out, dout, dq, dk, dv};
+    static const int flag[5] = {ATT_OUT16, ATT_DOUT16, ATT_DQ16, ATT_DK16, ATT_DV16};
+    int m16 = a ? ATT_QKV16 : 0;
+    for (int i = 0; i < 5; i++)
+        if (cuda_operand_in_place(ptr[i], n, &bf16))
+            m16 |= flag[i];
+    return m16;
 }
 
-/* in16: q, k, v are 16-bit (marked); only the mma.sync kernels read them (else a failure,
- * recorded, and 1: nothing else may read them). */
+/* m16: the ATT_*16 flags; only the mma.sync kernels take marked buffers (else a failure,
+ * recorded, and 1: nothing else may take them). */
 static int flash_forward(real *out, real *lse, const real *q, const real *k, const real *v, int B,
-                         int T, int H, int Hd, int in16)
+                         int T, int H, int Hd, int m16)
 {
     const int HD = Hd <= 64 ? 64 : 128, fm = fm_family();
     const void *ptrs[4] = {out, q, k, v};
     const moe_precision p =
         fa_precision(Hd, fm ? fm_forward_smem(HD) : fa_forward_smem(HD), ptrs, 4);
-    if (in16 && (p == MOE_PREC_FP32 || !fm)) {
-        MOE_CUDA_FAIL("attention: 16-bit q, k, v need the mma.sync kernels (Hd %d)", Hd);
+    if (m16 && (p == MOE_PREC_FP32 || !fm)) {
+        MOE_CUDA_FAIL("attention: 16-bit buffers need the mma.sync kernels (Hd %d)", Hd);
         return 1;
     }
     if (p == MOE_PREC_FP32)
         return 0;
-    flash_forward_pick(p, HD, fm, out, lse, q, k, v, B, T, H, Hd, in16);
+    flash_forward_pick(p, HD, fm, out, lse, q, k, v, B, T, H, Hd, m16);
     return 1;
 }
 
@@ -1485,28 +1521,30 @@ extern "C" int cuda_attention_operands16(int Hd)
  * even when fa_precision then sends the op to the fp32 kernels). */
 static int fm_backward_used(void) { return cuda_gemm_precision() != MOE_PREC_FP32 && fm_family(); }
 
-/* The 16-bit values flash_backward needs room for in c16: for the mma.sync kernels 4
- * copies (q, k, v, dout), or dout's alone where q, k, v hold 16-bit values (in16); else
- * none. */
-static size_t flash_backward_copies(int B, int T, int H, int Hd, int in16)
+/* The 16-bit values flash_backward needs room for in c16: for the mma.sync kernels a copy
+ * of each of q, k, v and dout that is not marked (m16: ATT_*16); else none. */
+static size_t flash_backward_copies(int B, int T, int H, int Hd, int m16)
 {
-    return fm_backward_used() ? (in16 ? 1 : 4) * (size_t)B * T * H * Hd : 0;
+    const int copies = (m16 & ATT_QKV16 ? 0 : 3) + (m16 & ATT_DOUT16 ? 0 : 1);
+    return fm_backward_used() ? copies * (size_t)B * T * H * Hd : 0;
 }
 
 static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                           const float *dsum, const real *q, const real *k, const real *v, int B,
-                          int T, int H, int Hd, uint16_t *c16, int in16)
+                          int T, int H, int Hd, uint16_t *c16, int m16)
 {
     const int HD = Hd <= 64 ? 64 : 128, fm = fm_backward_used();
     const void *ptrs[7] = {dq, dk, dv, dout, q, k, v};
     const moe_precision p =
         fa_precision(Hd, fm ? fm_backward_smem(HD) : fa_backward_smem(HD), ptrs, 7);
-    if (in16 && (p == MOE_PREC_FP32 || !fm || !c16)) {
-        MOE_CUDA_FAIL("attention backward: 16-bit q, k, v need the mma.sync kernels (Hd %d)", Hd);
+    const int no_room = fm && flash_backward_copies(B, T, H, Hd, m16) > 0 && !c16;
+    /* out is read by the dsum kernel alone: its mark needs nothing here */
+    if ((m16 & ~ATT_OUT16) && (p == MOE_PREC_FP32 || !fm || no_room)) {
+        MOE_CUDA_FAIL("attention backward: 16-bit buffers need the mma.sync kernels (Hd %d)", Hd);
         return 1;
     }
-    if (p == MOE_PREC_FP32 || (fm && !c16))
+    if (p == MOE_PREC_FP32 || no_room)
         return 0;
-    flash_backward_pick(p, HD, fm, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, in16);
+    flash_backward_pick(p, HD, fm, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, m16);
     return 1;
 }

@@ -162,6 +162,22 @@ static int bf16_mismatches(moe_precision p, const float *f32, const float *m16, 
     return bad;
 }
 
+/* Whether the 16-bit values of the marked buffer m16 are the rounding of the fp32
+ * buffer f32's, for a 16-bit precision p: the count of those that are not. */
+static int round16_mismatches(moe_precision p, const float *f32, const void *m16, size_t n)
+{
+    float *f = malloc(sizeof(float) * n);
+    uint16_t *b16 = malloc(sizeof(uint16_t) * n);
+    to_host(f, f32, n);
+    gpu->copy(b16, m16, sizeof(uint16_t) * n, MOE_COPY_D2H);
+    int bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += b16[i] != (p == MOE_PREC_BF16 ? moe_bf16_round(f[i]) : moe_fp16_round(f[i]));
+    free(f);
+    free(b16);
+    return bad;
+}
+
 /* The cross-entropy backward into a buffer marked as holding its GEMM operand, against an
  * unmarked one, for N rows of V logits (V % 4 == 0: the float4 kernel; otherwise the
  * scalar one): in a 16-bit precision the marked one holds the 16-bit values (in bf16, bit
@@ -781,6 +797,51 @@ static void check_attention_marked(moe_precision p, const char *mode, int B, int
            st + differ(o[0], o[1], n) + differ(l[0], l[1], nl) + differ(g[0][0], g[1][0], n) +
                differ(g[0][1], g[1][1], n) + differ(g[0][2], g[1][2], n),
            0.0);
+    /* out, dout, dq, dk, dv marked too (as the model marks them): out holds the rounding of
+     * the fp32 output, the lse is the same; the backward from 16-bit out and dout writes the
+     * rounding of the fp32 gradients computed from fp32 copies of the same values */
+    float *o16 = gpu->alloc(sizeof(float) * n), *l16 = gpu->alloc(sizeof(float) * nl);
+    float *dout16 = gpu->alloc(sizeof(float) * n), *g16[3], *gr[3];
+    fill(hw, n, 43, 1.0); /* dout's values, rounded */
+    for (size_t i = 0; i < n; i++) {
+        b16[i] = p == MOE_PREC_BF16 ? moe_bf16_round(hw[i]) : moe_fp16_round(hw[i]);
+        hw[i] = p == MOE_PREC_BF16 ? moe_bf16_widen(b16[i]) : moe_fp16_widen(b16[i]);
+    }
+    gpu->copy(dout16, b16, sizeof(uint16_t) * n, MOE_COPY_H2D);
+    float *dout_w = dev_copy(hw, n);
+    int st16 = gpu->mark_operand(o16, n) != MOE_OK || gpu->mark_operand(dout16, n) != MOE_OK;
+    for (int a = 0; a < 3; a++) {
+        g16[a] = gpu->alloc(sizeof(float) * n);
+        gr[a] = gpu->alloc(sizeof(float) * n);
+        st16 += gpu->mark_operand(g16[a], n) != MOE_OK;
+    }
+    gpu->attention_forward(o16, l16, d16[0], d16[1], d16[2], B, T, H, Hd);
+    read_marked(p, got, o16, n);
+    float *out_w = dev_copy(got, n); /* the 16-bit output, widened */
+    gpu->attention_backward(gr[0], gr[1], gr[2], dout_w, out_w, l[1], d16[0], d16[1], d16[2], B, T,
+                            H, Hd);
+    gpu->attention_backward(g16[0], g16[1], g16[2], dout16, o16, l[1], d16[0], d16[1], d16[2], B, T,
+                            H, Hd);
+    int bad16 = st16 + round16_mismatches(p, o[1], o16, n) + differ(l16, l[1], nl);
+    snprintf(what, sizeof what, "attention 16-bit out T=%d Hd=%d: rounded fp32 out", T, Hd);
+    report(what, mode, bad16, 0.0);
+    bad16 = 0;
+    for (int a = 0; a < 3; a++)
+        bad16 += round16_mismatches(p, gr[a], g16[a], n);
+    snprintf(what, sizeof what, "attention 16-bit dq,dk,dv T=%d Hd=%d: rounded fp32", T, Hd);
+    report(what, mode, bad16, 0.0);
+    gpu->mark_operand(o16, 0);
+    gpu->mark_operand(dout16, 0);
+    for (int a = 0; a < 3; a++) {
+        gpu->mark_operand(g16[a], 0);
+        gpu->release(g16[a]);
+        gpu->release(gr[a]);
+    }
+    gpu->release(o16);
+    gpu->release(l16);
+    gpu->release(dout16);
+    gpu->release(dout_w);
+    gpu->release(out_w);
     /* rope on the marked q against the rounding of rope on the fp32 copy */
     float *cs = gpu->alloc(sizeof(float) * (size_t)T * Hd), *sn = cs + (size_t)T * Hd / 2;
     gpu->rope_tables(cs, sn, T, Hd, 10000.0);
