@@ -185,7 +185,8 @@ static void print_report(const moe_trainer *tr, double step_s, double host_wait,
         sum += ph[p];
     fprintf(out,
             "  host                  %.2f ms per step blocked on the device (counts, losses), "
-            "%.2f ms issuing work (rank 0; little blocking: the host bounds the step)\n",
+            "%.2f ms issuing work (rank 0; were it blocked little, the host would bound the "
+            "step)\n",
             1e3 * host_wait, 1e3 * (step_s - host_wait));
     fprintf(out, "  phases (ms per step, each boundary synchronised; the slowest rank):\n");
     for (int p = 0; p < MOE_PHASES; p++)

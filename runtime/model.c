@@ -346,7 +346,8 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
  * them without copies). And the FFN's input h2 (read by GEMMs and by the dispatch's
  * packing, which sends 16-bit rows in these precisions anyway), the received rows
  * xrecv (unpacked in their 16 bits for the permutation) and the experts' output
- * gradient deout (written by the combine's backward for the down projection's GEMMs).
+ * gradient deout (written by the combine's backward for the down projection's GEMMs) and
+ * the experts' outputs eout (written by that GEMM, read by the combine and its backward).
  * Where the attention takes q, k, v so, also its output att (written in 16 bits by the
  * attention, read by the output projection's GEMMs and the backward's row sums) and the
  * gradients datt (written by a GEMM), dq, dk, dv (written by the attention's backward,
@@ -367,6 +368,7 @@ static moe_status mark_operands(moe_model *m, int on)
             MOE_CHECK(m->be->mark_operand(a->xrecv, on ? (size_t)m->Rmax * m->D : 0));
             MOE_CHECK(m->be->mark_operand(a->xperm, on ? Mx * (size_t)m->D : 0));
             MOE_CHECK(m->be->mark_operand(a->ea, on ? Mx * (size_t)m->F : 0));
+            MOE_CHECK(m->be->mark_operand(a->eout, on ? Mx * (size_t)m->D : 0));
             MOE_CHECK(m->be->mark_operand(a->eb, on ? Mx * (size_t)m->F : 0));
             if (qkv16) {
                 MOE_CHECK(m->be->mark_operand(a->q, on ? N * (size_t)m->D : 0));

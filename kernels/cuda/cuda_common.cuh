@@ -133,6 +133,7 @@ void moe_cuda_fetch_async(void *host, const void *dev, size_t nbytes);
 
 /* Is p 16-byte aligned (a float4 may be read there)? NULL is. */
 static inline int moe_aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
+static inline int moe_aligned8(const void *p) { return (uintptr_t)p % 8 == 0; }
 
 /* Blocks for a grid-stride loop over n items (n > 0): enough to cover n, capped (the loop
  * covers the rest). */
@@ -419,8 +420,8 @@ template <class Op> static void moe_cuda_runs(const Op &op, const int32_t *keys,
  * group of V columns) one thread takes the token's rows, sorts them (at most K), and adds
  * them in row order onto the loaded values: the additions of moe_runs_kernel, without
  * sorting all rows by token. V = 4 takes an op's float4 forms (load4, value4, store4: ops
- * with vec4 = true, columns and pointers the caller checked); the additions per column
- * are the same. */
+ * with vec4 = true, columns and pointers the caller checked), V = 2 its float2 forms
+ * (load2, value2, store2: ops with vec2 = true); the additions per column are the same. */
 #define MOE_GATHER_MAX_K 16
 template <class Op, int V>
 static __global__ void moe_gather_rows_kernel(Op op, const int32_t *slot_row, int N, int K, int W)
@@ -448,6 +449,13 @@ static __global__ void moe_gather_rows_kernel(Op op, const int32_t *slot_row, in
                                 __fadd_rn(v.w, a.w));
             }
             op.store4(n, j, v);
+        } else if constexpr (V == 2) {
+            float2 v = op.load2(n, j);
+            for (int i = 0; i < c; i++) {
+                const float2 a = op.value2(rows[i], j);
+                v = make_float2(__fadd_rn(v.x, a.x), __fadd_rn(v.y, a.y));
+            }
+            op.store2(n, j, v);
         } else {
             float v = op.load(n, j);
             for (int i = 0; i < c; i++)
@@ -473,6 +481,13 @@ static void moe_cuda_token_sums(const Op &op, const int32_t *row_token, int M, i
             if (W % 4 == 0 && op.aligned16()) {
                 MOE_CUDA_LAUNCH((moe_gather_rows_kernel<Op, 4>),
                                 moe_cuda_blocks((size_t)N * (W / 4), MOE_CUDA_THREADS),
+                                MOE_CUDA_THREADS, 0, op, slot_row, N, K, W);
+                return;
+            }
+        if constexpr (Op::vec2)
+            if (W % 2 == 0 && op.aligned8()) {
+                MOE_CUDA_LAUNCH((moe_gather_rows_kernel<Op, 2>),
+                                moe_cuda_blocks((size_t)N * (W / 2), MOE_CUDA_THREADS),
                                 MOE_CUDA_THREADS, 0, op, slot_row, N, K, W);
                 return;
             }

@@ -252,15 +252,22 @@ extern "C" void cuda_moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const 
         v4, o16);
 }
 
+/* One thread per V values of a row (V = 2: D and K even, the arrays 8-byte aligned, so a
+ * pair never straddles dx and dw). */
+template <int V>
 static __global__ void pack_grad_kernel(real *rows, const real *dx, const real *dw, int R, int D,
                                         int K)
 {
-    const int W = D + K;
+    const int W = (D + K) / V;
     MOE_CUDA_GRID_STRIDE(e, (size_t)R * W)
     {
         const size_t r = e / W;
-        const int j = (int)(e % W);
-        rows[e] = j < D ? dx[r * D + j] : dw[r * K + j - D];
+        const int j = (int)(e % W) * V;
+        const real *src = j < D ? dx + r * D + j : dw + r * K + (j - D);
+        if constexpr (V == 2)
+            *(float2 *)(rows + e * 2) = *(const float2 *)src;
+        else
+            rows[e] = *src;
     }
 }
 
@@ -269,8 +276,13 @@ extern "C" void cuda_moe_pack_grad_rows(real *rows, const real *dx, const real *
 {
     if (R <= 0 || D + K <= 0)
         return;
-    MOE_CUDA_LAUNCH(pack_grad_kernel, moe_cuda_blocks((size_t)R * (D + K), MOE_CUDA_THREADS),
-                    MOE_CUDA_THREADS, 0, rows, dx, dw, R, D, K);
+    if (D % 2 == 0 && K % 2 == 0 && moe_aligned8(rows) && moe_aligned8(dx) && moe_aligned8(dw))
+        MOE_CUDA_LAUNCH(pack_grad_kernel<2>,
+                        moe_cuda_blocks((size_t)R * ((D + K) / 2), MOE_CUDA_THREADS),
+                        MOE_CUDA_THREADS, 0, rows, dx, dw, R, D, K);
+    else
+        MOE_CUDA_LAUNCH(pack_grad_kernel<1>, moe_cuda_blocks((size_t)R * (D + K), MOE_CUDA_THREADS),
+                        MOE_CUDA_THREADS, 0, rows, dx, dw, R, D, K);
 }
 
 /* dx[token] = base[token] + row[0..D) ..., dw[token] = row[D..D+K) ..., rows of a token
@@ -280,7 +292,13 @@ struct scatter_grad {
     const real *base, *rows;
     int D, K;
     static constexpr bool vec4 = false; /* a row's columns go to two arrays */
+    static constexpr bool vec2 = true;  /* D, K even: a pair never straddles them */
     bool aligned16() const { return false; }
+    bool aligned8() const
+    {
+        return D % 2 == 0 && K % 2 == 0 && moe_aligned8(dx) && moe_aligned8(dw) &&
+               moe_aligned8(rows) && (!base || moe_aligned8(base));
+    }
     void start(int N) const
     {
         moe_cuda_rows_base(dx, base, N, D);
@@ -296,6 +314,15 @@ struct scatter_grad {
     }
     __device__ float value(int r, int j) const { return rows[(size_t)r * (D + K) + j]; }
     __device__ void store(int t, int j, float v) const { *dst(t, j) = v; }
+    __device__ float2 load2(int t, int j) const
+    {
+        return j < D && base ? *(const float2 *)(base + (size_t)t * D + j) : make_float2(0.f, 0.f);
+    }
+    __device__ float2 value2(int r, int j) const
+    {
+        return *(const float2 *)(rows + (size_t)r * (D + K) + j);
+    }
+    __device__ void store2(int t, int j, float2 v) const { *(float2 *)dst(t, j) = v; }
 };
 
 extern "C" void cuda_moe_scatter_grad_rows(real *dx, real *dw, const real *base, const real *rows,

@@ -140,9 +140,9 @@ static const void *weight_operand(const real *w)
 }
 
 /* Buffers that hold their GEMM operand (or another 16-bit value) themselves (backend.h
- * mark_operand): a table searched by address. A model marks up to 13 per layer and chunk
- * (11 in a MoE layer without shared experts) and 12 more: 8192 covers 32 layers in 16
- * chunks; the search is as long as the table is full (56 entries at the bench shape). */
+ * mark_operand): a table searched by address. A model marks up to 14 per layer and chunk
+ * (12 in a MoE layer without shared experts) and 12 more: 8192 covers 32 layers in 16
+ * chunks; the search is as long as the table is full (60 entries at the bench shape). */
 #define OPERAND_MARKS 8192
 static struct {
     const void *p;

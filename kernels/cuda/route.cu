@@ -178,7 +178,7 @@ struct permute_grad {
     real *dx;
     const real *base, *dout;
     int D;
-    static constexpr bool vec4 = true;
+    static constexpr bool vec4 = true, vec2 = false;
     bool aligned16() const
     {
         return moe_aligned16(dx) && moe_aligned16(dout) && (!base || moe_aligned16(base));
@@ -207,13 +207,13 @@ extern "C" void cuda_moe_permute_backward(real *dx, const real *base, const real
 }
 
 /* y[token] = base[token] + w[token, slot] * expert_out[row] ..., rows of a token in row
- * order. */
+ * order; e16: expert_out holds 16-bit values (marked; bf16 by `bf16`). */
 struct combine_sum {
     real *y;
     const real *base, *expert_out, *w;
     const int32_t *row_token, *row_slot;
-    int D, K;
-    static constexpr bool vec4 = true;
+    int D, K, e16, bf16;
+    static constexpr bool vec4 = true, vec2 = false;
     bool aligned16() const
     {
         return moe_aligned16(y) && moe_aligned16(expert_out) && (!base || moe_aligned16(base));
@@ -223,14 +223,16 @@ struct combine_sum {
     __device__ float value(int m, int j) const
     {
         const real wk = w[(size_t)row_token[m] * K + row_slot[m]];
-        return __fmul_rn(wk, expert_out[(size_t)m * D + j]);
+        const size_t at = (size_t)m * D + j;
+        return __fmul_rn(wk, e16 ? moe_ld<1>(expert_out, at, bf16) : expert_out[at]);
     }
     __device__ void store(int n, int j, float v) const { y[(size_t)n * D + j] = v; }
     __device__ float4 load4(int n, int j) const { return moe_base_value4(base, (size_t)n * D + j); }
     __device__ float4 value4(int m, int j) const
     {
         const real wk = w[(size_t)row_token[m] * K + row_slot[m]];
-        const float4 e = *(const float4 *)(expert_out + (size_t)m * D + j);
+        const size_t at = (size_t)m * D + j;
+        const float4 e = e16 ? moe_ld4<1>(expert_out, at, bf16) : moe_ld4<0>(expert_out, at, 0);
         return make_float4(__fmul_rn(wk, e.x), __fmul_rn(wk, e.y), __fmul_rn(wk, e.z),
                            __fmul_rn(wk, e.w));
     }
@@ -242,7 +244,9 @@ extern "C" void cuda_moe_combine_forward(real *y, const real *base, const real *
                                          const int32_t *row_slot, int M, int D, int K,
                                          const int32_t *slot_row, int N)
 {
-    combine_sum op = {y, base, expert_out, w, row_token, row_slot, D, K};
+    int bf16 = 0;
+    const int e16 = cuda_operand_in_place(expert_out, (size_t)M * D, &bf16);
+    combine_sum op = {y, base, expert_out, w, row_token, row_slot, D, K, e16, bf16};
     moe_cuda_token_sums(op, row_token, M, D, slot_row, N, K);
 }
 
@@ -272,20 +276,22 @@ static __global__ void combine_dexpert_kernel(real *dexpert_out, const real *dy,
 }
 
 /* dw[token, slot] += <dy[token], expert_out[row]> in double: one warp per row (each
- * (token, slot) has at most one row, so no two warps write one dw). */
+ * (token, slot) has at most one row, so no two warps write one dw); e16: expert_out holds
+ * 16-bit values (bf16 by `bf16`). */
 static __global__ void combine_dw_kernel(real *dw, const real *dy, const real *expert_out,
                                          const int32_t *row_token, const int32_t *row_slot, int M,
-                                         int D, int K)
+                                         int D, int K, int e16, int bf16)
 {
     const int m = blockIdx.x * (MOE_CUDA_THREADS / 32) + (threadIdx.x >> 5),
               lane = threadIdx.x & 31;
     if (m >= M)
         return;
     const size_t n = row_token[m];
-    const real *g = dy + n * D, *e = expert_out + (size_t)m * D;
+    const real *g = dy + n * D;
+    const size_t e = (size_t)m * D;
     double dot = 0.0;
     for (int j = lane; j < D; j += 32)
-        dot += (double)g[j] * e[j];
+        dot += (double)g[j] * (e16 ? moe_ld<1>(expert_out, e + j, bf16) : expert_out[e + j]);
     dot = moe_warp_sum_d(dot);
     if (lane == 0)
         dw[n * K + row_slot[m]] += (real)dot;
@@ -309,10 +315,13 @@ extern "C" void cuda_moe_combine_backward(real *dexpert_out, real *dw, const rea
         MOE_CUDA_PICK2(v4, o16, COMBINE_DEXPERT, 4, 1, true, false);
 #undef COMBINE_DEXPERT
     }
-    if (dw)
+    if (dw) {
+        int bf16 = 0;
+        const int e16 = cuda_operand_in_place(expert_out, (size_t)M * D, &bf16);
         MOE_CUDA_LAUNCH(combine_dw_kernel,
                         (M + MOE_CUDA_THREADS / 32 - 1) / (MOE_CUDA_THREADS / 32), MOE_CUDA_THREADS,
-                        0, dw, dy, expert_out, row_token, row_slot, M, D, K);
+                        0, dw, dy, expert_out, row_token, row_slot, M, D, K, e16, bf16);
+    }
 }
 
 /* ---- routing statistics -------------------------------------------------------------- */

@@ -401,6 +401,67 @@ static void check_writers_marked(moe_precision p, const char *mode, const float 
     free(rt);
 }
 
+/* The combine from 16-bit expert outputs (marked, as the model marks eout): 2 N rows, row
+ * m for token m % N and slot m / N, random weights; the forward (gathered through
+ * slot_row and sorted) and the weights' gradient against the CPU's on the same (widened)
+ * values. In fp32 nothing is marked. */
+static void check_combine16(moe_precision p, const char *mode, int N, int D)
+{
+    if (p == MOE_PREC_FP32)
+        return;
+    const int K = 2, M = 2 * N;
+    const size_t md = (size_t)M * D, nd = (size_t)N * D;
+    float *he = malloc(sizeof(float) * md), *hw = malloc(sizeof(float) * N * K);
+    float *hdy = malloc(sizeof(float) * nd), *ref = malloc(sizeof(float) * nd);
+    float *got = malloc(sizeof(float) * nd), *rdw = calloc((size_t)N * K, sizeof(float));
+    float *gdw = malloc(sizeof(float) * N * K);
+    uint16_t *b16 = malloc(sizeof(uint16_t) * md);
+    int32_t *map = malloc(sizeof(int32_t) * 3 * M); /* row_token, row_slot, slot_row */
+    fill(he, md, 50, 1.0);
+    fill(hw, (size_t)N * K, 51, 1.0);
+    fill(hdy, nd, 52, 1.0);
+    for (size_t i = 0; i < md; i++) {
+        b16[i] = p == MOE_PREC_BF16 ? moe_bf16_round(he[i]) : moe_fp16_round(he[i]);
+        he[i] = p == MOE_PREC_BF16 ? moe_bf16_widen(b16[i]) : moe_fp16_widen(b16[i]);
+    }
+    for (int m = 0; m < M; m++) {
+        map[m] = m % N;
+        map[M + m] = m / N;
+        map[2 * M + (m % N) * K + m / N] = m;
+    }
+    float *e16 = gpu->alloc(sizeof(float) * md), *w = dev_copy(hw, (size_t)N * K);
+    float *dy = dev_copy(hdy, nd), *y = gpu->alloc(sizeof(float) * nd);
+    float *dw = dev_copy(rdw, (size_t)N * K);
+    int32_t *dmap = gpu->alloc(sizeof(int32_t) * 3 * M);
+    gpu->copy(e16, b16, sizeof(uint16_t) * md, MOE_COPY_H2D);
+    gpu->copy(dmap, map, sizeof(int32_t) * 3 * M, MOE_COPY_H2D);
+    int bad = gpu->mark_operand(e16, md) != MOE_OK;
+    moe_backend_cpu.moe_combine_forward(ref, NULL, he, hw, map, map + M, M, D, K, NULL, N);
+    moe_backend_cpu.moe_combine_backward(NULL, rdw, hdy, he, hw, map, map + M, M, D, K);
+    char what[80];
+    for (int gather = 0; gather < 2; gather++) {
+        gpu->moe_combine_forward(y, NULL, e16, w, dmap, dmap + M, M, D, K,
+                                 gather ? dmap + 2 * M : NULL, N);
+        to_host(got, y, nd);
+        snprintf(what, sizeof what, "combine 16-bit rows D=%d (%s)", D,
+                 gather ? "gathered" : "sorted");
+        report(what, mode, rel_err(got, ref, nd) + bad, 0.0);
+    }
+    gpu->moe_combine_backward(NULL, dw, dy, e16, w, dmap, dmap + M, M, D, K);
+    to_host(gdw, dw, (size_t)N * K);
+    snprintf(what, sizeof what, "combine_bwd 16-bit rows D=%d: dw", D);
+    report(what, mode, rel_err(gdw, rdw, (size_t)N * K), 1e-6);
+    gpu->mark_operand(e16, 0);
+    gpu->release(e16);
+    gpu->release(w);
+    gpu->release(dy);
+    gpu->release(y);
+    gpu->release(dw);
+    gpu->release(dmap);
+    free(he), free(hw), free(hdy), free(ref), free(got), free(rdw), free(gdw), free(b16);
+    free(map);
+}
+
 /* Strided batches of 2 run so far by the one-by-one grouped GEMMs; calls of cuBLAS's
  * grouped form and GEMMs run one by one (matmul.cu). */
 long moe_cuda_batched_pairs(void);
@@ -649,6 +710,8 @@ static void check_mode(moe_precision p, const char *mode, double bound)
     check_ce_logits16(p, mode, bound, dw_, 60, 999, I);
     check_writers_marked(p, mode, dw_, 70, 160, 120); /* (O, D) weights: the arena's start */
     check_writers_marked(p, mode, dw_, 70, 150, 120);
+    check_combine16(p, mode, 37, 64); /* float4 reads of 4 values */
+    check_combine16(p, mode, 37, 30); /* one by one */
     if (gpu->sync() != MOE_OK) {
         printf("FAIL %s: the backend reported an error\n", mode);
         failures++;
