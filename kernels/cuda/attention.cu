@@ -147,25 +147,27 @@ extern "C" void cuda_attention_forward(real *out, real *lse, const real *q, cons
 
 /* ---- backward ------------------------------------------------------------------------ */
 
-/* dsum (B, H, T) = dout_i . out_i, one warp per (sequence, head, query); G16, O16: dout,
+/* dsum (B, H, T) = dout_i . out_i in double, 8 lanes per (sequence, query, head), the
+ * heads of a query on neighbouring lanes (their rows lie side by side); G16, O16: dout,
  * out hold 16-bit values (bf16 by `bf16`). */
+#define DSUM_LANES 8
 template <int G16, int O16>
 static __global__ void attention_dsum_kernel(float *dsum, const real *dout, const real *out, int B,
                                              int T, int H, int Hd, int bf16)
 {
-    const size_t w = (size_t)blockIdx.x * ATT_WARPS + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (w >= (size_t)B * H * T)
-        return;
-    const int i = (int)(w % T);
-    const size_t bh = w / T, b = bh / H, h = bh % H;
+    const size_t g = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / DSUM_LANES;
+    const int sub = threadIdx.x % DSUM_LANES;
+    const bool live = g < (size_t)B * H * T; /* the whole group drops out together */
+    const size_t h = g % H, i = (g / H) % T, b = g / ((size_t)H * T);
     const size_t off = (b * T + i) * (size_t)H * Hd + h * Hd;
     double s = 0.0;
-    for (int d = lane; d < Hd; d += 32)
+    for (int d = sub; live && d < Hd; d += DSUM_LANES)
         s += (double)moe_ld<G16>(dout, off + d, bf16) * moe_ld<O16>(out, off + d, bf16);
-    s = moe_warp_sum_d(s);
-    if (lane == 0)
-        dsum[w] = (float)s;
+#pragma unroll
+    for (int o = DSUM_LANES / 2; o > 0; o >>= 1)
+        s += __shfl_xor_sync(MOE_CUDA_FULL_MASK, s, o);
+    if (live && sub == 0)
+        dsum[(b * H + h) * T + i] = (float)s;
 }
 
 /* dq_i = scale * sum_{j <= i} p_ij (dout_i . v_j - D_i) k_j, one warp per query. */
@@ -310,7 +312,8 @@ extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real
     float *dsum = (float *)scratch;
     uint16_t *c16 = copies ? (uint16_t *)(scratch + dsum_bytes) : NULL;
     const float scale = (float)(1.0 / sqrt((double)Hd));
-    const unsigned dsum_blocks = (unsigned)((rows + ATT_WARPS - 1) / ATT_WARPS);
+    const unsigned dsum_blocks = /* one group per row, no grid stride */
+        (unsigned)((rows * DSUM_LANES + ATT_THREADS - 1) / ATT_THREADS);
     const int bf16 = cuda_gemm_precision() == MOE_PREC_BF16;
     moe_cuda_pick(
         [&](auto g16_, auto o16_) {
