@@ -259,16 +259,24 @@ template <int V> struct moe_fvec {
     float v[V];
 };
 
-template <int V> static __device__ __forceinline__ moe_fvec<V> moe_load_v(const real *p)
+/* V values from element `at` of a buffer of fp32 values, or 16-bit ones when IN16 (V = 4:
+ * at % 4 == 0, one float4 or 8 bytes; moe_ld, moe_ld4). */
+template <int V, int IN16>
+static __device__ __forceinline__ moe_fvec<V> moe_ld_v(const void *p, size_t at, int bf16)
 {
     moe_fvec<V> r;
     if constexpr (V == 4) {
-        const float4 t = *(const float4 *)p;
+        const float4 t = moe_ld4<IN16>(p, at, bf16);
         r.v[0] = t.x, r.v[1] = t.y, r.v[2] = t.z, r.v[3] = t.w;
     } else {
-        r.v[0] = *p;
+        r.v[0] = moe_ld<IN16>(p, at, bf16);
     }
     return r;
+}
+
+template <int V> static __device__ __forceinline__ moe_fvec<V> moe_load_v(const real *p)
+{
+    return moe_ld_v<V, 0>(p, 0, 0);
 }
 
 template <int V> static __device__ __forceinline__ void moe_store_v(real *p, const moe_fvec<V> &r)
@@ -277,21 +285,6 @@ template <int V> static __device__ __forceinline__ void moe_store_v(real *p, con
         *(float4 *)p = make_float4(r.v[0], r.v[1], r.v[2], r.v[3]);
     else
         *p = r.v[0];
-}
-
-/* V values at p of a 16-bit buffer, widened (8 bytes when V = 4; the reverse of
- * moe_store16_v). */
-template <int V>
-static __device__ __forceinline__ moe_fvec<V> moe_load16_v(const uint16_t *p, int bf16)
-{
-    moe_fvec<V> r;
-    if constexpr (V == 4) {
-        const float4 t = moe_ld4<1>(p, 0, bf16);
-        r.v[0] = t.x, r.v[1] = t.y, r.v[2] = t.z, r.v[3] = t.w;
-    } else {
-        r.v[0] = moe_ld<1>(p, 0, bf16);
-    }
-    return r;
 }
 
 /* The same V values rounded to 16 bits (moe_round16) at p (8-byte aligned when V = 4):

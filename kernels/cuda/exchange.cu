@@ -63,13 +63,9 @@ static __global__ void dispatch_counts_kernel(int *res, int *rowsrc, int32_t *to
 }
 
 /* Values i .. i + V - 1 of a row's token part (x16 its format; V = 4: i % 4 == 0, the
- * row 8-byte aligned), read and written. */
-template <int V> struct row_vals {
-    float v[V];
-};
-
+ * row 8-byte aligned), written and read. */
 template <int V>
-static __device__ __forceinline__ void row_store(char *row, int i, const row_vals<V> &r, int x16)
+static __device__ __forceinline__ void row_store(char *row, int i, const moe_fvec<V> &r, int x16)
 {
     if (x16 == MOE_ROW_FP32) {
         if constexpr (V == 4) { /* rows are 8-byte aligned: two 8-byte stores */
@@ -87,21 +83,16 @@ static __device__ __forceinline__ void row_store(char *row, int i, const row_val
 }
 
 template <int V>
-static __device__ __forceinline__ row_vals<V> row_load(const char *row, int i, int x16)
+static __device__ __forceinline__ moe_fvec<V> row_load(const char *row, int i, int x16)
 {
-    row_vals<V> r;
-    if (x16 == MOE_ROW_FP32) {
-        if constexpr (V == 4) {
-            const float2 a = ((const float2 *)row)[i / 2], b = ((const float2 *)row)[i / 2 + 1];
-            r.v[0] = a.x, r.v[1] = a.y, r.v[2] = b.x, r.v[3] = b.y;
-        } else {
-            r.v[0] = ((const real *)row)[i];
-        }
-    } else if constexpr (V == 4) {
-        const float4 t = moe_ld4<1>(row, (size_t)i, x16 == MOE_ROW_BF16);
-        r.v[0] = t.x, r.v[1] = t.y, r.v[2] = t.z, r.v[3] = t.w;
+    if (x16 != MOE_ROW_FP32)
+        return moe_ld_v<V, 1>(row, (size_t)i, x16 == MOE_ROW_BF16);
+    moe_fvec<V> r;
+    if constexpr (V == 4) { /* two 8-byte loads */
+        const float2 a = ((const float2 *)row)[i / 2], b = ((const float2 *)row)[i / 2 + 1];
+        r.v[0] = a.x, r.v[1] = a.y, r.v[2] = b.x, r.v[3] = b.y;
     } else {
-        r.v[0] = moe_ld<1>(row, (size_t)i, x16 == MOE_ROW_BF16);
+        r.v[0] = ((const real *)row)[i];
     }
     return r;
 }
@@ -128,14 +119,7 @@ static __global__ void dispatch_fill_kernel(char *rows, int32_t *send_token, con
             send_token[r] = t;
         if (j < GD) {
             const size_t at = (size_t)t * D + (size_t)j * V;
-            row_vals<V> v;
-            if constexpr (V == 4) {
-                const float4 q = moe_ld4<X16>(x, at, bf16);
-                v.v[0] = q.x, v.v[1] = q.y, v.v[2] = q.z, v.v[3] = q.w;
-            } else {
-                v.v[0] = moe_ld<X16>(x, at, bf16);
-            }
-            row_store<V>(row, j * V, v, x16);
+            row_store<V>(row, j * V, moe_ld_v<V, X16>(x, at, bf16), x16);
         } else if (j < GD + K) {
             const int a = t * K + (j - GD);
             wt[j - GD] = on_dest(idx, slot_row, expert_rank, a, p) ? w[a] : (real)0;
@@ -215,11 +199,7 @@ static __global__ void unpack_kernel(real *x, real *w, int32_t *lidx, const char
         const char *row = rows + (size_t)r * row_bytes;
         const real *wt = (const real *)(row + tb);
         if (j < GD) {
-            const row_vals<V> v = row_load<V>(row, j * V, x16);
-            moe_fvec<V> f;
-#pragma unroll
-            for (int i = 0; i < V; i++)
-                f.v[i] = v.v[i];
+            const moe_fvec<V> f = row_load<V>(row, j * V, x16);
             const size_t at = (size_t)r * D + (size_t)j * V;
             if (O16)
                 moe_store16_v<V>((uint16_t *)x + at, f, bf16);

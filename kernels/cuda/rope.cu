@@ -50,14 +50,7 @@ static __global__ void rope_rotate_kernel(real *x, const real *cos_t, const real
         const int head = j / groups, i = (j - head * groups) * V;
         const size_t e1 = ((size_t)row * H + head) * Hd + i, e2 = e1 + half;
         const moe_fvec<V> c = moe_load_v<V>(ct + i), s = moe_load_v<V>(st + i);
-        moe_fvec<V> a, b;
-        if constexpr (X16) {
-            a = moe_load16_v<V>((const uint16_t *)x + e1, bf16);
-            b = moe_load16_v<V>((const uint16_t *)x + e2, bf16);
-        } else {
-            a = moe_load_v<V>(x + e1);
-            b = moe_load_v<V>(x + e2);
-        }
+        moe_fvec<V> a = moe_ld_v<V, X16>(x, e1, bf16), b = moe_ld_v<V, X16>(x, e2, bf16);
 #pragma unroll
         for (int k = 0; k < V; k++) {
             const real sn = dir * s.v[k], ak = a.v[k], bk = b.v[k];

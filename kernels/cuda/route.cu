@@ -138,13 +138,7 @@ static __global__ void permute_kernel(real *out, const real *x, const int32_t *r
     MOE_CUDA_GRID_STRIDE(e, (size_t)M * G)
     {
         const size_t m = e / G, d = (e % G) * V, at = (size_t)row_token[m] * D + d;
-        moe_fvec<V> v;
-        if constexpr (V == 4) {
-            const float4 t = moe_ld4<IN16>(x, at, bf16);
-            v.v[0] = t.x, v.v[1] = t.y, v.v[2] = t.z, v.v[3] = t.w;
-        } else {
-            v.v[0] = moe_ld<IN16>(x, at, bf16);
-        }
+        const moe_fvec<V> v = moe_ld_v<V, IN16>(x, at, bf16);
         if (O16)
             moe_store16_v<V>((uint16_t *)out + m * D + d, v, bf16);
         else
