@@ -895,48 +895,79 @@ static __device__ __forceinline__ void fm_load_a(unsigned (&a)[HD / 16][4], cons
         fm_ldsm(a[kk], p + kk * 16);
 }
 
-/* s (16 x 64) = A X^T: A the warp's operands, X 64 staged rows (row stride LD). */
-template <class T16, int HD>
-static __device__ __forceinline__ void fm_scores(float (&s)[8][4], const unsigned (&a)[HD / 16][4],
-                                                 const T16 *X, int lane)
+/* s[t] (16 x 64) = A[t] X^T for MT m-tiles of 16 rows: A[t] a warp's operands, X 64 staged
+ * rows (row stride LD); each B fragment, loaded once, serves every m-tile. */
+template <class T16, int HD, int MT>
+static __device__ __forceinline__ void
+fm_scores_mt(float (&s)[MT][8][4], const unsigned (&a)[MT][HD / 16][4], const T16 *X, int lane)
 {
     const T16 *p = X + ((lane & 7) + (lane >> 4) * 8) * (HD + FA_PAD) + ((lane >> 3) & 1) * 8;
 #pragma unroll
-    for (int n = 0; n < 8; n++)
+    for (int t = 0; t < MT; t++)
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-            s[n][e] = 0.f;
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                s[t][n][e] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++)
 #pragma unroll
         for (int np = 0; np < 4; np++) { /* column tiles 2np, 2np + 1 */
             unsigned b[4];
             fm_ldsm(b, p + np * 16 * (HD + FA_PAD) + kk * 16);
-            fm_mma<T16>(s[2 * np], a[kk], b[0], b[1]);
-            fm_mma<T16>(s[2 * np + 1], a[kk], b[2], b[3]);
+#pragma unroll
+            for (int t = 0; t < MT; t++) {
+                fm_mma<T16>(s[t][2 * np], a[t][kk], b[0], b[1]);
+                fm_mma<T16>(s[t][2 * np + 1], a[t][kk], b[2], b[3]);
+            }
         }
 }
 
-/* acc (16 x HD) += P Y: P (16 x 64) in accumulator layout, Y 64 staged rows x HD. */
+/* s (16 x 64) = A X^T: one m-tile of fm_scores_mt. */
 template <class T16, int HD>
-static __device__ __forceinline__ void fm_pv(float (&acc)[HD / 8][4], const float (&p)[8][4],
-                                             const T16 *Y, int lane)
+static __device__ __forceinline__ void fm_scores(float (&s)[8][4], const unsigned (&a)[HD / 16][4],
+                                                 const T16 *X, int lane)
+{
+    fm_scores_mt<T16, HD, 1>(*(float(*)[1][8][4]) & s, *(const unsigned(*)[1][HD / 16][4]) & a, X,
+                             lane);
+}
+
+/* acc[t] (16 x HD) += P[t] Y for MT m-tiles: P[t] (16 x 64) in accumulator layout, Y 64
+ * staged rows x HD; each B fragment, loaded once, serves every m-tile. */
+template <class T16, int HD, int MT>
+static __device__ __forceinline__ void fm_pv_mt(float (&acc)[MT][HD / 8][4],
+                                                const float (&p)[MT][8][4], const T16 *Y, int lane)
 {
     const T16 *y = Y + ((lane & 7) + ((lane >> 3) & 1) * 8) * (HD + FA_PAD) + (lane >> 4) * 8;
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) { /* rows 16kk .. 16kk + 15 of Y */
-        const unsigned a[4] = {fm_pack<T16>(p[2 * kk][0], p[2 * kk][1]),
-                               fm_pack<T16>(p[2 * kk][2], p[2 * kk][3]),
-                               fm_pack<T16>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
-                               fm_pack<T16>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+        unsigned a[MT][4];
+#pragma unroll
+        for (int t = 0; t < MT; t++) {
+            a[t][0] = fm_pack<T16>(p[t][2 * kk][0], p[t][2 * kk][1]);
+            a[t][1] = fm_pack<T16>(p[t][2 * kk][2], p[t][2 * kk][3]);
+            a[t][2] = fm_pack<T16>(p[t][2 * kk + 1][0], p[t][2 * kk + 1][1]);
+            a[t][3] = fm_pack<T16>(p[t][2 * kk + 1][2], p[t][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int dp = 0; dp < HD / 16; dp++) {
             unsigned b[4];
             fm_ldsm_t(b, y + kk * 16 * (HD + FA_PAD) + dp * 16);
-            fm_mma<T16>(acc[2 * dp], a, b[0], b[1]);
-            fm_mma<T16>(acc[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int t = 0; t < MT; t++) {
+                fm_mma<T16>(acc[t][2 * dp], a[t], b[0], b[1]);
+                fm_mma<T16>(acc[t][2 * dp + 1], a[t], b[2], b[3]);
+            }
         }
     }
+}
+
+/* acc (16 x HD) += P Y: one m-tile of fm_pv_mt. */
+template <class T16, int HD>
+static __device__ __forceinline__ void fm_pv(float (&acc)[HD / 8][4], const float (&p)[8][4],
+                                             const T16 *Y, int lane)
+{
+    fm_pv_mt<T16, HD, 1>(*(float(*)[1][HD / 8][4]) & acc, *(const float(*)[1][8][4]) & p, Y, lane);
 }
 
 /* g[base + row] = mul * acc for the lane's 2 rows (row0 + lane / 4, + 8) below T, columns
@@ -1019,111 +1050,148 @@ static __device__ __forceinline__ void fm_prefetch_kv(T16 *KV, int buf, const T1
 /* Shared memory: forward Q + 2 x (K, V); backward 2 fixed tiles + 2 x 2 walked tiles (and
  * 2 x 2 x 64 row statistics in dk/dv). */
 static size_t fm_tile_bytes(int HD) { return sizeof(uint16_t) * FA_ROWS * (HD + FA_PAD); }
-static size_t fm_forward_smem(int HD) { return 5 * fm_tile_bytes(HD); }
+static int fm_forward_mt(int HD);
+static size_t fm_forward_smem(int HD) { return (4 + fm_forward_mt(HD)) * fm_tile_bytes(HD); }
 static size_t fm_backward_smem(int HD)
 {
     return 6 * fm_tile_bytes(HD) + sizeof(float) * 4 * FA_ROWS;
 }
 
+/* Query m-tiles of 16 rows per warp of the forward: 2 where HD = 64 (each K and V fragment
+ * loaded from shared memory then serves 32 rows: the loads per product halve; 238
+ * registers, 2 blocks an SM), 1 at HD = 128 (2 would spill). A block has 4 warps: 64 * MT
+ * queries. MOE_ATTENTION_MT=1 in the environment keeps one m-tile at HD = 64 (a
+ * benchmark knob: the two side by side). */
+static int fm_forward_mt(int HD)
+{
+    static int one = -1;
+    if (one < 0) {
+        const char *e = getenv("MOE_ATTENTION_MT");
+        one = e && strcmp(e, "1") == 0;
+    }
+    return HD == 64 && !one ? 2 : 1;
+}
+
 /* As flash_forward_kernel, from 16-bit copies of q, k, v; the next key tile is copied in
- * while the current one is used. */
-template <class T16, int HD>
-static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
+ * while the current one is used. A warp takes MT m-tiles of 16 queries (rows first + 16 t
+ * + lane / 4, + 8); the key tiles it walks all start at or before its first row (q0 and j0
+ * are multiples of 64, first = q0 + 16 MT warp), so every row's first key is in. */
+template <class T16, int HD, int MT>
+static __global__ void __launch_bounds__(FA_THREADS, HD == 64 && MT == 1 ? 3 : 2)
     fm_forward_kernel(real *out, real *lse, const T16 *q, const T16 *k, const T16 *v, int T, int H,
                       int Hd, float sl2, int o16)
 {
     if constexpr (FM_SKIP) {
         __trap();
     } else {
-        constexpr int LD = HD + FA_PAD;
+        constexpr int LD = HD + FA_PAD, BR = FA_ROWS * MT;
         extern __shared__ __align__(128) unsigned char fa_sm[];
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
-        T16 *Qs = (T16 *)fa_sm, *KV = Qs + FA_ROWS * LD; /* KV: K0, V0, K1, V1 */
+        T16 *Qs = (T16 *)fa_sm, *KV = Qs + BR * LD; /* KV: K0, V0, K1, V1 */
         const int bh = blockIdx.x, b = bh / H, h = bh % H;
-        const int q0 = (gridDim.y - 1 - blockIdx.y) * FA_ROWS, first = q0 + 16 * warp;
-        const int row[2] = {first + (lane >> 2), first + (lane >> 2) + 8}; /* the lane's queries */
+        const int q0 = (gridDim.y - 1 - blockIdx.y) * BR, first = q0 + 16 * MT * warp;
+        int row[MT][2]; /* the lane's queries */
+#pragma unroll
+        for (int t = 0; t < MT; t++) {
+            row[t][0] = first + 16 * t + (lane >> 2);
+            row[t][1] = row[t][0] + 8;
+        }
         const size_t ld = (size_t)H * Hd, base = (size_t)b * T * ld + (size_t)h * Hd;
-        fm_stage<T16, HD>(Qs, q + base, ld, q0, T, Hd);
+#pragma unroll
+        for (int t = 0; t < MT; t++)
+            fm_stage<T16, HD>(Qs + t * FA_ROWS * LD, q + base, ld, q0 + t * FA_ROWS, T, Hd);
         fm_prefetch_kv<T16, HD>(KV, 0, k + base, v + base, ld, 0, T, Hd);
         fm_wait_all();
         __syncthreads();
-        unsigned qa[HD / 16][4];
-        fm_load_a<T16, HD>(qa, Qs + 16 * warp * LD, lane);
-        float o[HD / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+        unsigned qa[MT][HD / 16][4];
 #pragma unroll
-        for (int n = 0; n < HD / 8; n++)
+        for (int t = 0; t < MT; t++)
+            fm_load_a<T16, HD>(qa[t], Qs + (16 * MT * warp + 16 * t) * LD, lane);
+        float o[MT][HD / 8][4], m[MT][2], l[MT][2];
 #pragma unroll
-            for (int e = 0; e < 4; e++)
-                o[n][e] = 0.f;
-        const int kend = min(T, q0 + FA_ROWS);
-        for (int j0 = 0, t = 0; j0 < kend; j0 += FA_ROWS, t ^= 1) {
-            const T16 *Ks = KV + 2 * t * FA_ROWS * LD, *Vs = Ks + FA_ROWS * LD;
+        for (int t = 0; t < MT; t++) {
+            m[t][0] = m[t][1] = -INFINITY;
+            l[t][0] = l[t][1] = 0.f;
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    o[t][n][e] = 0.f;
+        }
+        const int kend = min(T, q0 + BR);
+        for (int j0 = 0, tb = 0; j0 < kend; j0 += FA_ROWS, tb ^= 1) {
+            const T16 *Ks = KV + 2 * tb * FA_ROWS * LD, *Vs = Ks + FA_ROWS * LD;
             if (j0 + FA_ROWS < kend) /* the next tile into the other buffer */
-                fm_prefetch_kv<T16, HD>(KV, t ^ 1, k + base, v + base, ld, j0 + FA_ROWS, T, Hd);
-            if (j0 <= first + 15) { /* warp-uniform: else every key is after the warp's rows */
-                float s[8][4];
-                fm_scores<T16, HD>(s, qa, Ks, lane);
-                /* key j0 <= q0 <= row is always in, so mx and mnew are finite */
-                float mx[2] = {-INFINITY, -INFINITY};
-                fm_each(
-                    j0 + FA_ROWS <= q0, /* every key before every query */
-                    [&](int n, int e) {
-                        const int j = j0 + 8 * n + 2 * quad + (e & 1);
-                        return j <= row[e >> 1] && j < T;
-                    },
-                    [&](int n, int e, bool keep) {
-                        s[n][e] = keep ? s[n][e] * sl2 : -INFINITY;
-                        mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-                    });
-                float corr[2], sum[2] = {0.f, 0.f};
+                fm_prefetch_kv<T16, HD>(KV, tb ^ 1, k + base, v + base, ld, j0 + FA_ROWS, T, Hd);
+            if (j0 <= first + 16 * MT - 1) { /* warp-uniform: else every key is after its rows */
+                float s[MT][8][4];
+                fm_scores_mt<T16, HD, MT>(s, qa, Ks, lane);
 #pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx[r], 1));
-                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx[r], 2));
-                    const float mnew = fmaxf(m[r], mx[r]);
-                    corr[r] = fm_exp2(m[r] - mnew); /* 0 on the first tile */
-                    m[r] = mnew;
-                }
+                for (int t = 0; t < MT; t++) {
+                    /* key j0 <= first <= row is always in, so mx and mnew are finite */
+                    float mx[2] = {-INFINITY, -INFINITY};
+                    fm_each(
+                        j0 + FA_ROWS <= q0, /* every key before every query */
+                        [&](int n, int e) {
+                            const int j = j0 + 8 * n + 2 * quad + (e & 1);
+                            return j <= row[t][e >> 1] && j < T;
+                        },
+                        [&](int n, int e, bool keep) {
+                            s[t][n][e] = keep ? s[t][n][e] * sl2 : -INFINITY;
+                            mx[e >> 1] = fmaxf(mx[e >> 1], s[t][n][e]);
+                        });
+                    float corr[2], sum[2] = {0.f, 0.f};
 #pragma unroll
-                for (int n = 0; n < 8; n++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        s[n][e] = fm_exp2(s[n][e] - m[e >> 1]); /* masked: exp2(-inf) = 0 */
-                        sum[e >> 1] += s[n][e];
+                    for (int r = 0; r < 2; r++) {
+                        mx[r] = fmaxf(mx[r], __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx[r], 1));
+                        mx[r] = fmaxf(mx[r], __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx[r], 2));
+                        const float mnew = fmaxf(m[t][r], mx[r]);
+                        corr[r] = fm_exp2(m[t][r] - mnew); /* 0 on the first tile */
+                        m[t][r] = mnew;
                     }
 #pragma unroll
-                for (int r = 0; r < 2; r++)
-                    l[r] = l[r] * corr[r] + sum[r]; /* the lane's share; summed over 4 at the end */
+                    for (int n = 0; n < 8; n++)
 #pragma unroll
-                for (int n = 0; n < HD / 8; n++)
+                        for (int e = 0; e < 4; e++) {
+                            s[t][n][e] = fm_exp2(s[t][n][e] - m[t][e >> 1]); /* exp2(-inf) = 0 */
+                            sum[e >> 1] += s[t][n][e];
+                        }
 #pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        o[n][e] *= corr[e >> 1];
-                fm_pv<T16, HD>(o, s, Vs, lane);
+                    for (int r = 0; r < 2; r++)
+                        l[t][r] = l[t][r] * corr[r] + sum[r]; /* the lane's share */
+#pragma unroll
+                    for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            o[t][n][e] *= corr[e >> 1];
+                }
+                fm_pv_mt<T16, HD, MT>(o, s, Vs, lane);
             }
             fm_wait_all();
             __syncthreads(); /* this tile is used up, the next one is in */
         }
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            l[r] += __shfl_xor_sync(MOE_CUDA_FULL_MASK, l[r], 1);
-            l[r] += __shfl_xor_sync(MOE_CUDA_FULL_MASK, l[r], 2);
-            if (row[r] >= T)
-                continue;
-            const float inv = 1.f / l[r];
-            const size_t orow = base + (size_t)row[r] * ld + 2 * quad; /* o16: T16 values */
+        for (int t = 0; t < MT; t++)
 #pragma unroll
-            for (int n = 0; n < HD / 8; n++)
-                if (8 * n + 2 * quad < Hd) {
-                    const float a = o[n][2 * r] * inv, b = o[n][2 * r + 1] * inv;
-                    if (o16)
-                        *(unsigned *)((T16 *)out + orow + 8 * n) = fm_pack<T16>(a, b);
-                    else
-                        *(float2 *)(out + orow + 8 * n) = make_float2(a, b);
-                }
-            if (quad == 0)
-                lse[(size_t)bh * T + row[r]] = (m[r] + log2f(l[r])) * FA_LN2;
-        }
+            for (int r = 0; r < 2; r++) {
+                l[t][r] += __shfl_xor_sync(MOE_CUDA_FULL_MASK, l[t][r], 1);
+                l[t][r] += __shfl_xor_sync(MOE_CUDA_FULL_MASK, l[t][r], 2);
+                if (row[t][r] >= T)
+                    continue;
+                const float inv = 1.f / l[t][r];
+                const size_t orow = base + (size_t)row[t][r] * ld + 2 * quad; /* o16: T16 */
+#pragma unroll
+                for (int n = 0; n < HD / 8; n++)
+                    if (8 * n + 2 * quad < Hd) {
+                        const float a = o[t][n][2 * r] * inv, c = o[t][n][2 * r + 1] * inv;
+                        if (o16)
+                            *(unsigned *)((T16 *)out + orow + 8 * n) = fm_pack<T16>(a, c);
+                        else
+                            *(float2 *)(out + orow + 8 * n) = make_float2(a, c);
+                    }
+                if (quad == 0)
+                    lse[(size_t)bh * T + row[t][r]] = (m[t][r] + log2f(l[t][r])) * FA_LN2;
+            }
     }
 }
 
@@ -1347,11 +1415,13 @@ template <class T16, int HD, int FM>
 static void flash_forward_run(real *out, real *lse, const real *q, const real *k, const real *v,
                               int B, int T, int H, int Hd, int m16)
 {
-    const dim3 grid((unsigned)(B * H), (unsigned)((T + FA_ROWS - 1) / FA_ROWS));
+    const int mt = FM ? fm_forward_mt(HD) : 1, br = FA_ROWS * mt; /* queries per block */
+    const dim3 grid((unsigned)(B * H), (unsigned)((T + br - 1) / br));
     const float sl2 = (float)(1.4426950408889634 / sqrt((double)Hd));
     if constexpr (FM) { /* from 16-bit copies of q, k, v in the scratch, or q, k, v */
         void (*kernel)(real *, real *, const T16 *, const T16 *, const T16 *, int, int, int, float,
-                       int) = fm_forward_kernel<T16, HD>;
+                       int) = mt == 2 ? fm_forward_kernel<T16, HD, (HD == 64 ? 2 : 1)>
+                                      : fm_forward_kernel<T16, HD, 1>;
         const size_t n = (size_t)B * T * H * Hd, smem = fm_forward_smem(HD);
         const int o16 = (m16 & ATT_OUT16) != 0;
         if (!fa_smem((const void *)kernel, smem))
