@@ -788,9 +788,10 @@ static void bench_grouped_bwd(void) { bench_grouped(1); }
 static void bench_grouped_pair_fwd(void) { bench_grouped_pair(0); }
 static void bench_grouped_pair_bwd(void) { bench_grouped_pair(1); }
 
-/* Every expert's SwiGLU FFN as runtime/model.c runs it: grouped gate, grouped up,
- * SwiGLU, grouped down; backward in reverse. Weights: one block w1 (E,F,D) | w3 | w2
- * (E,D,F). h, da and db are marked as the model marks them. */
+/* Every expert's SwiGLU FFN: grouped gate, grouped up, SwiGLU, grouped down; backward in
+ * reverse. The model runs gate and up as one pair op (`grouped_pair` times that alone);
+ * here they are two grouped calls, as at the figures recorded for this line. Weights: one block w1
+ * (E,F,D) | w3 | w2 (E,D,F). h, da and db are marked as the model marks them. */
 static void run_experts_ffn(void)
 {
     const int M = M_, D = opt.D, F = opt.F, E = opt.E;

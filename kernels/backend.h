@@ -73,9 +73,9 @@ typedef enum { MOE_COPY_H2D, MOE_COPY_D2H, MOE_COPY_D2D } moe_copy_kind;
 /* Precision of the matrix products. fp32: everything fp32. bf16 / fp16: the operands of
  * every GEMM (matmul and grouped matmul, forward and backward) are rounded to 16 bits,
  * products accumulate in fp32 and outputs are fp32, except the outputs the model marks
- * as 16-bit (mark_operand: the experts' gate and up projections, the gradient of their
- * SwiGLU output, the LM head's logits); every other op, the master weights, the optimizer state
- * (unless [precision] optimizer_state = bf16), router logits and all reductions stay fp32. */
+ * as 16-bit (mark_operand; the list: docs/cuda.md, Precision); the master weights, the
+ * optimizer state (unless [precision] optimizer_state = bf16), router logits, norms,
+ * softmax statistics and all reductions stay fp32. */
 typedef enum { MOE_PREC_FP32 = 0, MOE_PREC_BF16 = 1, MOE_PREC_FP16 = 2 } moe_precision;
 
 typedef struct moe_backend {
@@ -117,15 +117,15 @@ typedef struct moe_backend {
                                 size_t max_operand);
     /* Re-rounds the shadow from the parameters: after every change of the parameters. */
     moe_status (*refresh_shadow)(void);
-    /* Declares that the buffer p of n elements only ever holds GEMM operands: in a 16-bit
-     * precision, the ops that write it (swiglu_forward's h, swiglu_backward's da and db)
-     * write the 16-bit operand into its first 2n bytes instead of fp32, and a GEMM given
-     * p (the whole buffer, as x or dout) reads it as is instead of rounding it. Nothing
-     * else may read it as fp32 then. A GEMM whose output (out, or a dx it writes) is
-     * marked writes it in 16 bits too (never adding to it: that is a failure), and
-     * SwiGLU reads marked inputs a, b (and dh, marked with them) as 16 bits: the experts'
-     * gate and up outputs and their gradient, 16-bit activations as the peer's are.
-     * n = 0 removes the mark (before p is freed). The cpu
+    /* Declares that the buffer p of n elements holds 16-bit values: in a 16-bit precision
+     * its writers store the 16-bit value (the GEMM operand's rounding) into its first 2n
+     * bytes instead of fp32, a GEMM given p (the whole buffer, as x or dout) reads it as
+     * is instead of rounding it, and a GEMM whose output (out, or a dx it writes) is
+     * marked writes it in 16 bits (never adding to it: that is a failure). Only the ops
+     * the backend has taught to read 16-bit inputs may read it then (SwiGLU, the
+     * cross-entropy, rope, the attention, the dispatch's packing, the permutation, the
+     * combine; docs/cuda.md, Precision, lists the buffers the model marks and their
+     * readers). n = 0 removes the mark (before p is freed). The cpu
      * (fp32 only) ignores it; in fp32 the marks change nothing. Fails when the backend's
      * table of marks is full. */
     moe_status (*mark_operand)(const void *p, size_t n);
