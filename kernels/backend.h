@@ -115,8 +115,19 @@ typedef struct moe_backend {
      * workspace of max_operand elements allocated here. The cpu backend takes fp32 only. */
     moe_status (*set_precision)(moe_precision p, const real *params, size_t n_params,
                                 size_t max_operand);
-    /* Re-rounds the shadow from the parameters: after every change of the parameters. */
+    /* Re-rounds the shadow from the parameters: after every change of the parameters in
+     * the arena (which then holds them all, bf16 master weights included). */
     moe_status (*refresh_shadow)(void);
+    /* bf16 only ([precision] master_weights = bf16): from now on the parameters
+     * [params + from, params + n_params) live in the shadow: adamw_update_multi over the
+     * arena reads and writes them there (bf16 master weights, as the peer keeps), and
+     * their fp32 copies in the arena are stale until sync_master. Fails on the cpu and
+     * in any other precision. Set again after each set_precision. */
+    moe_status (*master_in_shadow)(size_t from);
+    /* Makes the arena hold every parameter again, widening the bf16 master weights into
+     * it (exact): before the host reads the arena or parameters are moved. Nothing to do
+     * when nothing is stale. */
+    moe_status (*sync_master)(void);
     /* Declares that the buffer p of n elements holds 16-bit values: in a 16-bit precision
      * its writers store the 16-bit value (the GEMM operand's rounding) into its first 2n
      * bytes instead of fp32, a GEMM given p (the whole buffer, as x or dout) reads it as

@@ -42,6 +42,13 @@ static moe_status cpu_set_precision(moe_precision p, const real *params, size_t 
     return MOE_OK;
 }
 static moe_status cpu_refresh_shadow(void) { return MOE_OK; }
+static moe_status cpu_master_in_shadow(size_t from)
+{
+    (void)from;
+    MOE_FAIL(MOE_ERR_INVALID, "[precision] master_weights = bf16: the cpu backend keeps fp32 "
+                              "weights only (it has no bf16 copy to update)");
+}
+static moe_status cpu_sync_master(void) { return MOE_OK; }
 static moe_status cpu_mark_operand(const void *p, size_t n)
 {
     (void)p; /* fp32 only: every operand is its own buffer */
@@ -106,6 +113,8 @@ const moe_backend moe_backend_cpu = {.name = "cpu",
                                      .compute_capability = cpu_capability,
                                      .set_precision = cpu_set_precision,
                                      .refresh_shadow = cpu_refresh_shadow,
+                                     .master_in_shadow = cpu_master_in_shadow,
+                                     .sync_master = cpu_sync_master,
                                      .mark_operand = cpu_mark_operand,
                                      .attention_operands16 = cpu_attention_operands16,
                                      .gemm_rate = cpu_gemm_rate,

@@ -174,8 +174,11 @@ static void print_report(const moe_trainer *tr, double step_s, double host_wait,
     if (rate > 0)
         fprintf(out,
                 "  MFU                   %.1f%% of the backend's %s GEMM at n=%d: %.3g TFLOP/s\n",
-                100.0 * flops / rate, moe_trainer_precision(tr), m->be->on_device ? 8192 : 512,
-                rate / 1e12);
+                100.0 * flops / rate,
+                tr->precision == MOE_PREC_BF16   ? "bf16"
+                : tr->precision == MOE_PREC_FP16 ? "fp16"
+                                                 : "fp32",
+                m->be->on_device ? 8192 : 512, rate / 1e12);
     else
         fprintf(out, "  MFU                   n/a (the GEMM rate could not be measured)\n");
     static const char *names[MOE_PHASES] = {

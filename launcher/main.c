@@ -311,6 +311,7 @@ static moe_status dump_step(const moe_config *cfg, const char *dir, const char *
     MOE_CHECK_GOTO(st, moe_data_batch(tr->data, tokens, 0, (int)S));
     MOE_CHECK_GOTO(st, write_file(dir, "tokens.bin", tokens, sizeof(int32_t) * (size_t)(S * T1)));
     /* the arenas may live on the GPU: copy them to the host first (real is float) */
+    MOE_CHECK_GOTO(st, tr->model->be->sync_master());
     tr->model->be->copy(buf, tr->model->params, sizeof(float) * n, MOE_COPY_D2H);
     MOE_CHECK_GOTO(st, write_file(dir, "params.bin", buf, sizeof(float) * n));
     tr->model->be->copy(buf, tr->model->grads, sizeof(float) * n, MOE_COPY_D2H);

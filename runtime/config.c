@@ -145,6 +145,9 @@ static const key_def keys[] = {
     KEY_ENUM("precision", "optimizer_state", optimizer_state, "fp32|bf16", "fp32",
              "AdamW's moments m and v: fp32, or bf16 (half their memory and traffic; the "
              "master weights stay fp32)"),
+    KEY_ENUM("precision", "master_weights", master_weights, "fp32|bf16", "fp32",
+             "the experts' master weights: fp32, or bf16 (mode = bf16 only: AdamW updates "
+             "the GEMMs' bf16 copy in place, as the peer keeps bf16 parameters)"),
     KEY("precision", "loss_scale_init", T_DOUBLE, loss_scale_init, GT(0), "65536",
         "fp16: the initial dynamic loss scale"),
     KEY("precision", "loss_scale_growth_interval", T_INT, loss_scale_growth_interval, GE(1), "1000",
@@ -1028,6 +1031,13 @@ moe_status moe_config_validate(const moe_config *cfg)
         (strcmp(cfg->precision, "bf16") == 0 || strcmp(cfg->precision, "fp16") == 0)) {
         rule_failed(cfg, "precision.mode", "parallel.backend",
                     "needs a GPU (the CPU path is fp32 only), not", "runs fp32 only, not");
+        bad++;
+    }
+    if (strcmp(cfg->master_weights, "bf16") == 0 && strcmp(cfg->precision, "bf16") != 0 &&
+        strcmp(cfg->precision, "auto") != 0) {
+        rule_failed(cfg, "precision.master_weights", "precision.mode",
+                    "= bf16 updates the bf16 GEMM copy of the weights, so it needs bf16 in",
+                    "must be bf16 (or auto on sm_80+) with");
         bad++;
     }
     return bad ? MOE_ERR_INVALID : MOE_OK;

@@ -78,6 +78,7 @@ typedef struct {
     /* [precision] */
     char precision[8];              /* fp32 | bf16 | fp16 | auto */
     char optimizer_state[8];        /* fp32 | bf16: AdamW's moments */
+    char master_weights[8];         /* fp32 | bf16: the experts' master weights */
     double loss_scale_init;         /* fp16 dynamic loss scaling: start */
     int loss_scale_growth_interval; /* clean steps before growing */
     double loss_scale_growth;       /* growth factor */

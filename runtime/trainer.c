@@ -172,11 +172,22 @@ static moe_status setup_precision(moe_trainer *tr)
     tr->model->loss_scale = tr->loss_scale;
     MOE_CHECK(
         be->set_precision(p, tr->model->params, tr->model->n_params, tr->model->max_gemm_operand));
+    if (strcmp(tr->cfg.master_weights, "bf16") == 0) {
+        if (p != MOE_PREC_BF16)
+            MOE_FAIL(MOE_ERR_INVALID,
+                     "[precision] master_weights = bf16 needs bf16 GEMMs; [precision] mode = %s "
+                     "gives %s here",
+                     mode, p == MOE_PREC_FP16 ? "fp16 (sm_75)" : "fp32 (no GPU)");
+        /* the experts' weights: the arena's tail from n_dense (model.h) */
+        MOE_CHECK(be->master_in_shadow(tr->model->n_dense));
+    }
     return be->refresh_shadow();
 }
 
 const char *moe_trainer_precision(const moe_trainer *tr)
 {
+    if (tr->precision == MOE_PREC_BF16 && strcmp(tr->cfg.master_weights, "bf16") == 0)
+        return "bf16 GEMMs and expert master weights, fp32 elsewhere";
     return tr->precision == MOE_PREC_BF16   ? "bf16 GEMMs, fp32 elsewhere"
            : tr->precision == MOE_PREC_FP16 ? "fp16 GEMMs with dynamic loss scaling, fp32 elsewhere"
                                             : "fp32";
@@ -532,6 +543,7 @@ moe_status moe_trainer_checkpoint(moe_trainer *tr)
                             .loss_scale_good = tr->scale_good,
                             .loss_scale_dynamic = tr->scaling};
     double t0 = moe_clock_seconds();
+    MOE_CHECK(tr->model->be->sync_master()); /* bf16 master weights into the arena */
     MOE_CHECK(moe_checkpoint_save(&tr->cfg, tr->comm, tr->model, tr->opt, &state, &tr->fault,
                                   tr->ckpt_path, sizeof tr->ckpt_path));
     tr->ckpt_step = tr->step;
@@ -645,7 +657,9 @@ moe_status moe_trainer_replan(moe_trainer *tr, FILE *out)
     void *extra[2] = {tr->opt->m, tr->opt->v};
     const size_t moment = tr->opt->moments16 ? sizeof(uint16_t) : sizeof(real);
     const size_t extra_elem[2] = {moment, moment};
-    st = moe_model_move_experts(m, table, extra, extra_elem, 2);
+    st = m->be->sync_master(); /* the arena moves, then rounds into the shadow again */
+    if (st == MOE_OK)
+        st = moe_model_move_experts(m, table, extra, extra_elem, 2);
     if (st == MOE_OK)
         st = m->be->refresh_shadow();
     if (st == MOE_OK)

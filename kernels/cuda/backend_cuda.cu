@@ -414,6 +414,8 @@ static void *cuda_native_stream(void) { return (void *)g.stream; }
 extern "C" moe_status cuda_gemm_set_precision(moe_precision p, const real *params, size_t n,
                                               size_t max_operand);
 extern "C" moe_status cuda_gemm_refresh_shadow(void);
+extern "C" moe_status cuda_gemm_master_in_shadow(size_t from);
+extern "C" void cuda_gemm_sync_master(void);
 extern "C" moe_status cuda_gemm_mark_operand(const void *p, size_t n);
 extern "C" int cuda_attention_operands16(int Hd);
 
@@ -454,6 +456,14 @@ static moe_status cuda_refresh_shadow(void)
     return g.status;
 }
 
+static moe_status cuda_master_in_shadow(size_t from) { return cuda_gemm_master_in_shadow(from); }
+
+static moe_status cuda_sync_master(void)
+{
+    cuda_gemm_sync_master();
+    return g.status;
+}
+
 /* Filled by field name at init, so the table does not depend on the field order. */
 static moe_backend cuda_backend;
 
@@ -475,6 +485,8 @@ static void fill_table(moe_backend *b)
     b->compute_capability = cuda_compute_capability;
     b->set_precision = cuda_set_precision;
     b->refresh_shadow = cuda_refresh_shadow;
+    b->master_in_shadow = cuda_master_in_shadow;
+    b->sync_master = cuda_sync_master;
     b->mark_operand = cuda_gemm_mark_operand;
     b->attention_operands16 = cuda_attention_operands16;
     b->gemm_rate = cuda_gemm_rate;

@@ -1,15 +1,16 @@
 /* kernels/cuda/loss.cu: token cross-entropy (lse of the logits minus the target's logit)
  * and its backward.
  *
- * Forward: one block per row, which reads the row once: each thread keeps a running max m
- * (float) and the sum s of exp(x - m) in double, rescaled when m grows; the threads' (m, s)
- * are then merged in a fixed order (warp butterfly, then the warps in order), so the bits
- * do not depend on scheduling. Fused (cross_entropy_fused): one block does a row's
- * forward and then its backward. Backward: overwrites dlogits (which may be the logits:
- * each value is read, then written, by one thread); a 2D grid (x: the row, y: the
- * row's columns), so no thread divides to find its row; a separate dlogits marked as a
- * GEMM operand gets 16-bit values (no rounding pass before the LM head's GEMMs). Both
- * load float4 when V % 4 == 0 and the rows are 16-byte aligned, floats otherwise.
+ * Forward: one block of CE_THREADS per row, which reads the row once: each thread keeps a
+ * running max m (float) and the sum s of exp(x - m) in double, rescaled when m grows; the
+ * threads' (m, s) are then merged in a fixed order (warp butterfly, then the warps in
+ * order), so the bits do not depend on scheduling. Fused (cross_entropy_fused): one block
+ * does a row's forward and then its backward, from the values its threads kept in
+ * registers (a row of the bench's 32768 16-bit logits is read from memory once). Backward:
+ * overwrites dlogits (which may be the logits: each value is read, then written, by one thread); a
+ * 2D grid (x: the row, y: the row's columns), so no thread divides to find its row; a separate
+ * dlogits marked as a GEMM operand gets 16-bit values (no rounding pass before the LM head's
+ * GEMMs). Both load float4 when V % 4 == 0 and the rows are 16-byte aligned, floats otherwise.
  * Logits marked as 16-bit (the LM head's GEMM wrote them so, backend.h mark_operand) are
  * read as 16 bits (L16: 8 bytes for 4 values, 2 for one), except in place (dlogits =
  * logits), where the buffer is taken as fp32 both ways.
@@ -18,6 +19,8 @@
  * 16-bit modes, where they are the fast exponential (__expf: ex2.approx of x log2(e),
  * about 1e-6 relative for the arguments here, x - max >= about -40; the row's pass is
  * then bound by memory, not by the exponentials' instructions). */
+#include <type_traits>
+
 #include "kernels/cuda/cuda_common.cuh"
 
 /* exp(x) in F: double's in fp32 mode, the fast float exponential otherwise (0 at -inf). */
@@ -55,12 +58,15 @@ static __device__ __forceinline__ void ce_merge(float &m, double &s, float m2, d
     m = mx;
 }
 
-/* Merges the (m, s) of a block of MOE_CUDA_THREADS threads in a fixed order; thread 0
- * gets the result. Called once per kernel (its shared arrays are not guarded for reuse). */
+/* Threads of the kernels that take one row a block (forward, fused). */
+#define CE_THREADS 512
+
+/* Merges the (m, s) of a block of CE_THREADS threads in a fixed order; thread 0 gets
+ * the result. Called once per kernel (its shared arrays are not guarded for reuse). */
 template <typename F> static __device__ void ce_block_merge(float &m, double &s)
 {
-    __shared__ float part_m[MOE_CUDA_THREADS / 32];
-    __shared__ double part_s[MOE_CUDA_THREADS / 32];
+    __shared__ float part_m[CE_THREADS / 32];
+    __shared__ double part_s[CE_THREADS / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int o = 16; o > 0; o >>= 1) {
         const float m2 = __shfl_xor_sync(MOE_CUDA_FULL_MASK, m, o);
@@ -75,30 +81,75 @@ template <typename F> static __device__ void ce_block_merge(float &m, double &s)
     if (threadIdx.x == 0) {
         m = part_m[0];
         s = part_s[0];
-        for (int w = 1; w < MOE_CUDA_THREADS / 32; w++)
+        for (int w = 1; w < CE_THREADS / 32; w++)
             ce_merge<F>(m, s, part_m[w], part_s[w]);
     }
 }
 
-/* One row of the forward (block n = blockIdx.x); V4: the row is read as float4. */
-template <typename F, bool V4, bool L16>
+/* A group of 4 logits as loaded: 8 bytes of 16-bit values (L16) or a float4. The fused
+ * kernel keeps its first CE_KEPT(L16) groups a thread in registers between its passes
+ * (a row of up to 16 x 4 x 512 = 32768 16-bit logits, 4 x 4 x 512 fp32 ones, is read
+ * from memory once; a second pass over a row from L2 missed there when many rows were in
+ * flight). */
+template <bool L16> using ce_group = typename std::conditional<L16, uint2, float4>::type;
+#define CE_KEPT(L16) ((L16) ? 16 : 4)
+
+template <bool L16>
+static __device__ __forceinline__ ce_group<L16> ce_load(const real *logits, size_t e)
+{
+    if constexpr (L16)
+        return ((const uint2 *)logits)[e / 4];
+    else
+        return ((const float4 *)logits)[e / 4];
+}
+
+template <bool L16> static __device__ __forceinline__ float4 ce_widen(ce_group<L16> x, int bf16)
+{
+    if constexpr (L16)
+        return moe_widen16x4(x, bf16);
+    else
+        return x;
+}
+
+/* Adds a group of 4 logits to the running (m, s). */
+template <typename F> static __device__ __forceinline__ void ce_add4(float &m, double &s, float4 x)
+{
+    ce_raise<F>(m, s, fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
+    s += ce_exp<F>(x.x, m);
+    s += ce_exp<F>(x.y, m);
+    s += ce_exp<F>(x.z, m);
+    s += ce_exp<F>(x.w, m);
+}
+
+/* One row of the forward (block n = blockIdx.x, CE_THREADS threads); V4: the row is read
+ * in groups of 4, thread t taking groups t, t + CE_THREADS, ... in that order. KEEP: the
+ * first KEEP groups of the thread are loaded into kept[] first, all at once (the fused
+ * kernel's second pass reads them there); the order of the sums is the same either way,
+ * so the fused kernel's lse has the forward kernel's bits. */
+template <typename F, bool V4, bool L16, int KEEP>
 static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, const real *logits,
-                                                      const int32_t *targets, int V, int bf16)
+                                                      const int32_t *targets, int V, int bf16,
+                                                      ce_group<L16> *kept)
 {
     const int n = blockIdx.x;
     const size_t row = (size_t)n * V;
     float m = -INFINITY;
     double s = 0.0;
     if (V4) {
-#pragma unroll 4 /* several loads in flight per thread */
-        for (int c = threadIdx.x; c < V / 4; c += blockDim.x) {
-            const float4 x = moe_ld4<L16>(logits, row + 4 * (size_t)c, bf16);
-            ce_raise<F>(m, s, fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
-            s += ce_exp<F>(x.x, m);
-            s += ce_exp<F>(x.y, m);
-            s += ce_exp<F>(x.z, m);
-            s += ce_exp<F>(x.w, m);
+        const int groups = V / 4;
+#pragma unroll
+        for (int k = 0; k < KEEP; k++) {
+            const int c = threadIdx.x + k * CE_THREADS;
+            if (c < groups)
+                kept[k] = ce_load<L16>(logits, row + 4 * (size_t)c);
         }
+#pragma unroll
+        for (int k = 0; k < KEEP; k++)
+            if (threadIdx.x + k * CE_THREADS < groups)
+                ce_add4<F>(m, s, ce_widen<L16>(kept[k], bf16));
+#pragma unroll 4 /* several loads in flight per thread */
+        for (int c = threadIdx.x + KEEP * CE_THREADS; c < groups; c += CE_THREADS)
+            ce_add4<F>(m, s, moe_ld4<L16>(logits, row + 4 * (size_t)c, bf16));
     } else {
         for (int v = threadIdx.x; v < V; v += blockDim.x) {
             const float x = moe_ld<L16>(logits, row + v, bf16);
@@ -115,10 +166,11 @@ static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, c
 }
 
 template <typename F, bool V4, bool L16>
-static __global__ void cross_entropy_forward_kernel(real *losses, real *lse, const real *logits,
-                                                    const int32_t *targets, int V, int bf16)
+static __global__ void __launch_bounds__(CE_THREADS)
+    cross_entropy_forward_kernel(real *losses, real *lse, const real *logits,
+                                 const int32_t *targets, int V, int bf16)
 {
-    ce_forward_row<F, V4, L16>(losses, lse, logits, targets, V, bf16);
+    ce_forward_row<F, V4, L16, 0>(losses, lse, logits, targets, V, bf16, NULL);
 }
 
 /* Whether the logits (n) are marked as 16-bit (*bf16 their format). */
@@ -136,8 +188,8 @@ extern "C" void cuda_cross_entropy_forward(real *losses, real *lse, const real *
     int bf16 = 0;
     const int l16 = logits16(logits, (size_t)N * V, &bf16);
 #define CE_FORWARD(F, V4, L16)                                                                     \
-    MOE_CUDA_LAUNCH((cross_entropy_forward_kernel<F, V4, L16>), N, MOE_CUDA_THREADS, 0, losses,    \
-                    lse, logits, targets, V, bf16)
+    MOE_CUDA_LAUNCH((cross_entropy_forward_kernel<F, V4, L16>), N, CE_THREADS, 0, losses, lse,     \
+                    logits, targets, V, bf16)
 #define CE_FORWARD_FLOAT(V4, L16) CE_FORWARD(float, V4, L16)
     if (cuda_gemm_precision() == MOE_PREC_FP32) { /* never l16 */
         if (v4)
@@ -162,25 +214,39 @@ static __device__ __forceinline__ real ce_grad(real x, F s, int hit, real dloss)
  * of row n (float4 groups when V4). No __restrict__: dlogits may be logits. O16: dlogits
  * is a buffer marked as holding its GEMM operand (never the logits themselves), written
  * in 16 bits (bf16 or fp16 by `bf16`) as the GEMM would round the fp32 value. */
-template <typename F, bool V4, bool O16, bool L16>
-static __device__ __forceinline__ void ce_backward_cols(real *dlogits, const real *logits, int n,
-                                                        F s, int t, real dloss, int V, int bf16,
-                                                        int first, int stride)
+template <typename F, bool O16>
+static __device__ __forceinline__ void ce_backward_group(real *dlogits, size_t row, int c, float4 x,
+                                                         F s, int t, real dloss, int bf16)
+{
+    const int v = 4 * c;
+    const float4 d =
+        make_float4(ce_grad<F>(x.x, s, v == t, dloss), ce_grad<F>(x.y, s, v + 1 == t, dloss),
+                    ce_grad<F>(x.z, s, v + 2 == t, dloss), ce_grad<F>(x.w, s, v + 3 == t, dloss));
+    if (O16)
+        ((uint2 *)dlogits)[row / 4 + c] = moe_round16x4(d, bf16);
+    else
+        ((float4 *)(dlogits + row))[c] = d;
+}
+
+/* The same over the columns first, first + stride, ... of row n; KEEP: the first KEEP
+ * groups come from kept[] (ce_forward_row loaded them), the rest from memory. */
+template <typename F, bool V4, bool O16, bool L16, int KEEP>
+static __device__ __forceinline__ void
+ce_backward_cols(real *dlogits, const real *logits, int n, F s, int t, real dloss, int V, int bf16,
+                 int first, int stride, const ce_group<L16> *kept)
 {
     const size_t row = (size_t)n * V;
     if (V4) {
+#pragma unroll
+        for (int k = 0; k < KEEP; k++)
+            if (first + k * stride < V / 4)
+                ce_backward_group<F, O16>(dlogits, row, first + k * stride,
+                                          ce_widen<L16>(kept[k], bf16), s, t, dloss, bf16);
 #pragma unroll 4
-        for (int c = first; c < V / 4; c += stride) {
-            const float4 x = moe_ld4<L16>(logits, row + 4 * (size_t)c, bf16);
-            const int v = 4 * c;
-            const float4 d = make_float4(
-                ce_grad<F>(x.x, s, v == t, dloss), ce_grad<F>(x.y, s, v + 1 == t, dloss),
-                ce_grad<F>(x.z, s, v + 2 == t, dloss), ce_grad<F>(x.w, s, v + 3 == t, dloss));
-            if (O16)
-                ((uint2 *)dlogits)[row / 4 + c] = moe_round16x4(d, bf16);
-            else
-                ((float4 *)(dlogits + row))[c] = d;
-        }
+        for (int c = first + KEEP * stride; c < V / 4; c += stride)
+            ce_backward_group<F, O16>(dlogits, row, c,
+                                      moe_ld4<L16>(logits, row + 4 * (size_t)c, bf16), s, t, dloss,
+                                      bf16);
     } else {
         for (int v = first; v < V; v += stride) {
             const real d = ce_grad<F>(moe_ld<L16>(logits, row + v, bf16), s, v == t, dloss);
@@ -200,27 +266,30 @@ static __global__ void cross_entropy_backward_kernel(real *dlogits, const real *
                                                      real dloss, int V, int bf16)
 {
     const int n = blockIdx.x;
-    ce_backward_cols<F, V4, O16, L16>(dlogits, logits, n, (F)lse[n], targets[n], dloss, V, bf16,
-                                      blockIdx.y * blockDim.x + threadIdx.x,
-                                      gridDim.y * blockDim.x);
+    ce_backward_cols<F, V4, O16, L16, 0>(dlogits, logits, n, (F)lse[n], targets[n], dloss, V, bf16,
+                                         blockIdx.y * blockDim.x + threadIdx.x,
+                                         gridDim.y * blockDim.x, NULL);
 }
 
 /* Forward, then backward, of one row in one block (the fused LM head): the backward takes
- * the lse as stored (so the bits are the two kernels'), and its second read of the row,
- * which the block has just read, comes mostly from L2. */
+ * the lse as stored (so the bits are the two kernels'), and the groups of the row each
+ * thread kept in registers (V4: all of a row of up to 32768 16-bit logits), the rest
+ * read again (from L2 where it still is). */
 template <typename F, bool V4, bool O16, bool L16>
-static __global__ void cross_entropy_fused_kernel(real *losses, real *lse, real *dlogits,
-                                                  const real *logits, const int32_t *targets,
-                                                  real dloss, int V, int bf16)
+static __global__ void __launch_bounds__(CE_THREADS)
+    cross_entropy_fused_kernel(real *losses, real *lse, real *dlogits, const real *logits,
+                               const int32_t *targets, real dloss, int V, int bf16)
 {
     __shared__ real row_lse;
+    constexpr int KEEP = V4 ? CE_KEPT(L16) : 0;
+    ce_group<L16> kept[KEEP > 0 ? KEEP : 1];
     const int n = blockIdx.x;
-    ce_forward_row<F, V4, L16>(losses, lse, logits, targets, V, bf16);
+    ce_forward_row<F, V4, L16, KEEP>(losses, lse, logits, targets, V, bf16, kept);
     if (threadIdx.x == 0)
         row_lse = lse[n];
     __syncthreads();
-    ce_backward_cols<F, V4, O16, L16>(dlogits, logits, n, (F)row_lse, targets[n], dloss, V, bf16,
-                                      threadIdx.x, blockDim.x);
+    ce_backward_cols<F, V4, O16, L16, KEEP>(dlogits, logits, n, (F)row_lse, targets[n], dloss, V,
+                                            bf16, threadIdx.x, CE_THREADS, kept);
 }
 
 /* The instance a launcher runs, as a type: F the sums' type, V4 (rows read as float4),
@@ -299,6 +368,6 @@ extern "C" void cuda_cross_entropy_fused(real *losses, real *lse, real *dlogits,
     ce_pick(v4, o16, l16, [&](auto kind) {
         typedef decltype(kind) K;
         MOE_CUDA_LAUNCH((cross_entropy_fused_kernel<typename K::F, K::V4, K::O16, K::L16>), N,
-                        MOE_CUDA_THREADS, 0, losses, lse, dlogits, logits, targets, dloss, V, bf16);
+                        CE_THREADS, 0, losses, lse, dlogits, logits, targets, dloss, V, bf16);
     });
 }

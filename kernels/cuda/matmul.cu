@@ -27,7 +27,12 @@
 static moe_precision prec = MOE_PREC_FP32;
 static const real *master; /* the fp32 parameter arena */
 static size_t master_n;
-static uint16_t *shadow;  /* (master_n) 16-bit copy */
+static uint16_t *shadow; /* (master_n) 16-bit copy */
+/* bf16 master weights (master_in_shadow): [master16_from, master_n) are updated in the
+ * shadow only; master_stale while the arena's fp32 copies of them are behind it */
+static size_t master16_from = SIZE_MAX;
+static int master_stale;
+static int shadow_fresh;  /* the optimizer wrote the shadow with the parameters */
 static uint16_t *ws16[2]; /* rounded operands: [0] inputs x, [1] output gradients */
 static size_t ws16_n;
 
@@ -84,6 +89,8 @@ extern "C" moe_status cuda_gemm_set_precision(moe_precision p, const real *param
     prec = MOE_PREC_FP32;
     master = params;
     master_n = n;
+    master16_from = SIZE_MAX;
+    master_stale = shadow_fresh = 0; /* a new shadow: the next refresh rounds it */
     if (p == MOE_PREC_FP32)
         return MOE_OK;
     if (!MOE_CUDA_OK(cudaMalloc((void **)&shadow, sizeof(uint16_t) * (n ? n : 1))) ||
@@ -103,8 +110,6 @@ extern "C" moe_status cuda_gemm_set_precision(moe_precision p, const real *param
 /* The precision set by cuda_gemm_set_precision (attention.cu picks its kernels by it). */
 extern "C" moe_precision cuda_gemm_precision(void) { return prec; }
 
-static int shadow_fresh; /* the optimizer wrote the shadow with the parameters */
-
 extern "C" moe_status cuda_gemm_refresh_shadow(void)
 {
     if (shadow_fresh) { /* already rounded by the AdamW pass that changed them */
@@ -113,17 +118,54 @@ extern "C" moe_status cuda_gemm_refresh_shadow(void)
     }
     if (prec != MOE_PREC_FP32)
         round_into(shadow, master, master_n);
+    master_stale = 0; /* the arena was written: it holds every parameter */
     return MOE_OK;
 }
 
-/* For AdamW over the whole registered arena in a 16-bit precision: the shadow to write
- * in the same pass (and *bf16 its format), the next refresh then skipped; else NULL. */
-extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, size_t n, int *bf16)
+extern "C" moe_status cuda_gemm_master_in_shadow(size_t from)
 {
+    if (prec != MOE_PREC_BF16 || !shadow)
+        MOE_FAIL(MOE_ERR_INVALID, "[precision] master_weights = bf16 needs bf16 GEMMs "
+                                  "([precision] mode = bf16) and the parameters registered");
+    if (from > master_n)
+        MOE_FAIL(MOE_ERR_INVALID, "bf16 master weights from element %zu of an arena of %zu", from,
+                 master_n);
+    master16_from = from;
+    return MOE_OK;
+}
+
+/* dst[i] = widened src[i] (bf16 to fp32: exact). */
+static __global__ void widen_bf16_kernel(real *dst, const uint16_t *src, size_t n)
+{
+    MOE_CUDA_GRID_STRIDE(i, n) { dst[i] = moe_bf16_widen(src[i]); }
+}
+
+extern "C" void cuda_gemm_sync_master(void)
+{
+    if (!master_stale)
+        return;
+    const size_t n = master_n - master16_from;
+    if (n > 0)
+        MOE_CUDA_LAUNCH(widen_bf16_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS,
+                        0, (real *)master + master16_from, shadow + master16_from, n);
+    master_stale = 0;
+}
+
+/* For AdamW over the whole registered arena in a 16-bit precision: the shadow to write
+ * in the same pass (and *bf16 its format), the next refresh then skipped; else NULL.
+ * *from16: the first element whose master weight is the shadow's (n when none); the
+ * arena's fp32 copies of those go stale. */
+extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, size_t n, int *bf16, size_t *from16)
+{
+    *from16 = n;
     if (prec == MOE_PREC_FP32 || p != master || n != master_n || !shadow)
         return NULL;
     *bf16 = prec == MOE_PREC_BF16;
     shadow_fresh = 1;
+    if (master16_from < n) {
+        *from16 = master16_from;
+        master_stale = 1;
+    }
     return shadow;
 }
 

@@ -6,7 +6,8 @@
  * reads the sums of squares of the gradients on the device for its clipping factor or
  * skip; over the whole parameter
  * arena in a 16-bit precision it also writes the GEMMs' 16-bit shadow, so the refresh
- * that follows has nothing left to do). */
+ * that follows has nothing left to do; with bf16 master weights, master_in_shadow, the
+ * elements from there on are read from the shadow and written back to it only). */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -189,17 +190,48 @@ static __device__ __forceinline__ uint2 bf16x4_round(float4 v)
                       moe_bf16_round(v.z) | (uint32_t)moe_bf16_round(v.w) << 16);
 }
 
-/* Element i's step (the tail and the unaligned form). */
+/* A bf16 master weight's new value, x rounded stochastically: up (in magnitude) with
+ * probability (|x| - |down|) / ulp, so that an update smaller than half an ulp still
+ * moves the weight on average (rounding to nearest would drop it every time). r: 16
+ * random bits; adding them below the kept bits and truncating does it (a carry into the
+ * exponent is the next binade's first value, as it should be). */
+static __device__ __forceinline__ uint16_t bf16_round_stochastic(float x, uint32_t r)
+{
+    const uint32_t b = __float_as_uint(x);
+    if ((b & 0x7f800000u) == 0x7f800000u)
+        return moe_bf16_round(x); /* inf, nan */
+    return (uint16_t)((b + (r & 0xffffu)) >> 16);
+}
+
+/* 64 random bits for the group of 4 elements 4c .. 4c + 3 at the step's seed (16 each,
+ * element 4c + e taking bits 16e ..): one hash of (c, seed) spread by a 64-bit product,
+ * so the same (element, step) gives the same bits in either form of the kernel, and a
+ * resumed run repeats them; a few integer operations per element, since the pass is
+ * bound by memory only while its arithmetic stays small. */
+static __device__ __forceinline__ uint64_t sr_bits(size_t c, uint32_t seed)
+{
+    uint32_t h = (uint32_t)c * 0x9e3779b1u ^ (uint32_t)(c >> 32) * 0x85ebca77u ^ seed * 0xc2b2ae3du;
+    h ^= h >> 16;
+    h *= 0x7feb352du;
+    h ^= h >> 15;
+    return (uint64_t)h * 0x9e3779b97f4a7c15ull;
+}
+
+/* Element i's step (the tail and the unaligned form). p16: its master weight is the
+ * bf16 shadow's (read there, written back rounded stochastically with seed, the arena's
+ * copy left as it is). */
 template <int M16>
-static __device__ __forceinline__ void adamw_one(real *p, const real *g, void *m, void *v, size_t i,
-                                                 real decay, real scale, const moe_adamw_consts &ac,
-                                                 uint16_t *shadow, int bf16)
+static __device__ __forceinline__ void
+adamw_one(real *p, const real *g, void *m, void *v, size_t i, real decay, real scale,
+          const moe_adamw_consts &ac, uint16_t *shadow, int bf16, bool p16, uint32_t seed)
 {
     uint16_t *m16 = (uint16_t *)m, *v16 = (uint16_t *)v;
     real *mr = (real *)m, *vr = (real *)v;
     real mi = M16 ? moe_bf16_widen(m16[i]) : mr[i], vi = M16 ? moe_bf16_widen(v16[i]) : vr[i];
-    const real pi = moe_adamw_elem(p[i], g[i], &mi, &vi, decay, scale, &ac);
-    p[i] = pi;
+    const real pin = p16 ? moe_bf16_widen(shadow[i]) : p[i];
+    const real pi = moe_adamw_elem(pin, g[i], &mi, &vi, decay, scale, &ac);
+    if (!p16)
+        p[i] = pi;
     if (M16) {
         m16[i] = moe_bf16_round(mi);
         v16[i] = moe_bf16_round(vi);
@@ -208,7 +240,9 @@ static __device__ __forceinline__ void adamw_one(real *p, const real *g, void *m
         vr[i] = vi;
     }
     if (shadow)
-        shadow[i] = moe_round16(pi, bf16);
+        shadow[i] =
+            p16 ? bf16_round_stochastic(pi, (uint32_t)(sr_bits(i / 4, seed) >> (16 * (i % 4))))
+                : moe_round16(pi, bf16);
 }
 
 /* Adds the square of gradient element i (as a double) to below or from the split (two
@@ -234,13 +268,16 @@ static __device__ __forceinline__ void adamw_square(double &below, double &from,
 
 /* M16: the moments are bf16 (ops.h): widened before the element's step, rounded after.
  * SQ: the block's sums of squares of the gradients, below n_split and from it, go to
- * part[2 block], part[2 block + 1] (adamw_square_final adds them up in block order). */
+ * part[2 block], part[2 block + 1] (adamw_square_final adds them up in block order).
+ * Elements from from16 on (n: none; a multiple of 4 in the V4 form) have bf16 master
+ * weights: the shadow's (bf16), read and written there only, rounded stochastically
+ * with the step's seed. */
 template <int V4, int M16, int SQ>
 static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(M16))
     adamw_multi_kernel(real *p, const real *g, void *m, void *v, const int64_t *offsets,
                        const real *wd, int n_segs, size_t n, moe_adamw_consts ac,
                        const double *norm_sq, double clip, double loss_scale, uint16_t *shadow,
-                       int bf16, double *part, size_t n_split)
+                       int bf16, double *part, size_t n_split, size_t from16, uint32_t seed)
 {
     const double factor =
         norm_sq ? moe_adamw_factor(norm_sq, clip, loss_scale) : (double)(float)(1.0 / loss_scale);
@@ -259,7 +296,9 @@ static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(M16)
     if (factor >= 0 && V4) {
         MOE_CUDA_GRID_STRIDE(c, n / 4)
         {
-            float4 pv = ((const float4 *)p)[c], gv = ((const float4 *)g)[c];
+            const bool p16 = 4 * c >= from16;
+            float4 pv = p16 ? bf16x4_widen(((const uint2 *)shadow)[c]) : ((const float4 *)p)[c];
+            float4 gv = ((const float4 *)g)[c];
             float4 mv = M16 ? bf16x4_widen(((const uint2 *)m)[c]) : ((const float4 *)m)[c];
             float4 vv = M16 ? bf16x4_widen(((const uint2 *)v)[c]) : ((const float4 *)v)[c];
             float *pe = &pv.x, *ge = &gv.x, *me = &mv.x, *ve = &vv.x;
@@ -270,7 +309,8 @@ static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(M16)
                 seg = adamw_seg(seg, 4 * c + e, seg_lo, n_segs);
                 pe[e] = moe_adamw_elem(pe[e], ge[e], &me[e], &ve[e], seg_decay[seg], scale, &ac);
             }
-            ((float4 *)p)[c] = pv;
+            if (!p16)
+                ((float4 *)p)[c] = pv;
             if (M16) {
                 ((uint2 *)m)[c] = bf16x4_round(mv);
                 ((uint2 *)v)[c] = bf16x4_round(vv);
@@ -278,7 +318,14 @@ static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(M16)
                 ((float4 *)m)[c] = mv;
                 ((float4 *)v)[c] = vv;
             }
-            if (shadow)
+            if (p16) {
+                const uint64_t r = sr_bits(c, seed);
+                ((uint2 *)shadow)[c] = make_uint2(
+                    bf16_round_stochastic(pv.x, (uint32_t)r) |
+                        (uint32_t)bf16_round_stochastic(pv.y, (uint32_t)(r >> 16)) << 16,
+                    bf16_round_stochastic(pv.z, (uint32_t)(r >> 32)) |
+                        (uint32_t)bf16_round_stochastic(pv.w, (uint32_t)(r >> 48)) << 16);
+            } else if (shadow)
                 ((uint2 *)shadow)[c] = moe_round16x4(pv, bf16);
         }
         if (blockIdx.x == 0 && threadIdx.x < n % 4) { /* the tail: one element per thread */
@@ -286,7 +333,8 @@ static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(M16)
             if (SQ)
                 adamw_square(below, from, g[i], i, n_split);
             seg = adamw_seg(-1, i, seg_lo, n_segs);
-            adamw_one<M16>(p, g, m, v, i, seg_decay[seg], scale, ac, shadow, bf16);
+            adamw_one<M16>(p, g, m, v, i, seg_decay[seg], scale, ac, shadow, bf16, i >= from16,
+                           (uint32_t)seed);
         }
     } else if (factor >= 0) {
         MOE_CUDA_GRID_STRIDE(i, n)
@@ -294,7 +342,8 @@ static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(M16)
             if (SQ)
                 adamw_square(below, from, g[i], i, n_split);
             seg = adamw_seg(seg, i, seg_lo, n_segs);
-            adamw_one<M16>(p, g, m, v, i, seg_decay[seg], scale, ac, shadow, bf16);
+            adamw_one<M16>(p, g, m, v, i, seg_decay[seg], scale, ac, shadow, bf16, i >= from16,
+                           (uint32_t)seed);
         }
     }
     if (SQ) {
@@ -324,7 +373,8 @@ static __global__ void adamw_square_final(double *out, const double *part, int b
     }
 }
 
-extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, size_t n, int *bf16);
+extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, size_t n, int *bf16,
+                                                 size_t *from16);
 
 extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v, int moments16,
                                         size_t n, const int64_t *offsets, const real *wd,
@@ -337,8 +387,9 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
             MOE_CUDA_OK(cudaMemsetAsync(sq_out, 0, 2 * sizeof(double), moe_cuda_stream()));
         return;
     }
-    int bf16 = 0; /* the 16-bit shadow of the parameters, written in the same pass */
-    uint16_t *shadow = cuda_gemm_shadow_for_update(p, n, &bf16);
+    int bf16 = 0;      /* the 16-bit shadow of the parameters, written in the same pass */
+    size_t from16 = n; /* bf16 master weights from there on (master_in_shadow) */
+    uint16_t *shadow = cuda_gemm_shadow_for_update(p, n, &bf16, &from16);
     const size_t smem = (sizeof(int64_t) + sizeof(real)) * (size_t)n_segs;
     if (smem > 48 * 1024) {
         MOE_CUDA_FAIL("adamw: %d segments are more than the kernel stages (%zu bytes)", n_segs,
@@ -348,7 +399,7 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
     const moe_adamw_consts c = moe_adamw_setup(lr, beta1, beta2, eps, t);
     const uintptr_t moments = (uintptr_t)m | (uintptr_t)v;
     const int v4 = ((uintptr_t)p | (uintptr_t)g) % 16 == 0 && moments % (moments16 ? 8 : 16) == 0 &&
-                   (uintptr_t)shadow % 8 == 0;
+                   (uintptr_t)shadow % 8 == 0 && (from16 == n || from16 % 4 == 0);
     unsigned blocks =
         v4 ? moe_cuda_blocks(n / 4 + 1, MOE_CUDA_THREADS) : moe_cuda_blocks(n, MOE_CUDA_THREADS);
     /* Many waves of blocks, but not one block per 1024 elements: each block stages the
@@ -368,11 +419,11 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
         if (part)                                                                                  \
             MOE_CUDA_LAUNCH((adamw_multi_kernel<V4, M16, 1>), blocks, MOE_CUDA_THREADS, smem, p,   \
                             g, m, v, offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow, \
-                            bf16, part, n_split);                                                  \
+                            bf16, part, n_split, from16, (uint32_t)t);                             \
         else                                                                                       \
             MOE_CUDA_LAUNCH((adamw_multi_kernel<V4, M16, 0>), blocks, MOE_CUDA_THREADS, smem, p,   \
                             g, m, v, offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow, \
-                            bf16, part, n_split);                                                  \
+                            bf16, part, n_split, from16, (uint32_t)t);                             \
     } while (0)
     MOE_CUDA_PICK2(v4, moments16, ADAMW_LAUNCH, 1, 0, 1, 0);
 #undef ADAMW_LAUNCH

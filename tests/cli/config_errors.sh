@@ -36,6 +36,15 @@ expect_exit 2 "unknown command" -- "$MOE" fly
 expect_err "fly" "unknown command named"
 expect_exit 2 "ep not dividing the world" -- "$MOE" train --set parallel.ep=2 --set model.experts=8
 expect_err "ep" "ep error names the key"
+# bf16 master weights update the bf16 GEMM copy: fp32 or fp16 GEMMs have none
+expect_exit 2 "bf16 master weights with fp32 GEMMs" -- "$MOE" train --set precision.master_weights=bf16
+expect_err "--set precision.master_weights=bf16: .*needs bf16 in \[precision\] mode = fp32" \
+  "bf16 master weights name the key and the mode"
+expect_exit 1 "bf16 master weights, mode auto on the cpu" -- "$MOE" train --set parallel.backend=cpu \
+  --set precision.mode=auto --set precision.master_weights=bf16 --set train.steps=2
+expect_err "master_weights = bf16 needs bf16 GEMMs; \[precision\] mode = auto gives fp32" \
+  "auto resolved to fp32 is refused at start"
+
 expect_exit 0 "--help" -- "$MOE" --help
 grep -q "usage: moe-dist" "$WORK/out" && pass "--help prints usage" || fail "--help output"
 expect_exit 0 "--version" -- "$MOE" --version

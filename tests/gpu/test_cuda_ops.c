@@ -1237,6 +1237,106 @@ static void test_adamw_multi(size_t n, int t, const double sq[2], double clip, d
     free_all();
 }
 
+/* bf16 master weights (master_in_shadow): elements from `from` on are updated in the
+ * bf16 shadow only, rounded stochastically. The reference: the CPU's AdamW on the same
+ * values, those elements starting from their bf16 rounding (fp32 results r). Each new
+ * bf16 weight must be one of the two bf16 neighbours of r (exactly r when r is bf16),
+ * and on average the weights must move as far as r did: R = sum of sign(r - p) (new -
+ * p) over sum of |r - p| within 0.1 of 1 (the cases have enough elements for the
+ * rounding's noise to stay below 2% of it; with lr 1e-5 every step is below half an ulp
+ * for |p| > 1/64, where rounding to nearest would give R near 0). The arena's fp32
+ * copies of those elements stay as they were until sync_master. */
+static void test_adamw_master16(size_t n, size_t from, int moments16, float lr, const char *name)
+{
+    begin("adamw_update_multi", name);
+    float *p = frand(n, -1, 1), *g = frand(n, -1, 1), *m = frand(n, -0.1, 0.1);
+    float *v = frand(n, 0, 0.01);
+    uint16_t *m16 = (uint16_t *)m, *v16 = (uint16_t *)v;
+    for (size_t i = 0; moments16 && i < n; i++) {
+        m16[i] = moe_bf16_round(m[i]);
+        v16[i] = moe_bf16_round(v[i]);
+    }
+    float *p_in = malloc(sizeof(float) * n);
+    for (size_t i = 0; p_in && i < n; i++) /* the bf16 master weights are bf16 values */
+        p_in[i] = i >= from ? moe_bf16_widen(moe_bf16_round(p[i])) : p[i];
+    if (!p_in) {
+        fail_now("out of host memory");
+        return;
+    }
+    memcpy(p, p_in, sizeof(float) * n);
+    int64_t off[3] = {0, (int64_t)(n / 4), (int64_t)n};
+    float wd[2] = {0.1f, 0.02f};
+    float *dp = DEVF(p, n), *dm = DEVF(m, n), *dv = DEVF(v, n);
+    int64_t *doff = gpu->alloc(sizeof off);
+    float *dwd = gpu->alloc(sizeof wd);
+    gpu->copy(doff, off, sizeof off, MOE_COPY_H2D);
+    gpu->copy(dwd, wd, sizeof wd, MOE_COPY_H2D);
+    double sq[2] = {3.0, 5.0};
+    double *dsq = gpu->alloc(sizeof sq);
+    gpu->copy(dsq, sq, sizeof sq, MOE_COPY_H2D);
+    if (gpu->set_precision(MOE_PREC_BF16, dp, n, 0) != MOE_OK ||
+        gpu->master_in_shadow(from) != MOE_OK || gpu->refresh_shadow() != MOE_OK) {
+        fail_now("set_precision bf16 with bf16 master weights");
+        goto done;
+    }
+    cpu->adamw_update_multi(p, g, m, v, moments16, n, off, wd, 2, lr, 0.9f, 0.95f, 1e-8f, sq, 0.5,
+                            2.0, 3, NULL, n);
+    gpu->adamw_update_multi(dp, DEVF(g, n), dm, dv, moments16, n, doff, dwd, 2, lr, 0.9f, 0.95f,
+                            1e-8f, dsq, 0.5, 2.0, 3, NULL, n);
+    gpu_done();
+    const float *before = HOSTF(dp, n); /* before sync_master: the arena's copies */
+    if (gpu->sync_master() != MOE_OK) {
+        fail_now("sync_master");
+        goto done;
+    }
+    gpu_done();
+    const float *got = HOSTF(dp, n);
+    check_f("p below the bf16 master weights", got, p, from, 1, TIGHT);
+    size_t far = 0, stale_bad = 0;
+    double moved = 0.0, want = 0.0; /* sum of sign(r - p)(new - p), sum of |r - p| */
+    for (size_t i = from; i < n; i++) {
+        const float r = p[i], near = moe_bf16_widen(moe_bf16_round(r));
+        /* the bf16 neighbours of r: its rounding and the next bf16 value on r's other side
+         * (one step of the bf16 bit pattern away from zero when |near| < |r|, else toward) */
+        const uint16_t b = moe_bf16_round(r);
+        const uint16_t b2 = fabsf(near) < fabsf(r) ? (uint16_t)(b + 1) : (uint16_t)(b - 1);
+        if (got[i] != near && !(near != r && got[i] == moe_bf16_widen(b2)))
+            far++;
+        const double d = (double)r - p_in[i];
+        moved += (d > 0 ? 1 : d < 0 ? -1 : 0) * ((double)got[i] - p_in[i]);
+        want += fabs(d);
+        /* the arena held the inputs up to the sync; the reference moved them */
+        stale_bad += before[i] != p_in[i];
+    }
+    const double R = want > 0 ? moved / want : 0.0;
+    cur->checks++;
+    if (far || !(fabs(R - 1.0) < 0.1) || stale_bad) {
+        printf("FAIL adamw_update_multi [%s]: %zu of %zu bf16 weights not a neighbour of the "
+               "reference, the weights moved %.4f of the reference's way, %zu fp32 copies "
+               "changed before sync_master\n",
+               name, far, n - from, R, stale_bad);
+        cur->failed++;
+    } else {
+        printf("  adamw_update_multi [%s]: the bf16 weights moved %.4f of the reference's way\n",
+               name, R);
+    }
+    if (moments16) { /* the same float arithmetic rounded the same way */
+        if (memcmp(host_of(dm, 2 * n), m16, 2 * n) || memcmp(host_of(dv, 2 * n), v16, 2 * n))
+            fail_now("bf16 moments differ from the reference");
+    } else {
+        check_f("m", HOSTF(dm, n), m, n, 1, TIGHT);
+        check_f("v", HOSTF(dv, n), v, n, 1, TIGHT);
+    }
+done:
+    if (gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0) != MOE_OK)
+        fail_now("set_precision fp32");
+    free(p_in);
+    gpu->release(dsq);
+    gpu->release(doff);
+    gpu->release(dwd);
+    free_all();
+}
+
 /* ---- main
  * ---------------------------------------------------------------------------------------- */
 
@@ -1385,6 +1485,10 @@ int main(void)
     test_adamw_multi(7, 4, sq, 0.0, 1.0, 1, "bf16 moments, tiny");
     test_adamw_multi(3000001, 2, NULL, 0.0, 1.0, 1, "no norm, sums of squares out, bf16 moments");
     test_adamw_multi(1001, 3, NULL, 0.0, 2.0, 0, "no norm, sums of squares out, loss scale 2");
+    test_adamw_master16(100000, 40000, 1, 1e-3f, "bf16 master weights from 40000, bf16 moments");
+    test_adamw_master16(100003, 40001, 0, 1e-3f,
+                        "bf16 master weights from 40001 (unaligned), fp32 moments");
+    test_adamw_master16(1000000, 0, 1, 1e-5f, "bf16 master weights throughout, steps below an ulp");
     test_adamw(1, 1, "n=1 t=1");
     test_adamw(1001, 7, "n=1001 t=7");
 

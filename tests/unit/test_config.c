@@ -471,6 +471,14 @@ static const rule_case rule_errors[] = {
     {"[precision]\nmode = bf16\n[parallel]\nbackend = cpu\n",
      NULL,
      {"R.ini:4: [parallel] backend = cpu: runs fp32 only, not [precision] mode = bf16 (line 2)"}},
+    {"[precision]\nmaster_weights = bf16\n",
+     NULL,
+     {"R.ini:2: [precision] master_weights = bf16: = bf16 updates the bf16 GEMM copy",
+      "needs bf16 in [precision] mode = fp32 (default)"}},
+    {"[precision]\nmaster_weights = bf16\nmode = fp16\n",
+     NULL,
+     {"R.ini:3: [precision] mode = fp16: must be bf16 (or auto on sm_80+) with [precision] "
+      "master_weights = bf16 (line 2)"}},
 };
 
 static void test_rules(void **state)
@@ -627,6 +635,7 @@ static void test_round_trip(void **state)
         "data.seed=0",
         "precision.mode=bf16",
         "precision.optimizer_state=bf16",
+        "precision.master_weights=bf16",
         "checkpoint.dir=/scratch/ckpt dir",
         "checkpoint.interval=500",
         "checkpoint.interval_minutes=30",
