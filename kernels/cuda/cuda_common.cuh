@@ -414,29 +414,46 @@ template <class Op> static void moe_cuda_runs(const Op &op, const int32_t *keys,
  * them in row order onto the loaded values: the additions of moe_runs_kernel, without
  * sorting all rows by token. V = 4 takes an op's float4 forms (load4, value4, store4: ops
  * with vec4 = true, columns and pointers the caller checked), V = 2 its float2 forms
- * (load2, value2, store2: ops with vec2 = true); the additions per column are the same. */
+ * (load2, value2, store2: ops with vec2 = true); the additions per column are the same.
+ * K2: K is 2 (top-2), the two rows ordered by one comparison in registers and a
+ * negative one skipped where it is added (the general form's insertion sort indexes its
+ * array at run time, which puts it in local memory); the same additions in the same
+ * order. */
 #define MOE_GATHER_MAX_K 16
-template <class Op, int V>
+template <class Op, int V, bool K2>
 static __global__ void moe_gather_rows_kernel(Op op, const int32_t *slot_row, int N, int K, int W)
 {
     const int G = W / V;
     MOE_CUDA_GRID_STRIDE(e, (size_t)N * G)
     {
         const int n = (int)(e / G), j = (int)(e % G) * V;
-        int rows[MOE_GATHER_MAX_K], c = 0;
-        for (int k = 0; k < K; k++) {
-            const int r = slot_row[(size_t)n * K + k];
-            if (r < 0)
-                continue;
-            int i = c++;
-            for (; i > 0 && rows[i - 1] > r; i--) /* insertion: ascending rows */
-                rows[i] = rows[i - 1];
-            rows[i] = r;
+        constexpr int RM = K2 ? 2 : MOE_GATHER_MAX_K;
+        int rows[RM], c = 0;
+        if constexpr (K2) {
+            const int a = slot_row[(size_t)n * 2], b = slot_row[(size_t)n * 2 + 1];
+            rows[0] = min(a, b); /* ascending; -1 (no row) first, skipped below */
+            rows[1] = max(a, b);
+            c = 2;
+        } else {
+            for (int k = 0; k < K; k++) {
+                const int r = slot_row[(size_t)n * K + k];
+                if (r < 0)
+                    continue;
+                int i = c++;
+                for (; i > 0 && rows[i - 1] > r; i--) /* insertion: ascending rows */
+                    rows[i] = rows[i - 1];
+                rows[i] = r;
+            }
         }
         /* every token stored: one without rows gets its base value */
         if constexpr (V == 4) {
             float4 v = op.load4(n, j);
-            for (int i = 0; i < c; i++) {
+#pragma unroll
+            for (int i = 0; i < RM; i++) {
+                if (i >= c)
+                    break;
+                if (K2 && rows[i] < 0)
+                    continue;
                 const float4 a = op.value4(rows[i], j);
                 v = make_float4(__fadd_rn(v.x, a.x), __fadd_rn(v.y, a.y), __fadd_rn(v.z, a.z),
                                 __fadd_rn(v.w, a.w));
@@ -444,15 +461,26 @@ static __global__ void moe_gather_rows_kernel(Op op, const int32_t *slot_row, in
             op.store4(n, j, v);
         } else if constexpr (V == 2) {
             float2 v = op.load2(n, j);
-            for (int i = 0; i < c; i++) {
+#pragma unroll
+            for (int i = 0; i < RM; i++) {
+                if (i >= c)
+                    break;
+                if (K2 && rows[i] < 0)
+                    continue;
                 const float2 a = op.value2(rows[i], j);
                 v = make_float2(__fadd_rn(v.x, a.x), __fadd_rn(v.y, a.y));
             }
             op.store2(n, j, v);
         } else {
             float v = op.load(n, j);
-            for (int i = 0; i < c; i++)
+#pragma unroll
+            for (int i = 0; i < RM; i++) {
+                if (i >= c)
+                    break;
+                if (K2 && rows[i] < 0)
+                    continue;
                 v = __fadd_rn(v, op.value(rows[i], j));
+            }
             op.store(n, j, v);
         }
     }
@@ -470,23 +498,28 @@ static void moe_cuda_token_sums(const Op &op, const int32_t *row_token, int M, i
     if (slot_row && K <= MOE_GATHER_MAX_K) {
         if (N <= 0 || W <= 0)
             return;
-        if constexpr (Op::vec4)
-            if (W % 4 == 0 && op.aligned16()) {
-                MOE_CUDA_LAUNCH((moe_gather_rows_kernel<Op, 4>),
-                                moe_cuda_blocks((size_t)N * (W / 4), MOE_CUDA_THREADS),
-                                MOE_CUDA_THREADS, 0, op, slot_row, N, K, W);
-                return;
-            }
-        if constexpr (Op::vec2)
-            if (W % 2 == 0 && op.aligned8()) {
-                MOE_CUDA_LAUNCH((moe_gather_rows_kernel<Op, 2>),
-                                moe_cuda_blocks((size_t)N * (W / 2), MOE_CUDA_THREADS),
-                                MOE_CUDA_THREADS, 0, op, slot_row, N, K, W);
-                return;
-            }
-        MOE_CUDA_LAUNCH((moe_gather_rows_kernel<Op, 1>),
-                        moe_cuda_blocks((size_t)N * W, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0, op,
-                        slot_row, N, K, W);
+        moe_cuda_pick(
+            [&](auto k2) {
+                constexpr bool K2 = decltype(k2)::value;
+                if constexpr (Op::vec4)
+                    if (W % 4 == 0 && op.aligned16()) {
+                        MOE_CUDA_LAUNCH((moe_gather_rows_kernel<Op, 4, K2>),
+                                        moe_cuda_blocks((size_t)N * (W / 4), MOE_CUDA_THREADS),
+                                        MOE_CUDA_THREADS, 0, op, slot_row, N, K, W);
+                        return;
+                    }
+                if constexpr (Op::vec2)
+                    if (W % 2 == 0 && op.aligned8()) {
+                        MOE_CUDA_LAUNCH((moe_gather_rows_kernel<Op, 2, K2>),
+                                        moe_cuda_blocks((size_t)N * (W / 2), MOE_CUDA_THREADS),
+                                        MOE_CUDA_THREADS, 0, op, slot_row, N, K, W);
+                        return;
+                    }
+                MOE_CUDA_LAUNCH((moe_gather_rows_kernel<Op, 1, K2>),
+                                moe_cuda_blocks((size_t)N * W, MOE_CUDA_THREADS), MOE_CUDA_THREADS,
+                                0, op, slot_row, N, K, W);
+            },
+            K == 2);
         return;
     }
     op.start(N);

@@ -216,7 +216,8 @@ static __global__ void __launch_bounds__(FUSED_THREADS)
     }
     for (int n = lo, buf = 0; n < hi; n++, buf ^= 1) {
         const real *xr = x + (size_t)n * D, *g = dout + (size_t)n * D;
-        moe_fvec<4> gv[G], xv[G];
+        real *dxr = dx + (size_t)n * D;
+        moe_fvec<4> gv[G], xv[G], dv[G];
         double dot = 0.0;
 #pragma unroll
         for (int q = 0; q < G; q++) {
@@ -224,6 +225,7 @@ static __global__ void __launch_bounds__(FUSED_THREADS)
             if (d < D) {
                 gv[q] = moe_load_v<4>(g + d);
                 xv[q] = moe_load_v<4>(xr + d);
+                dv[q] = moe_load_v<4>(dxr + d); /* with the others: one wait for memory a row */
 #pragma unroll
                 for (int k = 0; k < 4; k++)
                     dot += (double)w[q].v[k] * gv[q].v[k] * xv[q].v[k];
@@ -237,18 +239,16 @@ static __global__ void __launch_bounds__(FUSED_THREADS)
         for (int i = 0; i < warps; i++)
             dot += red[buf][i];
         const double r = rstd[n], c = r * r * dot / D;
-        real *dxr = dx + (size_t)n * D;
 #pragma unroll
         for (int q = 0; q < G; q++) {
             const int d = (threadIdx.x + q * FUSED_THREADS) * 4;
             if (d < D) {
-                moe_fvec<4> dv = moe_load_v<4>(dxr + d);
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
-                    dv.v[k] += (real)(r * ((double)w[q].v[k] * gv[q].v[k] - xv[q].v[k] * c));
+                    dv[q].v[k] += (real)(r * ((double)w[q].v[k] * gv[q].v[k] - xv[q].v[k] * c));
                     s[q][k] += (double)gv[q].v[k] * xv[q].v[k] * r;
                 }
-                moe_store_v<4>(dxr + d, dv);
+                moe_store_v<4>(dxr + d, dv[q]);
             }
         }
     }
