@@ -738,7 +738,10 @@ static void swiglu_ffn_forward(const moe_model *m, real *out, const real *base, 
     m->be->matmul_forward(fa, x, w1, n, D, F);
     m->be->matmul_forward(fb, x, w3, n, D, F);
     m->be->swiglu_forward(fh, fa, fb, (size_t)n * F);
-    m->be->matmul_forward_add(out, base, fh, w2, n, F, D);
+    if (base)
+        m->be->matmul_forward_add(out, base, fh, w2, n, F, D);
+    else
+        m->be->matmul_forward(out, fh, w2, n, F, D);
 }
 
 /* Router: logits, probabilities, top-k and the aux partials of the chunk; the partials
@@ -1003,7 +1006,21 @@ static moe_status layer_forward_end(moe_model *m, int l)
     moe_comm_set_context(m->comm, "forward combine", l);
     MOE_CHECK(exchange_finish(m));
     const real *rows = (const real *)exchange_rows(m);
-    const real *base = a->xmid; /* (xmid + shared experts) + the rows, in row order */
+    if (m->ep > 1) {
+        /* (shared experts + the rows in row order) + xmid: a token whose top-2 experts sit
+         * on two ranks gets two rows whose sum has the bits of ep 1's one row, so the
+         * layer's output keeps ep 1's bits; adding onto xmid first rounds after the first
+         * row (50 fp32 steps of the tiny config at world 2 then left world 1's losses at
+         * step 34, by 1.5e-4) */
+        if (m->Fs > 0)
+            swiglu_ffn_forward(m, out, NULL, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N,
+                               D, m->Fs);
+        m->be->moe_permute_backward(out, m->Fs > 0 ? out : NULL, rows, a->send_token, a->n_send, D,
+                                    a->token_rows, N, m->ep);
+        m->be->add_inplace(out, a->xmid, (size_t)N * D);
+        return MOE_OK;
+    }
+    const real *base = a->xmid; /* (xmid + shared experts) + the row, at ep 1 */
     if (m->Fs > 0) {
         swiglu_ffn_forward(m, out, a->xmid, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N,
                            D, m->Fs);

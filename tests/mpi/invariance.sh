@@ -84,4 +84,25 @@ run one-w1 1 1 4 "${one[@]}"
 run one-w4ep4 4 4 1 "${one[@]}"
 compare one-w1 one-w4ep4
 grep -q '"step":1,.*"a2a_bytes":[1-9]' "$WORK/one-w4ep4.jsonl" && pass "all tokens cross to rank 0 at step 1" || fail "no exchange at step 1"
+
+# 50 steps, dropless top-2, world 1 against world 2 at ep 2: long enough for a rounding
+# difference to grow into a flipped routing choice (a token whose experts sit on two ranks
+# gets two rows back; the layer adds them up before xmid, as ep 1 adds its one row, so the
+# bits stay ep 1's). Bound 1e-6: the two runs agreed to 8.3e-9 over these 50 steps before
+# the order changed once, and to 1.5e-4 (from step 34) while it was changed.
+for w in "1 1 2" "2 2 1"; do
+  set -- $w
+  mpi "$1" "$MOE" train "$SRC/configs/tiny.ini" --set train.steps=50 --set train.grad_accum="$3" \
+    --set parallel.ep="$2" --set parallel.a2a_chunks=1 --set log.jsonl="$WORK/long-w$1.jsonl" \
+    >"$WORK/long-w$1.log" 2>&1 || fail "50 steps at world $1: exit $?"
+done
+$PY - "$WORK/long-w1.jsonl" "$WORK/long-w2.jsonl" <<'PY' && pass "50 steps: world 2 ep 2 keeps world 1's losses" ||
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:3])
+assert len(a) == len(b) == 50, (len(a), len(b))
+rel = [abs(x - y) / abs(x) for x, y in zip(a, b)]
+print(f"50 steps, world 1 vs world 2 ep 2: worst relative loss difference {max(rel):.2e} (step {rel.index(max(rel))})")
+assert max(rel) <= 1e-6, max(rel)
+PY
+  fail "50 steps: world 2 ep 2 left world 1's losses"
 finish
