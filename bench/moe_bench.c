@@ -1053,7 +1053,9 @@ static void run_adamw(void)
 static void run_grad_norm(void) { gpu->sum_into(bf.norm_sq, bf.dout, bf.n, 1); }
 
 /* adamw: 0 the gradient norm, 1 AdamW, 2 AdamW with bf16 moments, 3 the same writing the
- * sums of squares of the gradients (the step when nothing clips: no norm pass). */
+ * sums of squares of the gradients (the step when nothing clips: no norm pass), 4 that
+ * with bf16 master weights (the bench config's experts: every parameter here, read and
+ * written in the bf16 shadow only). */
 static void bench_optimizer(int adamw)
 {
     const ceiling *c = copy_ceiling();
@@ -1071,13 +1073,22 @@ static void bench_optimizer(int adamw)
     if (adamw) {
         bf.x = dfill(n, 0.02, 0); /* parameters */
         bf.moments16 = adamw >= 2;
-        bf.sq_out = adamw == 3 ? dupload(sq, sizeof sq) : NULL;
+        bf.sq_out = adamw >= 3 ? dupload(sq, sizeof sq) : NULL;
         bf.m1 = bf.moments16 ? dfill16(n, 1e-3, 0) : dfill(n, 1e-3, 0);
         bf.m2 = bf.moments16 ? dfill16(n, 1e-6, 1) : dfill(n, 1e-6, 1);
         bf.segs = dupload(offs, sizeof(int64_t) * (n_segs + 1));
         bf.wd = dupload(wd, sizeof(real) * n_segs);
-        /* p, g, m, v read; p, m, v written: 4 bytes each, or 2 for bf16 moments */
-        bytes = (adamw >= 2 ? 4.0 * 3.0 + 2.0 * 4.0 : 4.0 * 7.0) * (double)n;
+        /* p, g, m, v read; p, m, v written: 4 bytes each, or 2 for bf16 moments; with bf16
+         * masters p is the shadow's (2 bytes read, 2 written) */
+        bytes = (adamw == 4   ? 4.0 + 2.0 * 6.0
+                 : adamw >= 2 ? 4.0 * 3.0 + 2.0 * 4.0
+                              : 4.0 * 7.0) *
+                (double)n;
+        if (adamw == 4) {
+            MOE_CK(gpu->set_precision(MOE_PREC_BF16, bf.x, n, 0));
+            MOE_CK(gpu->refresh_shadow());
+            MOE_CK(gpu->master_in_shadow(0));
+        }
     } else {
         bytes = 4.0 * (double)n;
     }
@@ -1086,7 +1097,8 @@ static void bench_optimizer(int adamw)
     double ms = time_gpu(adamw ? run_adamw : run_grad_norm);
     char shape[64];
     snprintf(shape, sizeof shape, "params=%zu (%d tensors, L=%d)", n, n_segs, opt.L);
-    static const char *const names[] = {"grad_norm", "adamw", "adamw16", "adamw16_norm"};
+    static const char *const names[] = {"grad_norm", "adamw", "adamw16", "adamw16_norm",
+                                        "adamw16_master16"};
     report(names[adamw], shape, ms, bytes, RATE_GBS, c);
     free_all();
 }
@@ -1094,6 +1106,7 @@ static void bench_optimizer(int adamw)
 static void bench_adamw(void) { bench_optimizer(1); }
 static void bench_adamw16(void) { bench_optimizer(2); }
 static void bench_adamw16_norm(void) { bench_optimizer(3); }
+static void bench_adamw16_master16(void) { bench_optimizer(4); }
 static void bench_grad_norm(void) { bench_optimizer(0); }
 
 static void bench_copy(void) { (void)copy_ceiling(); }
@@ -1130,6 +1143,7 @@ static const bench_op single_ops[] = {
     {"adamw", bench_adamw},
     {"adamw16", bench_adamw16},
     {"adamw16_norm", bench_adamw16_norm},
+    {"adamw16_master16", bench_adamw16_master16},
     {"grad_norm", bench_grad_norm},
 };
 

@@ -18,6 +18,9 @@ for t in test_cuda_ops test_cuda_model test_cuda_precision; do
   ./$B/tests/$t >"$OUT/$t.log" 2>&1
   echo "$t: exit $?"
 done
+# AdamW's steps of 4 elements (the widest, 8, where the alignments allow, is the default)
+MOE_ADAMW_WIDTH=4 ./$B/tests/test_cuda_ops >"$OUT/test_cuda_ops_w4.log" 2>&1
+echo "test_cuda_ops, AdamW steps of 4: exit $?"
 grep -E "FAIL|PASS|rel err" "$OUT/test_cuda_precision.log"
 # the same training on the GPU (fp32, bf16, fp16) and on the CPU, 50 steps
 for mode in fp32 bf16 fp16; do

@@ -152,9 +152,15 @@ extern "C" void cuda_adamw_update(real *p, const real *g, real *m, real *v, size
  * staged in shared memory; a thread's elements only grow (grid stride), so its segment
  * is found once by binary search and then only walks forward. The gradients' factor
  * (clipping and loss scale, or skip) is computed by every thread from the two sums of
- * squares in device memory. V4: each thread step takes 4 consecutive elements (float4
- * loads and stores, 4 shadow values in one 8-byte store; the caller checks the
- * alignment), the last n % 4 one by one; the arithmetic per element is the same. */
+ * squares in device memory. W = 8 or 4: each thread step takes W consecutive elements
+ * (16-byte loads and stores where 16-bit values fill them: 8 bf16 moments or shadow
+ * values in one; the caller picks the widest the alignments allow), the last n % W one
+ * by one; W = 1: one by one throughout. The arithmetic per element is the same in every
+ * form. A step of W finds its segment and its side of the squares' split once where it
+ * lies in one (as good as always): with bf16 master weights the pass was bound by its
+ * instruction issue, not memory (an H200 at the bench shape: 5.93 ms, 75% of copy
+ * bandwidth, with a segment search and a split test per element, 4 elements a step and
+ * the moments rounded by integer arithmetic; 4.65 ms, 96%, now). */
 
 /* The segment of element i, walking forward from seg (-1: not found yet). */
 static __device__ __forceinline__ int adamw_seg(int seg, size_t i, const int64_t *seg_lo,
@@ -176,18 +182,76 @@ static __device__ __forceinline__ int adamw_seg(int seg, size_t i, const int64_t
     return seg;
 }
 
-/* Four bf16 moments (8 bytes) widened, and rounded back. */
-static __device__ __forceinline__ float4 bf16x4_widen(uint2 q)
+/* W (4 or 8) consecutive values of group c: fp32 ones (16-byte loads and stores), or
+ * 16-bit ones widened from bf16 (8 or 16 bytes) and rounded back. */
+template <int W>
+static __device__ __forceinline__ void load_f32(float *dst, const real *src, size_t c)
 {
-    return make_float4(
-        moe_bf16_widen((uint16_t)(q.x & 0xffffu)), moe_bf16_widen((uint16_t)(q.x >> 16)),
-        moe_bf16_widen((uint16_t)(q.y & 0xffffu)), moe_bf16_widen((uint16_t)(q.y >> 16)));
+#pragma unroll
+    for (int h = 0; h < W / 4; h++) {
+        const float4 q = ((const float4 *)src)[(size_t)W / 4 * c + h];
+        dst[4 * h] = q.x;
+        dst[4 * h + 1] = q.y;
+        dst[4 * h + 2] = q.z;
+        dst[4 * h + 3] = q.w;
+    }
 }
 
-static __device__ __forceinline__ uint2 bf16x4_round(float4 v)
+template <int W>
+static __device__ __forceinline__ void store_f32(real *dst, const float *src, size_t c)
 {
-    return make_uint2(moe_bf16_round(v.x) | (uint32_t)moe_bf16_round(v.y) << 16,
-                      moe_bf16_round(v.z) | (uint32_t)moe_bf16_round(v.w) << 16);
+#pragma unroll
+    for (int h = 0; h < W / 4; h++)
+        ((float4 *)dst)[(size_t)W / 4 * c + h] =
+            make_float4(src[4 * h], src[4 * h + 1], src[4 * h + 2], src[4 * h + 3]);
+}
+
+/* 16-bit words packed two to a 32-bit lane: W / 2 lanes (uint2 or uint4). */
+template <int W> struct bits16 {
+    uint32_t w[W >= 2 ? W / 2 : 1];
+};
+
+template <int W> static __device__ __forceinline__ bits16<W> load_16(const void *src, size_t c)
+{
+    bits16<W> b;
+    if (W == 8) {
+        const uint4 q = ((const uint4 *)src)[c];
+        b.w[0] = q.x, b.w[1] = q.y, b.w[W / 2 - 2] = q.z, b.w[W / 2 - 1] = q.w;
+    } else {
+        const uint2 q = ((const uint2 *)src)[c];
+        b.w[0] = q.x, b.w[1] = q.y;
+    }
+    return b;
+}
+
+template <int W>
+static __device__ __forceinline__ void store_16(void *dst, size_t c, const bits16<W> &b)
+{
+    if (W == 8)
+        ((uint4 *)dst)[c] = make_uint4(b.w[0], b.w[1], b.w[W / 2 - 2], b.w[W / 2 - 1]);
+    else
+        ((uint2 *)dst)[c] = make_uint2(b.w[0], b.w[1]);
+}
+
+template <int W> static __device__ __forceinline__ void widen_bf16(float *dst, const bits16<W> &b)
+{
+#pragma unroll
+    for (int e = 0; e < W; e++)
+        dst[e] = moe_bf16_widen((uint16_t)(b.w[e / 2] >> (16 * (e % 2))));
+}
+
+/* Two moments rounded to bf16 (to nearest even), a low, b high: on sm_80 and later one
+ * conversion instruction (the pass is bound by its instruction issue with bf16 master
+ * weights); the same bits as moe_bf16_round for every value but a NaN, which stays a
+ * NaN of another payload. */
+static __device__ __forceinline__ uint32_t bf16x2_round(float a, float b)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return (uint32_t)__bfloat16_as_ushort(h.x) | (uint32_t)__bfloat16_as_ushort(h.y) << 16;
+#else
+    return moe_bf16_round(a) | (uint32_t)moe_bf16_round(b) << 16;
+#endif
 }
 
 /* A bf16 master weight's new value, x rounded stochastically: up (in magnitude) with
@@ -258,22 +322,23 @@ static __device__ __forceinline__ void adamw_square(double &below, double &from,
 }
 
 /* Blocks an SM the registers must allow: 6 with bf16 moments (40 registers, the figure
- * without the sums of squares), 5 with fp32 ones (that form spills at 6). sm_75 has room
+ * without the sums of squares), 5 with fp32 ones (that form spills at 6); 4 for steps of
+ * 8 elements (up to 60 registers; they spill at 6). sm_75 has room
  * for 1024 threads an SM, 4 blocks (the bound would be ignored, with a warning). */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define ADAMW_MIN_BLOCKS(M16) 4
+#define ADAMW_MIN_BLOCKS(W, M16) 4
 #else
-#define ADAMW_MIN_BLOCKS(M16) ((M16) ? 6 : 5)
+#define ADAMW_MIN_BLOCKS(W, M16) ((W) == 8 ? 4 : (M16) ? 6 : 5)
 #endif
 
 /* M16: the moments are bf16 (ops.h): widened before the element's step, rounded after.
  * SQ: the block's sums of squares of the gradients, below n_split and from it, go to
  * part[2 block], part[2 block + 1] (adamw_square_final adds them up in block order).
- * Elements from from16 on (n: none; a multiple of 4 in the V4 form) have bf16 master
+ * Elements from from16 on (n: none; a multiple of W in the vector forms) have bf16 master
  * weights: the shadow's (bf16), read and written there only, rounded stochastically
  * with the step's seed. */
-template <int V4, int M16, int SQ>
-static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(M16))
+template <int W, int M16, int SQ>
+static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(W, M16))
     adamw_multi_kernel(real *p, const real *g, void *m, void *v, const int64_t *offsets,
                        const real *wd, int n_segs, size_t n, moe_adamw_consts ac,
                        const double *norm_sq, double clip, double loss_scale, uint16_t *shadow,
@@ -293,43 +358,88 @@ static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(M16)
     __syncthreads();
     double below = 0.0, from = 0.0; /* squares of the gradients below n_split, from it */
     int seg = -1;
-    if (factor >= 0 && V4) {
-        MOE_CUDA_GRID_STRIDE(c, n / 4)
+    if (factor >= 0 && W > 1) {
+        MOE_CUDA_GRID_STRIDE(c, n / W)
         {
-            const bool p16 = 4 * c >= from16;
-            float4 pv = p16 ? bf16x4_widen(((const uint2 *)shadow)[c]) : ((const float4 *)p)[c];
-            float4 gv = ((const float4 *)g)[c];
-            float4 mv = M16 ? bf16x4_widen(((const uint2 *)m)[c]) : ((const float4 *)m)[c];
-            float4 vv = M16 ? bf16x4_widen(((const uint2 *)v)[c]) : ((const float4 *)v)[c];
-            float *pe = &pv.x, *ge = &gv.x, *me = &mv.x, *ve = &vv.x;
+            const size_t i0 = (size_t)W * c;
+            const bool p16 = i0 >= from16;
+            float pe[W], ge[W], me[W], ve[W];
+            if (p16)
+                widen_bf16<W>(pe, load_16<W>(shadow, c));
+            else
+                load_f32<W>(pe, p, c);
+            load_f32<W>(ge, g, c);
+            if (M16) {
+                widen_bf16<W>(me, load_16<W>(m, c));
+                widen_bf16<W>(ve, load_16<W>(v, c));
+            } else {
+                load_f32<W>(me, (const real *)m, c);
+                load_f32<W>(ve, (const real *)v, c);
+            }
+            /* the group's segment and side of the split, found once where the group lies
+             * in one (nearly always); the squares in the same order either way */
+            seg = adamw_seg(seg, i0, seg_lo, n_segs);
+            const bool one_seg = seg + 1 >= n_segs || (int64_t)(i0 + W) <= seg_lo[seg + 1];
+            real decay = seg_decay[seg];
+            if (SQ && i0 >= n_split) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                if (SQ)
-                    adamw_square(below, from, ge[e], 4 * c + e, n_split);
-                seg = adamw_seg(seg, 4 * c + e, seg_lo, n_segs);
-                pe[e] = moe_adamw_elem(pe[e], ge[e], &me[e], &ve[e], seg_decay[seg], scale, &ac);
+                for (int e = 0; e < W; e++)
+                    from += (double)ge[e] * (double)ge[e];
+            } else if (SQ && i0 + W <= n_split) {
+#pragma unroll
+                for (int e = 0; e < W; e++)
+                    below += (double)ge[e] * (double)ge[e];
+            } else if (SQ) {
+#pragma unroll
+                for (int e = 0; e < W; e++)
+                    adamw_square(below, from, ge[e], i0 + e, n_split);
+            }
+#pragma unroll
+            for (int e = 0; e < W; e++) {
+                if (!one_seg) {
+                    seg = adamw_seg(seg, i0 + e, seg_lo, n_segs);
+                    decay = seg_decay[seg];
+                }
+                pe[e] = moe_adamw_elem(pe[e], ge[e], &me[e], &ve[e], decay, scale, &ac);
             }
             if (!p16)
-                ((float4 *)p)[c] = pv;
+                store_f32<W>(p, pe, c);
+            bits16<W> out;
             if (M16) {
-                ((uint2 *)m)[c] = bf16x4_round(mv);
-                ((uint2 *)v)[c] = bf16x4_round(vv);
+#pragma unroll
+                for (int e = 0; e < W; e += 2)
+                    out.w[e / 2] = bf16x2_round(me[e], me[e + 1]);
+                store_16<W>(m, c, out);
+#pragma unroll
+                for (int e = 0; e < W; e += 2)
+                    out.w[e / 2] = bf16x2_round(ve[e], ve[e + 1]);
+                store_16<W>(v, c, out);
             } else {
-                ((float4 *)m)[c] = mv;
-                ((float4 *)v)[c] = vv;
+                store_f32<W>((real *)m, me, c);
+                store_f32<W>((real *)v, ve, c);
             }
             if (p16) {
-                const uint64_t r = sr_bits(c, seed);
-                ((uint2 *)shadow)[c] = make_uint2(
-                    bf16_round_stochastic(pv.x, (uint32_t)r) |
-                        (uint32_t)bf16_round_stochastic(pv.y, (uint32_t)(r >> 16)) << 16,
-                    bf16_round_stochastic(pv.z, (uint32_t)(r >> 32)) |
-                        (uint32_t)bf16_round_stochastic(pv.w, (uint32_t)(r >> 48)) << 16);
-            } else if (shadow)
-                ((uint2 *)shadow)[c] = moe_round16x4(pv, bf16);
+#pragma unroll
+                for (int q = 0; q < W / 4; q++) { /* the bits of group (of 4) i0 / 4 + q */
+                    const uint64_t r = sr_bits(i0 / 4 + q, seed);
+                    out.w[2 * q] =
+                        bf16_round_stochastic(pe[4 * q], (uint32_t)r) |
+                        (uint32_t)bf16_round_stochastic(pe[4 * q + 1], (uint32_t)(r >> 16)) << 16;
+                    out.w[2 * q + 1] =
+                        bf16_round_stochastic(pe[4 * q + 2], (uint32_t)(r >> 32)) |
+                        (uint32_t)bf16_round_stochastic(pe[4 * q + 3], (uint32_t)(r >> 48)) << 16;
+                }
+                store_16<W>(shadow, c, out);
+            } else if (shadow) {
+#pragma unroll
+                for (int e = 0; e < W; e += 2)
+                    out.w[e / 2] = moe_round16(pe[e], bf16) | (uint32_t)moe_round16(pe[e + 1], bf16)
+                                                                  << 16;
+                store_16<W>(shadow, c, out);
+            }
         }
-        if (blockIdx.x == 0 && threadIdx.x < n % 4) { /* the tail: one element per thread */
-            const size_t i = n / 4 * 4 + threadIdx.x;
+        if (blockIdx.x == 0 && threadIdx.x < n % W) { /* the tail: one element per thread */
+            const size_t i = n / W * W + threadIdx.x;
             if (SQ)
                 adamw_square(below, from, g[i], i, n_split);
             seg = adamw_seg(-1, i, seg_lo, n_segs);
@@ -398,10 +508,20 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
     }
     const moe_adamw_consts c = moe_adamw_setup(lr, beta1, beta2, eps, t);
     const uintptr_t moments = (uintptr_t)m | (uintptr_t)v;
-    const int v4 = ((uintptr_t)p | (uintptr_t)g) % 16 == 0 && moments % (moments16 ? 8 : 16) == 0 &&
-                   (uintptr_t)shadow % 8 == 0 && (from16 == n || from16 % 4 == 0);
-    unsigned blocks =
-        v4 ? moe_cuda_blocks(n / 4 + 1, MOE_CUDA_THREADS) : moe_cuda_blocks(n, MOE_CUDA_THREADS);
+    /* W consecutive elements a thread step: the largest of 8, 4 the alignments allow */
+    int width = 1;
+    for (int w = 8; w >= 4 && width == 1; w /= 2)
+        if (((uintptr_t)p | (uintptr_t)g) % 16 == 0 && moments % (moments16 ? 2 * w : 16) == 0 &&
+            (uintptr_t)shadow % (2 * w) == 0 && (from16 == n || from16 % w == 0))
+            width = w;
+    static int want = -1; /* MOE_ADAMW_WIDTH=4: steps of 4 at most (a knob for tests) */
+    if (want < 0) {
+        const char *e = getenv("MOE_ADAMW_WIDTH");
+        want = e ? atoi(e) : 8;
+    }
+    if (width > want && want >= 4)
+        width = want;
+    unsigned blocks = moe_cuda_blocks(n / width + 1, MOE_CUDA_THREADS);
     /* Many waves of blocks, but not one block per 1024 elements: each block stages the
      * segments and searches its first one (on an H200, 1.2 M blocks took 6.38 ms at the
      * bench shape, 32768 blocks 5.88 ms with the sums of squares added; 1024 blocks made
@@ -414,18 +534,21 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
         if (!part)
             return;
     }
-#define ADAMW_LAUNCH(V4, M16)                                                                      \
+#define ADAMW_LAUNCH(W, M16)                                                                       \
     do {                                                                                           \
         if (part)                                                                                  \
-            MOE_CUDA_LAUNCH((adamw_multi_kernel<V4, M16, 1>), blocks, MOE_CUDA_THREADS, smem, p,   \
-                            g, m, v, offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow, \
+            MOE_CUDA_LAUNCH((adamw_multi_kernel<W, M16, 1>), blocks, MOE_CUDA_THREADS, smem, p, g, \
+                            m, v, offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow,    \
                             bf16, part, n_split, from16, (uint32_t)t);                             \
         else                                                                                       \
-            MOE_CUDA_LAUNCH((adamw_multi_kernel<V4, M16, 0>), blocks, MOE_CUDA_THREADS, smem, p,   \
-                            g, m, v, offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow, \
+            MOE_CUDA_LAUNCH((adamw_multi_kernel<W, M16, 0>), blocks, MOE_CUDA_THREADS, smem, p, g, \
+                            m, v, offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow,    \
                             bf16, part, n_split, from16, (uint32_t)t);                             \
     } while (0)
-    MOE_CUDA_PICK2(v4, moments16, ADAMW_LAUNCH, 1, 0, 1, 0);
+    if (width == 8)
+        MOE_CUDA_PICK2(1, moments16, ADAMW_LAUNCH, 8, 8, 1, 0);
+    else
+        MOE_CUDA_PICK2(width == 4, moments16, ADAMW_LAUNCH, 4, 1, 1, 0);
 #undef ADAMW_LAUNCH
     if (part)
         MOE_CUDA_LAUNCH(adamw_square_final, 1, MOE_CUDA_THREADS, 0, sq_out, part, (int)blocks);

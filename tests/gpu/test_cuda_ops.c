@@ -1489,6 +1489,7 @@ int main(void)
     test_adamw_master16(100003, 40001, 0, 1e-3f,
                         "bf16 master weights from 40001 (unaligned), fp32 moments");
     test_adamw_master16(1000000, 0, 1, 1e-5f, "bf16 master weights throughout, steps below an ulp");
+    test_adamw_master16(100007, 40004, 1, 1e-3f, "bf16 master weights from 40004 (steps of 4)");
     test_adamw(1, 1, "n=1 t=1");
     test_adamw(1001, 7, "n=1001 t=7");
 
