@@ -28,6 +28,22 @@ expect_err() {
 
 mpi() { mpirun --oversubscribe --bind-to none -np "$@"; }
 
+# losses FILE.jsonl: its records without the timings (step_s, tok_per_s), keys sorted,
+# one line a step in step order (the last record of a step that appears twice, as after
+# a resume): two runs' outputs compare with cmp, bit for bit.
+losses() { $PY - "$1" <<'PY'
+import json, sys
+rows = {}
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    for k in ("step_s", "tok_per_s"):
+        r.pop(k)
+    rows[r["step"]] = json.dumps(r, sort_keys=True)
+for s in sorted(rows):
+    print(rows[s])
+PY
+}
+
 finish() {
   if [ "$FAILS" -ne 0 ]; then echo "$FAILS check(s) failed"; exit 1; fi
   echo "all checks passed"

@@ -278,7 +278,11 @@ static void cuda_copy(void *dst, const void *src, size_t nbytes, moe_copy_kind k
  * the sum of the pieces and the wall time; each gap (from the end of a piece to the start
  * of the next, on the stream) is added to the next piece's name, so the report says
  * before which work the stream sat idle (the first piece of each drained batch has no
- * gap counted). */
+ * gap counted). A bracket opened inside another counts in the outermost: the GEMMs that
+ * run on side streams (matmul.cu) count as one piece on the stream, from the fork to the
+ * join (until the twelfth session the first inner GEMM's end closed the outer bracket, so
+ * the other GEMMs' events on this stream timed nothing of theirs, and the side streams'
+ * work showed as this stream's idle time before them). */
 #define PROF_PAIRS 4096
 #define PROF_NAMES 256
 
@@ -286,7 +290,7 @@ int moe_cuda_profiling;
 static struct {
     cudaEvent_t ev[2 * PROF_PAIRS];
     const char *pending[PROF_PAIRS];
-    int n_pending, open;
+    int n_pending, open; /* open: brackets open (nested ones count in the outermost) */
     const char *name[PROF_NAMES];
     double ms[PROF_NAMES], gap_ms[PROF_NAMES];
     long calls[PROF_NAMES];
@@ -327,22 +331,20 @@ static void prof_drain(void)
 
 void moe_cuda_prof_begin(const char *name)
 {
-    if (prof.open)
-        return; /* nested (a library call inside a bracket): the outer one counts */
+    if (prof.open++)
+        return; /* nested (a library call inside a bracket): the outermost one counts */
     if (prof.n_pending == PROF_PAIRS)
         prof_drain();
     prof.pending[prof.n_pending] = name;
     MOE_CUDA_OK(cudaEventRecord(prof.ev[2 * prof.n_pending], g.stream));
-    prof.open = 1;
 }
 
 void moe_cuda_prof_end(void)
 {
-    if (!prof.open)
-        return;
+    if (!prof.open || --prof.open)
+        return; /* not open, or the end of a nested bracket: the outermost goes on */
     MOE_CUDA_OK(cudaEventRecord(prof.ev[2 * prof.n_pending + 1], g.stream));
     prof.n_pending++;
-    prof.open = 0;
 }
 
 /* on: start (the events are made on first use); off: drain, print the table sorted by

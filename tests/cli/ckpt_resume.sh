@@ -7,21 +7,6 @@
 source "$(dirname "$0")/../lib.sh"
 C=$WORK/ckpt
 base=(--set train.steps=12 --set checkpoint.dir="$C")
-# the losses of every step, without the timing fields, one line per step (the last
-# line logged for a step wins: a resumed run appends)
-losses() { $PY - "$1" <<'PY'
-import json, sys
-rows = {}
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    for k in ("step_s", "tok_per_s"):
-        r.pop(k)
-    rows[r["step"]] = json.dumps(r, sort_keys=True)
-for s in sorted(rows):
-    print(rows[s])
-PY
-}
-
 expect_exit 0 "uninterrupted run" -- "$MOE" train "${base[@]}" --set log.jsonl="$WORK/full.jsonl"
 losses "$WORK/full.jsonl" >"$WORK/full.txt"
 rm -rf "$C"

@@ -13,19 +13,6 @@ fi
 C=$WORK/ckpt
 gpu=(--set parallel.backend=cuda --set precision.mode=bf16)
 m16=("${gpu[@]}" --set precision.master_weights=bf16 --set precision.optimizer_state=bf16)
-losses() { $PY - "$1" <<'PY'
-import json, sys
-rows = {}
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    for k in ("step_s", "tok_per_s"):
-        r.pop(k)
-    rows[r["step"]] = json.dumps(r, sort_keys=True)
-for s in sorted(rows):
-    print(rows[s])
-PY
-}
-
 expect_exit 0 "uninterrupted bf16-master run" -- "$MOE" train "${m16[@]}" --set train.steps=12 \
   --set log.jsonl="$WORK/full.jsonl"
 grep -q "bf16 GEMMs and expert master weights" "$WORK/out" && pass "banner names the bf16 master weights" ||

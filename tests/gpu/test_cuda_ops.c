@@ -1182,18 +1182,28 @@ static void test_adamw(size_t n, int t, const char *name)
  * the sums of squares sq (device memory on the GPU), the clip and the loss scale. sq
  * NULL: no norm (the factor is 1 / scale), and the sums of squares below and from the
  * split n / 2 + 1 come out of the update (sq_out), checked against the CPU's. */
+/* Random parameters, gradients and moments of n elements; bf16 moments (moments16): the
+ * same random values rounded, in the first half of m and v. */
+static void adamw_inputs(size_t n, int moments16, float **p, float **g, float **m, float **v)
+{
+    *p = frand(n, -1, 1);
+    *g = frand(n, -1, 1);
+    *m = frand(n, -0.1, 0.1);
+    *v = frand(n, 0, 0.01);
+    uint16_t *m16 = (uint16_t *)*m, *v16 = (uint16_t *)*v;
+    for (size_t i = 0; moments16 && i < n; i++) {
+        m16[i] = moe_bf16_round((*m)[i]);
+        v16[i] = moe_bf16_round((*v)[i]);
+    }
+}
+
 static void test_adamw_multi(size_t n, int t, const double sq[2], double clip, double scale,
                              int moments16, const char *name)
 {
     begin("adamw_update_multi", name);
-    float *p = frand(n, -1, 1), *g = frand(n, -1, 1), *m = frand(n, -0.1, 0.1);
-    float *v = frand(n, 0, 0.01);
-    /* bf16 moments: the same random values rounded, in the first half of m and v */
-    uint16_t *m16 = (uint16_t *)m, *v16 = (uint16_t *)v;
-    for (size_t i = 0; moments16 && i < n; i++) {
-        m16[i] = moe_bf16_round(m[i]);
-        v16[i] = moe_bf16_round(v[i]);
-    }
+    float *p, *g, *m, *v;
+    adamw_inputs(n, moments16, &p, &g, &m, &v);
+    const uint16_t *m16 = (const uint16_t *)m, *v16 = (const uint16_t *)v;
     int64_t off[4] = {0, (int64_t)(n / 3), (int64_t)(n / 3 + 1), (int64_t)n};
     float wd[3] = {0.1f, 0.0f, 0.05f};
     float *dp = DEVF(p, n), *dm = DEVF(m, n), *dv = DEVF(v, n);
@@ -1249,13 +1259,9 @@ static void test_adamw_multi(size_t n, int t, const double sq[2], double clip, d
 static void test_adamw_master16(size_t n, size_t from, int moments16, float lr, const char *name)
 {
     begin("adamw_update_multi", name);
-    float *p = frand(n, -1, 1), *g = frand(n, -1, 1), *m = frand(n, -0.1, 0.1);
-    float *v = frand(n, 0, 0.01);
-    uint16_t *m16 = (uint16_t *)m, *v16 = (uint16_t *)v;
-    for (size_t i = 0; moments16 && i < n; i++) {
-        m16[i] = moe_bf16_round(m[i]);
-        v16[i] = moe_bf16_round(v[i]);
-    }
+    float *p, *g, *m, *v;
+    adamw_inputs(n, moments16, &p, &g, &m, &v);
+    const uint16_t *m16 = (const uint16_t *)m, *v16 = (const uint16_t *)v;
     float *p_in = malloc(sizeof(float) * n);
     for (size_t i = 0; p_in && i < n; i++) /* the bf16 master weights are bf16 values */
         p_in[i] = i >= from ? moe_bf16_widen(moe_bf16_round(p[i])) : p[i];

@@ -960,6 +960,54 @@ static void check_attention_mode(moe_precision p, const char *mode, double bound
     check_attention_marked(p, mode, 2, 200, 3, 128);
 }
 
+/* The kernel profile counts a bracket opened inside another in the outermost: a grouped
+ * GEMM whose problems run one by one over several streams (fp16: cuBLAS refuses its
+ * grouped call) is one piece, "cuBLASLt GEMMs on several streams", and none of its
+ * GEMMs a piece of its own (their events on the backend's stream would time nothing of
+ * theirs). Needs the default lanes (MOE_GEMM_STREAMS unset). */
+static void check_profile_nesting(void)
+{
+    enum { G = 6, R = 40, I = 64, O = 48 };
+    int offsets[G + 1];
+    for (int g = 0; g <= G; g++)
+        offsets[g] = g * R;
+    float *hx = malloc(sizeof(float) * G * R * I), *hw = malloc(sizeof(float) * G * O * I);
+    fill(hx, (size_t)G * R * I, 21, 1.0);
+    fill(hw, (size_t)G * O * I, 22, 0.1);
+    float *x = dev_copy(hx, (size_t)G * R * I), *w = dev_copy(hw, (size_t)G * O * I);
+    float *out = gpu->alloc(sizeof(float) * G * R * O);
+    gpu->set_precision(MOE_PREC_FP16, w, (size_t)G * O * I, (size_t)G * R * I);
+    gpu->refresh_shadow();
+    gpu->grouped_matmul_forward(out, x, w, offsets, G, I, O); /* cuBLAS's refusal, once */
+    gpu->profile(1, NULL);
+    gpu->grouped_matmul_forward(out, x, w, offsets, G, I, O);
+    FILE *f = tmpfile();
+    long lanes_calls = -1, gemm_lines = 0;
+    if (f) {
+        gpu->profile(0, f);
+        rewind(f);
+        char line[256];
+        while (fgets(line, sizeof line, f)) {
+            const char *name = "cuBLASLt GEMMs on several streams";
+            if (strstr(line, name))
+                sscanf(strstr(line, name) + strlen(name), "%ld", &lanes_calls);
+            gemm_lines += strstr(line, "cublasLt GEMM ") != NULL;
+        }
+        fclose(f);
+    }
+    printf("  profile of one grouped call over several streams: %ld piece(s) for the call, %ld "
+           "line(s) of single GEMMs\n",
+           lanes_calls, gemm_lines);
+    report("profile: nested brackets", "fp16", lanes_calls == 1 && gemm_lines == 0 ? 0.0 : 1.0,
+           0.0);
+    gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0);
+    gpu->release(x);
+    gpu->release(w);
+    gpu->release(out);
+    free(hx);
+    free(hw);
+}
+
 int main(void)
 {
     const char *why = NULL;
@@ -987,6 +1035,8 @@ int main(void)
         report("bf16 refused below sm_80", "bf16", st == MOE_ERR_INVALID ? 0.0 : 1.0, 0.0);
     }
     gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0);
+    if (!getenv("MOE_GEMM_STREAMS"))
+        check_profile_nesting();
     printf("%s: %d failure(s)\n", failures ? "FAIL" : "PASS", failures);
     return failures ? 1 : 0;
 }
