@@ -12,6 +12,8 @@
 #ifndef MOE_KERNELS_CUDA_COMMON_CUH
 #define MOE_KERNELS_CUDA_COMMON_CUH
 
+#include <type_traits>
+
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -348,24 +350,61 @@ void moe_cuda_sort_run(const moe_cuda_sort *s, const int32_t *keys);
  *     v = op.load(key, j); v += op.value(item, j) for the run's items in order; op.store
  * in float with round-to-nearest adds (no contraction), i.e. exactly the sequential loop
  * "for item in order: dst[key][j] += value(item, j)" of the CPU reference. Deterministic,
- * no atomics. */
-template <class Op>
+ * no atomics. V = 4: a thread takes 4 columns by the op's float4 forms (load4, value4,
+ * store4; the caller checked W and the pointers), the same additions per column. The run
+ * is walked MOE_RUNS_AHEAD items at a time, their values loaded before any is added (a
+ * run's items are contiguous in the order, so an item of another key ends it): a token
+ * that recurs hundreds of times in a batch (the synthetic corpus's motifs) made its
+ * thread wait one load latency per item. */
+#define MOE_RUNS_AHEAD 8
+template <class Op, int V>
 __global__ void moe_runs_kernel(Op op, const int *order, const int32_t *keys, int n, int W)
 {
-    MOE_CUDA_GRID_STRIDE(e, (size_t)n * W)
+    typedef typename std::conditional<V == 4, float4, float>::type vec;
+    const int G = W / V;
+    MOE_CUDA_GRID_STRIDE(e, (size_t)n * G)
     {
-        const int p = (int)(e / W), j = (int)(e % W);
+        const int p = (int)(e / G), j = (int)(e % G) * V;
         const int key = keys[order[p]];
         if (p > 0 && keys[order[p - 1]] == key)
             continue; /* not the head of its run */
-        float v = op.load(key, j);
-        for (int q = p; q < n; q++) {
-            const int item = order[q];
-            if (keys[item] != key)
-                break;
-            v = __fadd_rn(v, op.value(item, j));
+        vec v;
+        if constexpr (V == 4)
+            v = op.load4(key, j);
+        else
+            v = op.load(key, j);
+        for (int q = p, more = 1; more; q += MOE_RUNS_AHEAD) {
+            int item[MOE_RUNS_AHEAD];
+            bool in[MOE_RUNS_AHEAD];
+            vec a[MOE_RUNS_AHEAD];
+#pragma unroll
+            for (int u = 0; u < MOE_RUNS_AHEAD; u++) {
+                item[u] = q + u < n ? order[q + u] : 0;
+                in[u] = q + u < n && keys[item[u]] == key;
+            }
+#pragma unroll
+            for (int u = 0; u < MOE_RUNS_AHEAD; u++)
+                if (in[u]) {
+                    if constexpr (V == 4)
+                        a[u] = op.value4(item[u], j);
+                    else
+                        a[u] = op.value(item[u], j);
+                }
+#pragma unroll
+            for (int u = 0; u < MOE_RUNS_AHEAD; u++)
+                if (in[u]) {
+                    if constexpr (V == 4)
+                        v = make_float4(__fadd_rn(v.x, a[u].x), __fadd_rn(v.y, a[u].y),
+                                        __fadd_rn(v.z, a[u].z), __fadd_rn(v.w, a[u].w));
+                    else
+                        v = __fadd_rn(v, a[u]);
+                }
+            more = in[MOE_RUNS_AHEAD - 1];
         }
-        op.store(key, j, v);
+        if constexpr (V == 4)
+            op.store4(key, j, v);
+        else
+            op.store(key, j, v);
     }
 }
 
@@ -393,7 +432,8 @@ static __device__ __forceinline__ float4 moe_base_value4(const real *base, size_
     return base ? *(const float4 *)(base + i) : make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-/* Sorts items 0..n-1 by keys (non-negative) and runs op over every (run, column < W). */
+/* Sorts items 0..n-1 by keys (non-negative) and runs op over every (run, column < W): 4
+ * columns a thread where the op has its float4 forms and W and its pointers allow. */
 template <class Op> static void moe_cuda_runs(const Op &op, const int32_t *keys, int n, int W)
 {
     if (n <= 0 || W <= 0)
@@ -405,7 +445,14 @@ template <class Op> static void moe_cuda_runs(const Op &op, const int32_t *keys,
         return;
     moe_cuda_sort_take(&s, &c, n, 0);
     moe_cuda_sort_run(&s, keys);
-    MOE_CUDA_LAUNCH(moe_runs_kernel<Op>, moe_cuda_blocks((size_t)n * W, MOE_CUDA_THREADS),
+    if constexpr (Op::vec4)
+        if (W % 4 == 0 && op.aligned16()) {
+            MOE_CUDA_LAUNCH((moe_runs_kernel<Op, 4>),
+                            moe_cuda_blocks((size_t)n * (W / 4), MOE_CUDA_THREADS),
+                            MOE_CUDA_THREADS, 0, op, s.order, keys, n, W);
+            return;
+        }
+    MOE_CUDA_LAUNCH((moe_runs_kernel<Op, 1>), moe_cuda_blocks((size_t)n * W, MOE_CUDA_THREADS),
                     MOE_CUDA_THREADS, 0, op, s.order, keys, n, W);
 }
 

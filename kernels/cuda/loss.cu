@@ -2,7 +2,9 @@
  * and its backward.
  *
  * Forward: one block of CE_THREADS per row, which reads the row once: each thread keeps a
- * running max m (float) and the sum s of exp(x - m) in double, rescaled when m grows; the
+ * running max m (float) and the sum s of exp(x - m) (double in fp32 mode, as the CPU
+ * reference; float in the 16-bit modes, whose logits carry 8 or 11 bits), rescaled when
+ * m grows; the
  * threads' (m, s) are then merged in a fixed order (warp butterfly, then the warps in
  * order), so the bits do not depend on scheduling. Fused (cross_entropy_fused): one block
  * does a row's forward and then its backward, from the values its threads kept in
@@ -33,28 +35,28 @@ template <typename F> static __device__ __forceinline__ F ce_expf(F x)
 }
 
 /* exp(x - m) in F; a -inf value adds nothing (also when m is still -inf). */
-template <typename F> static __device__ __forceinline__ double ce_exp(float x, float m)
+template <typename F> static __device__ __forceinline__ F ce_exp(float x, float m)
 {
-    return x == -INFINITY ? 0.0 : (double)ce_expf<F>((F)x - (F)m);
+    return x == -INFINITY ? (F)0 : ce_expf<F>((F)x - (F)m);
 }
 
 /* Raises the running max m to x when x is larger, rescaling the sum s to the new max. */
-template <typename F> static __device__ __forceinline__ void ce_raise(float &m, double &s, float x)
+template <typename F> static __device__ __forceinline__ void ce_raise(float &m, F &s, float x)
 {
     if (x > m) {
-        s *= (double)ce_expf<F>((F)m - (F)x); /* 0 while m is -inf (s is 0 then too) */
+        s *= ce_expf<F>((F)m - (F)x); /* 0 while m is -inf (s is 0 then too) */
         m = x;
     }
 }
 
 /* (m, s) becomes the max and sum of both (m, s) and (m2, s2). */
 template <typename F>
-static __device__ __forceinline__ void ce_merge(float &m, double &s, float m2, double s2)
+static __device__ __forceinline__ void ce_merge(float &m, F &s, float m2, F s2)
 {
     const float mx = fmaxf(m, m2);
     if (mx == -INFINITY)
         return; /* neither has seen a value (or only -inf): s and s2 are 0 */
-    s = s * (double)ce_expf<F>((F)m - (F)mx) + s2 * (double)ce_expf<F>((F)m2 - (F)mx);
+    s = s * ce_expf<F>((F)m - (F)mx) + s2 * ce_expf<F>((F)m2 - (F)mx);
     m = mx;
 }
 
@@ -63,14 +65,14 @@ static __device__ __forceinline__ void ce_merge(float &m, double &s, float m2, d
 
 /* Merges the (m, s) of a block of CE_THREADS threads in a fixed order; thread 0 gets
  * the result. Called once per kernel (its shared arrays are not guarded for reuse). */
-template <typename F> static __device__ void ce_block_merge(float &m, double &s)
+template <typename F> static __device__ void ce_block_merge(float &m, F &s)
 {
     __shared__ float part_m[CE_THREADS / 32];
-    __shared__ double part_s[CE_THREADS / 32];
+    __shared__ F part_s[CE_THREADS / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int o = 16; o > 0; o >>= 1) {
         const float m2 = __shfl_xor_sync(MOE_CUDA_FULL_MASK, m, o);
-        const double s2 = __shfl_xor_sync(MOE_CUDA_FULL_MASK, s, o);
+        const F s2 = __shfl_xor_sync(MOE_CUDA_FULL_MASK, s, o);
         ce_merge<F>(m, s, m2, s2);
     }
     if (lane == 0) {
@@ -112,7 +114,7 @@ template <bool L16> static __device__ __forceinline__ float4 ce_widen(ce_group<L
 }
 
 /* Adds a group of 4 logits to the running (m, s). */
-template <typename F> static __device__ __forceinline__ void ce_add4(float &m, double &s, float4 x)
+template <typename F> static __device__ __forceinline__ void ce_add4(float &m, F &s, float4 x)
 {
     ce_raise<F>(m, s, fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
     s += ce_exp<F>(x.x, m);
@@ -134,7 +136,7 @@ static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, c
     const int n = blockIdx.x;
     const size_t row = (size_t)n * V;
     float m = -INFINITY;
-    double s = 0.0;
+    F s = 0;
     if (V4) {
         const int groups = V / 4;
 #pragma unroll
@@ -159,7 +161,7 @@ static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, c
     }
     ce_block_merge<F>(m, s);
     if (threadIdx.x == 0) {
-        const double r = (double)m + log(s);
+        const double r = (double)m + log((double)s);
         lse[n] = (real)r;
         losses[n] = (real)(r - moe_ld<L16>(logits, row + targets[n], bf16));
     }

@@ -1363,6 +1363,7 @@ int main(void)
     test_embedding(1, 5, 3, "one token");
     test_embedding(512, 64, 256, "tiny");
     test_embedding(3000, 33, 5, "many repeats");
+    test_embedding(3000, 36, 5, "many repeats, float4");
 
     test_rmsnorm(7, 13, "N=7 D=13");
     test_rmsnorm(1, 64, "one token");
