@@ -4,9 +4,8 @@
  * Forward: one block of CE_THREADS per row, which reads the row once: each thread keeps a
  * running max m (float) and the sum s of exp(x - m) (double in fp32 mode, as the CPU
  * reference; float in the 16-bit modes, whose logits carry 8 or 11 bits), rescaled when
- * m grows; the
- * threads' (m, s) are then merged in a fixed order (warp butterfly, then the warps in
- * order), so the bits do not depend on scheduling. Fused (cross_entropy_fused): one block
+ * m grows; the threads' (m, s) are then merged in a fixed order (warp butterfly, then the
+ * warps in order), so the bits do not depend on scheduling. Fused (cross_entropy_fused): one block
  * does a row's forward and then its backward, from the values its threads kept in
  * registers (a row of the bench's 32768 16-bit logits is read from memory once). Backward:
  * overwrites dlogits (which may be the logits: each value is read, then written, by one thread); a
