@@ -1178,10 +1178,6 @@ static void test_adamw(size_t n, int t, const char *name)
     free_all();
 }
 
-/* Multi-tensor AdamW: segments with different weight decay, the gradients' factor from
- * the sums of squares sq (device memory on the GPU), the clip and the loss scale. sq
- * NULL: no norm (the factor is 1 / scale), and the sums of squares below and from the
- * split n / 2 + 1 come out of the update (sq_out), checked against the CPU's. */
 /* Random parameters, gradients and moments of n elements; bf16 moments (moments16): the
  * same random values rounded, in the first half of m and v. */
 static void adamw_inputs(size_t n, int moments16, float **p, float **g, float **m, float **v)
@@ -1197,6 +1193,10 @@ static void adamw_inputs(size_t n, int moments16, float **p, float **g, float **
     }
 }
 
+/* Multi-tensor AdamW: segments with different weight decay, the gradients' factor from
+ * the sums of squares sq (device memory on the GPU), the clip and the loss scale. sq
+ * NULL: no norm (the factor is 1 / scale), and the sums of squares below and from the
+ * split n / 2 + 1 come out of the update (sq_out), checked against the CPU's. */
 static void test_adamw_multi(size_t n, int t, const double sq[2], double clip, double scale,
                              int moments16, const char *name)
 {
