@@ -124,9 +124,20 @@ typedef struct moe_backend {
      * their fp32 copies in the arena are stale until sync_master. Fails on the cpu and
      * in any other precision. Set again after each set_precision. */
     moe_status (*master_in_shadow)(size_t from);
+    /* bf16 master weights only (after master_in_shadow(from)): from now on the gradients
+     * of those parameters, [grads + from, grads + n_params), live in a bf16 copy (as the
+     * peer's bf16 parameters have bf16 gradients): the GEMMs write and add to them there
+     * (an addition rounds to bf16 again), adamw_update_multi(params, grads, ...) reads
+     * them there, and sum_into, sum_squares, sum_values and all_finite over them read
+     * them there. Their fp32 copies in grads are never written; no other op may read
+     * them (the trainer keeps fp32 gradients where they are reduced across ranks).
+     * grads NULL: back to fp32 gradients. Set again after each set_precision (which
+     * ends it). Fails on the cpu. */
+    moe_status (*grads_in_shadow)(const real *grads);
     /* Makes the arena hold every parameter again, widening the bf16 master weights into
      * it (exact): before the host reads the arena or parameters are moved. Nothing to do
-     * when nothing is stale. */
+     * when nothing is stale. With bf16 gradients (grads_in_shadow) it also widens them
+     * into their fp32 copies, for a reader on the host (dump). */
     moe_status (*sync_master)(void);
     /* Declares that the buffer p of n elements holds 16-bit values: in a 16-bit precision
      * its writers store the 16-bit value (the GEMM operand's rounding) into its first 2n

@@ -48,6 +48,11 @@ static moe_status cpu_master_in_shadow(size_t from)
     MOE_FAIL(MOE_ERR_INVALID, "[precision] master_weights = bf16: the cpu backend keeps fp32 "
                               "weights only (it has no bf16 copy to update)");
 }
+static moe_status cpu_grads_in_shadow(const real *grads)
+{
+    (void)grads;
+    MOE_FAIL(MOE_ERR_INVALID, "bf16 gradients: the cpu backend keeps fp32 gradients only");
+}
 static moe_status cpu_sync_master(void) { return MOE_OK; }
 static moe_status cpu_mark_operand(const void *p, size_t n)
 {
@@ -114,6 +119,7 @@ const moe_backend moe_backend_cpu = {.name = "cpu",
                                      .set_precision = cpu_set_precision,
                                      .refresh_shadow = cpu_refresh_shadow,
                                      .master_in_shadow = cpu_master_in_shadow,
+                                     .grads_in_shadow = cpu_grads_in_shadow,
                                      .sync_master = cpu_sync_master,
                                      .mark_operand = cpu_mark_operand,
                                      .attention_operands16 = cpu_attention_operands16,

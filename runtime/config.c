@@ -148,6 +148,10 @@ static const key_def keys[] = {
     KEY_ENUM("precision", "master_weights", master_weights, "fp32|bf16", "fp32",
              "the experts' master weights: fp32, or bf16 (mode = bf16 only: AdamW updates "
              "the GEMMs' bf16 copy in place, as the peer keeps bf16 parameters)"),
+    KEY_ENUM("precision", "expert_grads", expert_grads, "fp32|bf16", "fp32",
+             "the experts' weight gradients: fp32, or bf16 (master_weights = bf16 only: the "
+             "GEMMs write them in bf16 and AdamW reads them so, as the peer's bf16 "
+             "parameters have bf16 gradients)"),
     KEY("precision", "loss_scale_init", T_DOUBLE, loss_scale_init, GT(0), "65536",
         "fp16: the initial dynamic loss scale"),
     KEY("precision", "loss_scale_growth_interval", T_INT, loss_scale_growth_interval, GE(1), "1000",
@@ -1038,6 +1042,12 @@ moe_status moe_config_validate(const moe_config *cfg)
         rule_failed(cfg, "precision.master_weights", "precision.mode",
                     "= bf16 updates the bf16 GEMM copy of the weights, so it needs bf16 in",
                     "must be bf16 (or auto on sm_80+) with");
+        bad++;
+    }
+    if (strcmp(cfg->expert_grads, "bf16") == 0 && strcmp(cfg->master_weights, "bf16") != 0) {
+        rule_failed(cfg, "precision.expert_grads", "precision.master_weights",
+                    "= bf16 keeps the gradients of bf16 master weights, so it needs bf16 in",
+                    "must be bf16 with");
         bad++;
     }
     return bad ? MOE_ERR_INVALID : MOE_OK;

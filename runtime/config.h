@@ -79,6 +79,7 @@ typedef struct {
     char precision[8];              /* fp32 | bf16 | fp16 | auto */
     char optimizer_state[8];        /* fp32 | bf16: AdamW's moments */
     char master_weights[8];         /* fp32 | bf16: the experts' master weights */
+    char expert_grads[8];           /* fp32 | bf16: their weight gradients */
     double loss_scale_init;         /* fp16 dynamic loss scaling: start */
     int loss_scale_growth_interval; /* clean steps before growing */
     double loss_scale_growth;       /* growth factor */

@@ -181,11 +181,25 @@ static moe_status setup_precision(moe_trainer *tr)
         /* the experts' weights: the arena's tail from n_dense (model.h) */
         MOE_CHECK(be->master_in_shadow(tr->model->n_dense));
     }
+    if (strcmp(tr->cfg.expert_grads, "bf16") == 0) {
+        /* their gradients in bf16: read only by AdamW, the norm's sums and the finiteness
+         * check, so not where they are reduced across the ranks that share an expert */
+        const int edp = tr->comm ? moe_comm_size(tr->comm, MOE_GROUP_EDP) : 1;
+        if (edp > 1)
+            MOE_FAIL(MOE_ERR_INVALID,
+                     "[precision] expert_grads = bf16 keeps each expert's gradient on its one "
+                     "rank; here %d ranks share each expert ([parallel] ep = %d of %d ranks): "
+                     "set ep = %d or expert_grads = fp32",
+                     edp, tr->world / edp, tr->world, tr->world);
+        MOE_CHECK(be->grads_in_shadow(tr->model->grads));
+    }
     return be->refresh_shadow();
 }
 
 const char *moe_trainer_precision(const moe_trainer *tr)
 {
+    if (tr->precision == MOE_PREC_BF16 && strcmp(tr->cfg.expert_grads, "bf16") == 0)
+        return "bf16 GEMMs and expert master weights and gradients, fp32 elsewhere";
     if (tr->precision == MOE_PREC_BF16 && strcmp(tr->cfg.master_weights, "bf16") == 0)
         return "bf16 GEMMs and expert master weights, fp32 elsewhere";
     return tr->precision == MOE_PREC_BF16   ? "bf16 GEMMs, fp32 elsewhere"

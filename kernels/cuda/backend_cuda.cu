@@ -417,6 +417,7 @@ extern "C" moe_status cuda_gemm_set_precision(moe_precision p, const real *param
                                               size_t max_operand);
 extern "C" moe_status cuda_gemm_refresh_shadow(void);
 extern "C" moe_status cuda_gemm_master_in_shadow(size_t from);
+extern "C" moe_status cuda_gemm_grads_in_shadow(const real *grads);
 extern "C" void cuda_gemm_sync_master(void);
 extern "C" moe_status cuda_gemm_mark_operand(const void *p, size_t n);
 extern "C" int cuda_attention_operands16(int Hd);
@@ -459,6 +460,11 @@ static moe_status cuda_refresh_shadow(void)
 }
 
 static moe_status cuda_master_in_shadow(size_t from) { return cuda_gemm_master_in_shadow(from); }
+static moe_status cuda_grads_in_shadow(const real *grads)
+{
+    MOE_CHECK(cuda_gemm_grads_in_shadow(grads));
+    return g.status;
+}
 
 static moe_status cuda_sync_master(void)
 {
@@ -488,6 +494,7 @@ static void fill_table(moe_backend *b)
     b->set_precision = cuda_set_precision;
     b->refresh_shadow = cuda_refresh_shadow;
     b->master_in_shadow = cuda_master_in_shadow;
+    b->grads_in_shadow = cuda_grads_in_shadow;
     b->sync_master = cuda_sync_master;
     b->mark_operand = cuda_gemm_mark_operand;
     b->attention_operands16 = cuda_attention_operands16;

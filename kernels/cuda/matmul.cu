@@ -32,7 +32,12 @@ static uint16_t *shadow; /* (master_n) 16-bit copy */
  * shadow only; master_stale while the arena's fp32 copies of them are behind it */
 static size_t master16_from = SIZE_MAX;
 static int master_stale;
-static int shadow_fresh;  /* the optimizer wrote the shadow with the parameters */
+static int shadow_fresh; /* the optimizer wrote the shadow with the parameters */
+/* bf16 gradients of the bf16 master weights (grads_in_shadow): the gradients [grads16_base +
+ * master16_from, grads16_base + master_n) are written (and added to) by the GEMMs in
+ * grad16 (element i of the arena at grad16[i - master16_from]), never in the fp32 arena */
+static const real *grads16_base;
+static uint16_t *grad16;
 static uint16_t *ws16[2]; /* rounded operands: [0] inputs x, [1] output gradients */
 static size_t ws16_n;
 
@@ -85,7 +90,9 @@ extern "C" moe_status cuda_gemm_set_precision(moe_precision p, const real *param
     cudaFree(shadow);
     cudaFree(ws16[0]);
     cudaFree(ws16[1]);
-    shadow = ws16[0] = ws16[1] = NULL;
+    cudaFree(grad16);
+    shadow = ws16[0] = ws16[1] = grad16 = NULL;
+    grads16_base = NULL;
     prec = MOE_PREC_FP32;
     master = params;
     master_n = n;
@@ -134,6 +141,39 @@ extern "C" moe_status cuda_gemm_master_in_shadow(size_t from)
     return MOE_OK;
 }
 
+extern "C" moe_status cuda_gemm_grads_in_shadow(const real *grads)
+{
+    if (master16_from == SIZE_MAX)
+        MOE_FAIL(MOE_ERR_INVALID, "bf16 gradients are those of bf16 master weights: "
+                                  "master_in_shadow first");
+    cudaFree(grad16);
+    grad16 = NULL;
+    grads16_base = NULL;
+    if (!grads)
+        return MOE_OK;
+    const size_t n = master_n - master16_from;
+    if (!MOE_CUDA_OK(cudaMalloc((void **)&grad16, sizeof(uint16_t) * (n ? n : 1))))
+        MOE_FAIL(MOE_ERR_DEVICE, "cannot allocate the bf16 gradients (%zu elements)", n);
+    grads16_base = grads;
+    return MOE_OK;
+}
+
+/* Where the gradients x .. x + n live in bf16 (grads_in_shadow): their place in the bf16
+ * copy; NULL when they lie outside it (fp32, in place). */
+extern "C" uint16_t *cuda_gemm_grad16_at(const void *x, size_t n)
+{
+    if (!grad16 || !x)
+        return NULL;
+    const real *r = (const real *)x, *lo = grads16_base + master16_from;
+    if (r < lo || r >= grads16_base + master_n)
+        return NULL;
+    if (n > (size_t)(grads16_base + master_n - r)) {
+        MOE_CUDA_FAIL("%zu gradients run past the end of the bf16 gradients", n);
+        return NULL;
+    }
+    return grad16 + (r - lo);
+}
+
 /* dst[i] = widened src[i] (bf16 to fp32: exact). */
 static __global__ void widen_bf16_kernel(real *dst, const uint16_t *src, size_t n)
 {
@@ -142,6 +182,11 @@ static __global__ void widen_bf16_kernel(real *dst, const uint16_t *src, size_t 
 
 extern "C" void cuda_gemm_sync_master(void)
 {
+    if (grad16 && master_n > master16_from) /* the bf16 gradients too (dump writes them) */
+        MOE_CUDA_LAUNCH(widen_bf16_kernel,
+                        moe_cuda_blocks(master_n - master16_from, MOE_CUDA_THREADS),
+                        MOE_CUDA_THREADS, 0, (real *)grads16_base + master16_from, grad16,
+                        master_n - master16_from);
     if (!master_stale)
         return;
     const size_t n = master_n - master16_from;
@@ -154,10 +199,14 @@ extern "C" void cuda_gemm_sync_master(void)
 /* For AdamW over the whole registered arena in a 16-bit precision: the shadow to write
  * in the same pass (and *bf16 its format), the next refresh then skipped; else NULL.
  * *from16: the first element whose master weight is the shadow's (n when none); the
- * arena's fp32 copies of those go stale. */
-extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, size_t n, int *bf16, size_t *from16)
+ * arena's fp32 copies of those go stale. *g16: where g is the registered gradients
+ * (grads_in_shadow), their bf16 copy from *from16 on (element i at (*g16)[i - *from16]);
+ * else NULL. */
+extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, const real *g, size_t n, int *bf16,
+                                                 size_t *from16, const uint16_t **g16)
 {
     *from16 = n;
+    *g16 = NULL;
     if (prec == MOE_PREC_FP32 || p != master || n != master_n || !shadow)
         return NULL;
     *bf16 = prec == MOE_PREC_BF16;
@@ -165,6 +214,8 @@ extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, size_t n, int *b
     if (master16_from < n) {
         *from16 = master16_from;
         master_stale = 1;
+        if (g && g == grads16_base)
+            *g16 = grad16;
     }
     return shadow;
 }
@@ -561,6 +612,20 @@ static int output16(const void *out, size_t n, int accumulate)
     return (int)operand_type();
 }
 
+/* A weight gradient's output dw of n elements: its bf16 copy (grads_in_shadow; *out16
+ * then its type, and the GEMMs may add to it: beta 1 reads it as bf16), else dw itself
+ * (*out16 as output16 gives it). */
+static void *dw_target(real *dw, size_t n, int accumulate, int *out16)
+{
+    uint16_t *d16 = cuda_gemm_grad16_at(dw, n);
+    if (d16) {
+        *out16 = CUDA_R_16BF;
+        return d16;
+    }
+    *out16 = output16(dw, n, accumulate);
+    return dw;
+}
+
 /* Pointer arithmetic on an output of that type. */
 static void *out_at(void *base, size_t elems, int out16)
 {
@@ -590,8 +655,12 @@ static void linear_backward(real *dx, real *dw, const void *douto, const void *x
 {
     if (dx)
         gemm(0, 0, I, N, O, wo, I, douto, O, dx, I, !(write & MOE_WRITE_DX));
-    if (dw)
-        gemm(0, 1, I, O, N, xo, I, douto, O, dw, I, !(write & MOE_WRITE_DW));
+    if (dw) {
+        const int acc = !(write & MOE_WRITE_DW);
+        int dw16 = 0;
+        void *dwt = dw_target(dw, (size_t)O * I, acc, &dw16);
+        gemm_on(0, 0, 1, I, O, N, xo, I, douto, O, dwt, NULL, I, acc, dw16, single);
+    }
 }
 
 /* Pointer arithmetic on an operand of the current precision. */
@@ -830,16 +899,18 @@ extern "C" void cuda_grouped_matmul_forward(real *out, const real *x, const real
 }
 
 /* Where group g is empty and starts a run of empty groups: the run's slices of OI
- * elements of dw zeroed with one memset (a weight gradient written, not added to). */
-static void zero_empty_run(real *dw, const int *offsets, int g, int G, size_t OI)
+ * elements of dw (of type dw16, dw_target) zeroed with one memset (a weight gradient
+ * written, not added to). */
+static void zero_empty_run(void *dw, int dw16, const int *offsets, int g, int G, size_t OI)
 {
     if (g > 0 && offsets[g] == offsets[g - 1])
         return; /* inside a run: zeroed where it started */
     int e = g + 1;
     while (e < G && offsets[e + 1] == offsets[e])
         e++;
-    MOE_CUDA_OK(
-        cudaMemsetAsync(dw + (size_t)g * OI, 0, sizeof(real) * OI * (e - g), moe_cuda_stream()));
+    const size_t bytes = dw16 ? sizeof(uint16_t) : sizeof(real);
+    MOE_CUDA_OK(cudaMemsetAsync(out_at(dw, (size_t)g * OI, dw16), 0, bytes * OI * (e - g),
+                                moe_cuda_stream()));
 }
 
 /* write (ops.h): the weight gradients (MOE_WRITE_DW) or the input gradient (MOE_WRITE_DX)
@@ -855,11 +926,13 @@ extern "C" void cuda_grouped_matmul_backward(real *dx, real *dw, const real *dou
     const void *xo = dw ? rounded_operand(x, M * I, 0) : NULL;
     const void *wo = dx ? weight_operand(w) : NULL;
     const int dx16 = output16(dx, M * I, !dx_first);
+    int dw16 = 0;
+    void *dwt = dw ? dw_target(dw, (size_t)G * OI, !dw_first, &dw16) : NULL;
     for (int g = 0; g < G; g++) { /* as linear_backward, per group */
         const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
         if (rows <= 0) {
             if (dw && dw_first)
-                zero_empty_run(dw, offsets, g, G, OI);
+                zero_empty_run(dwt, dw16, offsets, g, G, OI);
             continue;
         }
         if (dx)
@@ -868,7 +941,8 @@ extern "C" void cuda_grouped_matmul_backward(real *dx, real *dw, const real *dou
                         !dx_first, dx16);
         if (dw)
             grouped_add(&batch, 0, 1, I, O, rows, at(xo, (size_t)m0 * I), I,
-                        at(douto, (size_t)m0 * O), O, dw + (size_t)g * OI, I, !dw_first, 0);
+                        at(douto, (size_t)m0 * O), O, out_at(dwt, (size_t)g * OI, dw16), I,
+                        !dw_first, dw16);
     }
     grouped_flush(&batch);
 }
@@ -933,15 +1007,19 @@ extern "C" void cuda_grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb
     int bf16 = 0;
     const int in_place = prec == MOE_PREC_FP32 || (cuda_operand_in_place(dout_a, M * O, &bf16) &&
                                                    cuda_operand_in_place(dout_b, M * O, &bf16));
+    const int dw_first = (write & MOE_WRITE_DW) != 0, dx_first = (write & MOE_WRITE_DX) != 0;
+    int dwa16 = 0, dwb16 = 0;
+    void *dwat = dwa ? dw_target(dwa, (size_t)G * OI, !dw_first, &dwa16) : NULL;
+    void *dwbt = dwb ? dw_target(dwb, (size_t)G * OI, !dw_first, &dwb16) : NULL;
+    const size_t dw_bytes = dwa16 ? sizeof(uint16_t) : sizeof(real);
     const gemm_batch s = {2, 0, stride_between(dout_a, dout_b, operand_bytes()),
-                          stride_between(dwa, dwb, sizeof(real))};
-    if (!in_place || !dwa || !dwb || s.sb == 0 || s.sc == 0) {
+                          stride_between(dwat, dwbt, dw_bytes)};
+    if (!in_place || !dwa || !dwb || s.sb == 0 || s.sc == 0 || dwa16 != dwb16) {
         cuda_grouped_matmul_backward(dx, dwa, dout_a, x, wa, offsets, G, I, O, write);
         cuda_grouped_matmul_backward(dx, dwb, dout_b, x, wb, offsets, G, I, O,
                                      write & ~MOE_WRITE_DX);
         return;
     }
-    const int dw_first = (write & MOE_WRITE_DW) != 0, dx_first = (write & MOE_WRITE_DX) != 0;
     const void *xo = rounded_operand(x, M * I, 0);
     const void *wao = dx ? weight_operand(wa) : NULL, *wbo = dx ? weight_operand(wb) : NULL;
     const int dx16 = output16(dx, M * I, 1); /* 0: pass 1 adds to it (a marked dx fails) */
@@ -950,8 +1028,8 @@ extern "C" void cuda_grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb
             const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
             if (rows <= 0) {
                 if (pass == 0 && dw_first) {
-                    zero_empty_run(dwa, offsets, g, G, OI);
-                    zero_empty_run(dwb, offsets, g, G, OI);
+                    zero_empty_run(dwat, dwa16, offsets, g, G, OI);
+                    zero_empty_run(dwbt, dwb16, offsets, g, G, OI);
                 }
                 continue;
             }
@@ -961,7 +1039,7 @@ extern "C" void cuda_grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb
                     grouped_add(&batch, 0, 0, I, rows, O, at(wao, (size_t)g * OI), I, da, O,
                                 dx + (size_t)m0 * I, I, !dx_first, dx16);
                 grouped_add_pair(&batch, 0, 1, I, O, rows, at(xo, (size_t)m0 * I), I, da, O,
-                                 dwa + (size_t)g * OI, I, !dw_first, 0, s);
+                                 out_at(dwat, (size_t)g * OI, dwa16), I, !dw_first, dwa16, s);
             } else if (dx) {
                 grouped_add(&batch, 0, 0, I, rows, O, at(wbo, (size_t)g * OI), I, db, O,
                             dx + (size_t)m0 * I, I, 1, 0);

@@ -43,6 +43,41 @@ static __global__ void sum_partial(double *part, const real *x, size_t n)
         part[blockIdx.x] = s;
 }
 
+/* The same over bf16 values (gradients kept in bf16, grads_in_shadow): V8, x is 16-byte
+ * aligned; groups of 8 by uint4, the last n % 8 by block 0. */
+template <int SQUARE, int V8>
+static __global__ void sum_partial16(double *part, const uint16_t *x, size_t n)
+{
+    double s = 0.0;
+    if (V8) {
+        MOE_CUDA_GRID_STRIDE(c, n / 8)
+        {
+            const uint4 q = ((const uint4 *)x)[c];
+            const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                const double a = moe_bf16_widen((uint16_t)(w[e / 2] >> (16 * (e % 2))));
+                s += SQUARE ? a * a : a;
+            }
+        }
+        if (blockIdx.x == 0 && threadIdx.x < n % 8) {
+            const double v = moe_bf16_widen(x[n / 8 * 8 + threadIdx.x]);
+            s += SQUARE ? v * v : v;
+        }
+    } else {
+        MOE_CUDA_GRID_STRIDE(i, n)
+        {
+            const double v = moe_bf16_widen(x[i]);
+            s += SQUARE ? v * v : v;
+        }
+    }
+    s = moe_block_sum_d(s);
+    if (threadIdx.x == 0)
+        part[blockIdx.x] = s;
+}
+
+extern "C" uint16_t *cuda_gemm_grad16_at(const void *x, size_t n);
+
 /* *acc += the blocks' partial sums (added in a fixed order). */
 static __global__ void sum_final(double *acc, const double *part, int blocks)
 {
@@ -65,8 +100,17 @@ extern "C" void cuda_sum_into(double *acc, const real *x, size_t n, int square)
     double *part = (double *)moe_cuda_scratch(sizeof(double) * blocks);
     if (!part)
         return;
-    const int v4 = moe_aligned16(x);
-    if (square && v4)
+    const uint16_t *x16 = cuda_gemm_grad16_at(x, n); /* gradients kept in bf16 */
+    const int v4 = moe_aligned16(x16 ? (const void *)x16 : (const void *)x);
+    if (x16 && square && v4)
+        MOE_CUDA_LAUNCH((sum_partial16<1, 1>), blocks, MOE_CUDA_THREADS, 0, part, x16, n);
+    else if (x16 && square)
+        MOE_CUDA_LAUNCH((sum_partial16<1, 0>), blocks, MOE_CUDA_THREADS, 0, part, x16, n);
+    else if (x16 && v4)
+        MOE_CUDA_LAUNCH((sum_partial16<0, 1>), blocks, MOE_CUDA_THREADS, 0, part, x16, n);
+    else if (x16)
+        MOE_CUDA_LAUNCH((sum_partial16<0, 0>), blocks, MOE_CUDA_THREADS, 0, part, x16, n);
+    else if (square && v4)
         MOE_CUDA_LAUNCH((sum_partial<1, 1>), blocks, MOE_CUDA_THREADS, 0, part, x, n);
     else if (square)
         MOE_CUDA_LAUNCH((sum_partial<1, 0>), blocks, MOE_CUDA_THREADS, 0, part, x, n);
@@ -119,6 +163,16 @@ static __global__ void finite_kernel(int *bad, const real *x, size_t n)
     }
 }
 
+/* The same over bf16 values: all exponent bits set is an infinity or a NaN. */
+static __global__ void finite16_kernel(int *bad, const uint16_t *x, size_t n)
+{
+    MOE_CUDA_GRID_STRIDE(i, n)
+    {
+        if ((x[i] & 0x7f80u) == 0x7f80u)
+            *bad = 1;
+    }
+}
+
 extern "C" int cuda_all_finite(const real *x, size_t n)
 {
     if (n == 0)
@@ -126,8 +180,13 @@ extern "C" int cuda_all_finite(const real *x, size_t n)
     int *bad = (int *)moe_cuda_scratch(sizeof(int));
     if (!bad || !MOE_CUDA_OK(cudaMemsetAsync(bad, 0, sizeof(int), moe_cuda_stream())))
         return 0;
-    MOE_CUDA_LAUNCH(finite_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0, bad,
-                    x, n);
+    const uint16_t *x16 = cuda_gemm_grad16_at(x, n); /* gradients kept in bf16 */
+    if (x16)
+        MOE_CUDA_LAUNCH(finite16_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
+                        bad, x16, n);
+    else
+        MOE_CUDA_LAUNCH(finite_kernel, moe_cuda_blocks(n, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
+                        bad, x, n);
     const int *host = (const int *)moe_cuda_fetch(bad, sizeof(int));
     return host ? !*host : 0;
 }
@@ -281,19 +340,19 @@ static __device__ __forceinline__ uint64_t sr_bits(size_t c, uint32_t seed)
     return (uint64_t)h * 0x9e3779b97f4a7c15ull;
 }
 
-/* Element i's step (the tail and the unaligned form). p16: its master weight is the
- * bf16 shadow's (read there, written back rounded stochastically with seed, the arena's
- * copy left as it is). */
+/* Element i's step (the tail and the unaligned form), gi its gradient. p16: its master
+ * weight is the bf16 shadow's (read there, written back rounded stochastically with
+ * seed, the arena's copy left as it is). */
 template <int M16>
 static __device__ __forceinline__ void
-adamw_one(real *p, const real *g, void *m, void *v, size_t i, real decay, real scale,
+adamw_one(real *p, real gi, void *m, void *v, size_t i, real decay, real scale,
           const moe_adamw_consts &ac, uint16_t *shadow, int bf16, bool p16, uint32_t seed)
 {
     uint16_t *m16 = (uint16_t *)m, *v16 = (uint16_t *)v;
     real *mr = (real *)m, *vr = (real *)v;
     real mi = M16 ? moe_bf16_widen(m16[i]) : mr[i], vi = M16 ? moe_bf16_widen(v16[i]) : vr[i];
     const real pin = p16 ? moe_bf16_widen(shadow[i]) : p[i];
-    const real pi = moe_adamw_elem(pin, g[i], &mi, &vi, decay, scale, &ac);
+    const real pi = moe_adamw_elem(pin, gi, &mi, &vi, decay, scale, &ac);
     if (!p16)
         p[i] = pi;
     if (M16) {
@@ -336,13 +395,15 @@ static __device__ __forceinline__ void adamw_square(double &below, double &from,
  * part[2 block], part[2 block + 1] (adamw_square_final adds them up in block order).
  * Elements from from16 on (n: none; a multiple of W in the vector forms) have bf16 master
  * weights: the shadow's (bf16), read and written there only, rounded stochastically
- * with the step's seed. */
+ * with the step's seed; their gradients are g16's (bf16, element i at g16[i - from16])
+ * where g16 is not NULL, else g's. */
 template <int W, int M16, int SQ>
 static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(W, M16))
     adamw_multi_kernel(real *p, const real *g, void *m, void *v, const int64_t *offsets,
                        const real *wd, int n_segs, size_t n, moe_adamw_consts ac,
                        const double *norm_sq, double clip, double loss_scale, uint16_t *shadow,
-                       int bf16, double *part, size_t n_split, size_t from16, uint32_t seed)
+                       int bf16, double *part, size_t n_split, size_t from16, uint32_t seed,
+                       const uint16_t *g16)
 {
     const double factor =
         norm_sq ? moe_adamw_factor(norm_sq, clip, loss_scale) : (double)(float)(1.0 / loss_scale);
@@ -368,7 +429,10 @@ static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(W, M
                 widen_bf16<W>(pe, load_16<W>(shadow, c));
             else
                 load_f32<W>(pe, p, c);
-            load_f32<W>(ge, g, c);
+            if (p16 && g16)
+                widen_bf16<W>(ge, load_16<W>(g16, c - from16 / W));
+            else
+                load_f32<W>(ge, g, c);
             if (M16) {
                 widen_bf16<W>(me, load_16<W>(m, c));
                 widen_bf16<W>(ve, load_16<W>(v, c));
@@ -440,19 +504,21 @@ static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(W, M
         }
         if (blockIdx.x == 0 && threadIdx.x < n % W) { /* the tail: one element per thread */
             const size_t i = n / W * W + threadIdx.x;
+            const real gi = i >= from16 && g16 ? moe_bf16_widen(g16[i - from16]) : g[i];
             if (SQ)
-                adamw_square(below, from, g[i], i, n_split);
+                adamw_square(below, from, gi, i, n_split);
             seg = adamw_seg(-1, i, seg_lo, n_segs);
-            adamw_one<M16>(p, g, m, v, i, seg_decay[seg], scale, ac, shadow, bf16, i >= from16,
+            adamw_one<M16>(p, gi, m, v, i, seg_decay[seg], scale, ac, shadow, bf16, i >= from16,
                            (uint32_t)seed);
         }
     } else if (factor >= 0) {
         MOE_CUDA_GRID_STRIDE(i, n)
         {
+            const real gi = i >= from16 && g16 ? moe_bf16_widen(g16[i - from16]) : g[i];
             if (SQ)
-                adamw_square(below, from, g[i], i, n_split);
+                adamw_square(below, from, gi, i, n_split);
             seg = adamw_seg(seg, i, seg_lo, n_segs);
-            adamw_one<M16>(p, g, m, v, i, seg_decay[seg], scale, ac, shadow, bf16, i >= from16,
+            adamw_one<M16>(p, gi, m, v, i, seg_decay[seg], scale, ac, shadow, bf16, i >= from16,
                            (uint32_t)seed);
         }
     }
@@ -483,8 +549,8 @@ static __global__ void adamw_square_final(double *out, const double *part, int b
     }
 }
 
-extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, size_t n, int *bf16,
-                                                 size_t *from16);
+extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, const real *g, size_t n, int *bf16,
+                                                 size_t *from16, const uint16_t **g16);
 
 extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v, int moments16,
                                         size_t n, const int64_t *offsets, const real *wd,
@@ -497,9 +563,10 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
             MOE_CUDA_OK(cudaMemsetAsync(sq_out, 0, 2 * sizeof(double), moe_cuda_stream()));
         return;
     }
-    int bf16 = 0;      /* the 16-bit shadow of the parameters, written in the same pass */
-    size_t from16 = n; /* bf16 master weights from there on (master_in_shadow) */
-    uint16_t *shadow = cuda_gemm_shadow_for_update(p, n, &bf16, &from16);
+    int bf16 = 0;               /* the 16-bit shadow of the parameters, written in the same pass */
+    size_t from16 = n;          /* bf16 master weights from there on (master_in_shadow) */
+    const uint16_t *g16 = NULL; /* and their bf16 gradients (grads_in_shadow) */
+    uint16_t *shadow = cuda_gemm_shadow_for_update(p, g, n, &bf16, &from16, &g16);
     const size_t smem = (sizeof(int64_t) + sizeof(real)) * (size_t)n_segs;
     if (smem > 48 * 1024) {
         MOE_CUDA_FAIL("adamw: %d segments are more than the kernel stages (%zu bytes)", n_segs,
@@ -539,11 +606,11 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
         if (part)                                                                                  \
             MOE_CUDA_LAUNCH((adamw_multi_kernel<W, M16, 1>), blocks, MOE_CUDA_THREADS, smem, p, g, \
                             m, v, offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow,    \
-                            bf16, part, n_split, from16, (uint32_t)t);                             \
+                            bf16, part, n_split, from16, (uint32_t)t, g16);                        \
         else                                                                                       \
             MOE_CUDA_LAUNCH((adamw_multi_kernel<W, M16, 0>), blocks, MOE_CUDA_THREADS, smem, p, g, \
                             m, v, offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow,    \
-                            bf16, part, n_split, from16, (uint32_t)t);                             \
+                            bf16, part, n_split, from16, (uint32_t)t, g16);                        \
     } while (0)
     if (width == 8)
         MOE_CUDA_PICK2(1, moments16, ADAMW_LAUNCH, 8, 8, 1, 0);

@@ -45,6 +45,12 @@ expect_exit 1 "bf16 master weights, mode auto on the cpu" -- "$MOE" train --set 
 expect_err "master_weights = bf16 needs bf16 GEMMs; \[precision\] mode = auto gives fp32" \
   "auto resolved to fp32 is refused at start"
 
+# bf16 expert gradients are those of bf16 master weights
+expect_exit 2 "bf16 expert gradients with fp32 master weights" -- "$MOE" train \
+  --set precision.expert_grads=bf16
+expect_err "--set precision.expert_grads=bf16: .*needs bf16 in \[precision\] master_weights = fp32" \
+  "bf16 gradients name the key and the master weights"
+
 expect_exit 0 "--help" -- "$MOE" --help
 grep -q "usage: moe-dist" "$WORK/out" && pass "--help prints usage" || fail "--help output"
 expect_exit 0 "--version" -- "$MOE" --version

@@ -12,7 +12,8 @@
  * the grouped backward's write flags write dx and dw without reading them; the experts'
  * gate and up projections as one pair op (strided batches where the GEMMs run one by
  * one); GEMM outputs marked as 16-bit and SwiGLU reading them; 16-bit logits into the
- * cross-entropy; 16-bit q, k, v into rope and the attention.
+ * cross-entropy; 16-bit q, k, v into rope and the attention; bf16 weight gradients of
+ * bf16 master weights (grads_in_shadow) and their readers.
  * Without a GPU: SKIP, exit 77. */
 #include <math.h>
 #include <stdio.h>
@@ -734,6 +735,176 @@ static void check_mode(moe_precision p, const char *mode, double bound)
     free(gotx);
 }
 
+/* The count of values of h (n floats) that are not bf16 values (low 16 bits not zero). */
+static size_t not_bf16(const float *h, size_t n)
+{
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t b;
+        memcpy(&b, &h[i], sizeof b);
+        bad += (b & 0xffffu) != 0;
+    }
+    return bad;
+}
+
+/* bf16 gradients of bf16 master weights (grads_in_shadow), bf16 mode. An arena of nd
+ * dense parameters, then the experts' wa, wb (G, O, I) each, bf16 master weights from
+ * nd; a gradient arena like it whose expert part holds a sentinel (NaN) in fp32. The
+ * GEMMs write the expert weight gradients in the bf16 copy: the grouped backward
+ * (written, an empty group's slice zeroed; then added to) and the pair backward (one
+ * strided batch of 2 per non-empty group, 4) against the CPU's products (bound 1e-2), the results
+ * bf16 values; the fp32 copies never written (the sentinel's bytes stay) until sync_master widens
+ * the bf16 ones into them. The sums of squares and the finiteness check over them read the bf16
+ * values (the sum against the host's double sum of the widened values, 1e-12 relative; an infinity
+ * added by a GEMM is found). AdamW over the arena reads them: the sums of squares out of its pass,
+ * and the bf16 moments bit for bit, against the CPU's AdamW given the widened gradients (the
+ * sentinel would make them NaN). */
+static void check_grads16(void)
+{
+    const int N = 301, I = 160, O = 224, G = 5;
+    const int offsets[6] = {0, 40, 40, 151, 290, 301}; /* group 1 empty */
+    const size_t nd = 1000, gw = (size_t)G * O * I, n = nd + 2 * gw, ni = (size_t)N * I,
+                 no = (size_t)N * O;
+    float *hp = malloc(sizeof(float) * n), *hg = malloc(sizeof(float) * n),
+          *x = malloc(sizeof(float) * ni), *hdh = malloc(sizeof(float) * no),
+          *ha = malloc(sizeof(float) * no), *hb = malloc(sizeof(float) * no),
+          *ref = malloc(sizeof(float) * 2 * gw), *got = malloc(sizeof(float) * n),
+          *gd = malloc(sizeof(float) * 2 * no), *refx = malloc(sizeof(float) * ni);
+    fill(hp, n, 31, 0.05);
+    for (size_t i = nd; i < n; i++) /* bf16 master weights are bf16 values */
+        hp[i] = moe_bf16_widen(moe_bf16_round(hp[i]));
+    fill(hg, nd, 32, 1.0);
+    for (size_t i = nd; i < n; i++)
+        hg[i] = NAN;
+    fill(x, ni, 33, 1.0);
+    fill(hdh, no, 34, 1.0);
+    fill(ha, no, 35, 1.0);
+    fill(hb, no, 36, 1.0);
+    float *dp = dev_copy(hp, n), *dg = dev_copy(hg, n), *dx_ = dev_copy(x, ni),
+          *ddh = dev_copy(hdh, no), *da_in = dev_copy(ha, no), *db_in = dev_copy(hb, no);
+    float *d16 = gpu->alloc(sizeof(float) * 2 * no), *d32 = gpu->alloc(sizeof(float) * 2 * no),
+          *dgx = gpu->alloc(sizeof(float) * ni);
+    float *wa = hp + nd, *wb = hp + nd + gw, *ga = dg + nd, *gb = dg + nd + gw;
+    if (gpu->set_precision(MOE_PREC_BF16, dp, n, ni > no ? ni : no) != MOE_OK ||
+        gpu->master_in_shadow(nd) != MOE_OK || gpu->refresh_shadow() != MOE_OK ||
+        gpu->grads_in_shadow(dg) != MOE_OK || gpu->mark_operand(d16, no) != MOE_OK ||
+        gpu->mark_operand(d16 + no, no) != MOE_OK) {
+        printf("FAIL grads16: set_precision, master_in_shadow, grads_in_shadow\n");
+        failures++;
+        return;
+    }
+    /* the output gradients as the model makes them: SwiGLU's backward, 16-bit (marked)
+     * for the GEMMs, fp32 for the reference */
+    gpu->swiglu_backward(d16, d16 + no, ddh, da_in, db_in, no);
+    gpu->swiglu_backward(d32, d32 + no, ddh, da_in, db_in, no);
+    to_host(gd, d32, 2 * no);
+    /* the grouped backward of wa from gradient a: written, then gradient b's added */
+    for (size_t i = 0; i < gw; i++)
+        ref[i] = NAN;
+    moe_backend_cpu.grouped_matmul_backward(NULL, ref, gd, x, wa, offsets, G, I, O, MOE_WRITE_DW);
+    gpu->grouped_matmul_backward(NULL, ga, d32, dx_, dp + nd, offsets, G, I, O, MOE_WRITE_DW);
+    to_host(got, dg, n);
+    size_t sentinel = 0;
+    for (size_t i = nd; i < n; i++)
+        sentinel += !isnan(got[i]);
+    report("grads16: fp32 copies untouched", "bf16", (double)sentinel, 0.0);
+    gpu->sync_master();
+    to_host(got, ga, gw);
+    report("grads16: grouped dw written", "bf16", rel_err(got, ref, gw), 1e-2);
+    double empty = 0;
+    for (size_t i = (size_t)O * I; i < (size_t)2 * O * I; i++)
+        empty += fabs(got[i]);
+    report("grads16: empty group zeroed", "bf16", empty + (double)not_bf16(got, gw), 0.0);
+    moe_backend_cpu.grouped_matmul_backward(NULL, ref, gd + no, x, wa, offsets, G, I, O, 0);
+    gpu->grouped_matmul_backward(NULL, ga, d32 + no, dx_, dp + nd, offsets, G, I, O, 0);
+    gpu->sync_master();
+    to_host(got, ga, gw);
+    report("grads16: grouped dw added to", "bf16",
+           rel_err(got, ref, gw) + (double)not_bf16(got, gw), 1e-2);
+    /* the pair: both weight gradients, one strided batch of 2 per non-empty group */
+    const long pairs0 = moe_cuda_batched_pairs();
+    for (size_t i = 0; i < ni; i++)
+        refx[i] = NAN;
+    for (size_t i = 0; i < 2 * gw; i++)
+        ref[i] = NAN;
+    moe_backend_cpu.grouped_matmul_backward(refx, ref, gd, x, wa, offsets, G, I, O,
+                                            MOE_WRITE_DW | MOE_WRITE_DX);
+    moe_backend_cpu.grouped_matmul_backward(refx, ref + gw, gd + no, x, wb, offsets, G, I, O,
+                                            MOE_WRITE_DW);
+    gpu->grouped_matmul_backward_pair(dgx, ga, gb, d16, d16 + no, dx_, dp + nd, dp + nd + gw,
+                                      offsets, G, I, O, MOE_WRITE_DW | MOE_WRITE_DX);
+    const long pairs = moe_cuda_batched_pairs() - pairs0;
+    gpu->sync_master();
+    to_host(got, ga, 2 * gw);
+    report("grads16: pair dw", "bf16",
+           rel_err(got, ref, 2 * gw) + (double)not_bf16(got, 2 * gw) + (pairs != 4), 1e-2);
+    /* the sums over them (the bf16 values, widened: got holds them) */
+    double want = 0;
+    for (size_t i = 0; i < 2 * gw; i++)
+        want += (double)got[i] * got[i];
+    const double have = gpu->sum_squares(ga, 2 * gw);
+    report("grads16: sum_squares", "bf16", fabs(have - want) / want, 1e-12);
+    /* AdamW over the arena: bf16 moments, the sums of squares from its pass */
+    const size_t split = nd;
+    float *hm = malloc(sizeof(float) * n), *hv = malloc(sizeof(float) * n);
+    fill(hm, n, 37, 0.01);
+    fill(hv, n, 38, 0.001);
+    uint16_t *m16 = (uint16_t *)hm, *v16 = (uint16_t *)hv;
+    for (size_t i = 0; i < n; i++) {
+        m16[i] = moe_bf16_round(hm[i]);
+        v16[i] = moe_bf16_round(fabsf(hv[i]));
+    }
+    float *dm = dev_copy(hm, n), *dv = dev_copy(hv, n);
+    const int64_t off[3] = {0, (int64_t)nd, (int64_t)n};
+    const float wd[2] = {0.0f, 0.1f};
+    int64_t *doff = gpu->alloc(sizeof off);
+    float *dwd = gpu->alloc(sizeof wd);
+    double *dsq = gpu->alloc(2 * sizeof(double)), sq_ref[2], sq_got[2];
+    gpu->copy(doff, off, sizeof off, MOE_COPY_H2D);
+    gpu->copy(dwd, wd, sizeof wd, MOE_COPY_H2D);
+    to_host(hg, dg, nd); /* the dense gradients as the GPU holds them; the experts': got */
+    memcpy(hg + nd, got, sizeof(float) * 2 * gw);
+    moe_backend_cpu.adamw_update_multi(hp, hg, hm, hv, 1, n, off, wd, 2, 1e-3f, 0.9f, 0.95f, 1e-8f,
+                                       NULL, 0.0, 1.0, 3, sq_ref, split);
+    gpu->adamw_update_multi(dp, dg, dm, dv, 1, n, doff, dwd, 2, 1e-3f, 0.9f, 0.95f, 1e-8f, NULL,
+                            0.0, 1.0, 3, dsq, split);
+    gpu->copy(sq_got, dsq, sizeof sq_got, MOE_COPY_D2H);
+    const double sq_err =
+        fabs(sq_got[0] - sq_ref[0]) / sq_ref[0] + fabs(sq_got[1] - sq_ref[1]) / sq_ref[1];
+    report("grads16: adamw's sums of squares", "bf16", sq_err, 1e-12);
+    uint16_t *gm = malloc(sizeof(uint16_t) * n), *gv = malloc(sizeof(uint16_t) * n);
+    gpu->copy(gm, dm, sizeof(uint16_t) * n, MOE_COPY_D2H);
+    gpu->copy(gv, dv, sizeof(uint16_t) * n, MOE_COPY_D2H);
+    report("grads16: adamw's bf16 moments bit for bit", "bf16",
+           (double)(memcmp(gm, m16, sizeof(uint16_t) * n) != 0) +
+               (memcmp(gv, v16, sizeof(uint16_t) * n) != 0),
+           0.0);
+    /* an infinity in the bf16 copy: a product added to it, found by all_finite */
+    float *inf_x = malloc(sizeof(float) * ni);
+    memcpy(inf_x, x, sizeof(float) * ni);
+    inf_x[5] = INFINITY;
+    float *dinf = dev_copy(inf_x, ni);
+    const int finite_before = gpu->all_finite(gb, gw);
+    gpu->grouped_matmul_backward(NULL, gb, d32, dinf, dp + nd + gw, offsets, G, I, O, 0);
+    report("grads16: all_finite reads the bf16 copy", "bf16",
+           (double)(finite_before != 1) + (gpu->all_finite(gb, gw) != 0) +
+               (gpu->all_finite(ga, gw) != 1) + (gpu->all_finite(dg, nd) != 1),
+           0.0);
+    if (gpu->sync() != MOE_OK) {
+        printf("FAIL grads16: the backend reported an error\n");
+        failures++;
+    }
+    gpu->mark_operand(d16, 0);
+    gpu->mark_operand(d16 + no, 0);
+    gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0);
+    void *dev[] = {dp, dg, dx_, ddh, da_in, db_in, d16, d32, dgx, dm, dv, doff, dwd, dsq, dinf};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
+        gpu->release(dev[i]);
+    void *host[] = {hp, hg, x, hdh, ha, hb, ref, got, gd, refx, hm, hv, gm, gv, inf_x};
+    for (size_t i = 0; i < sizeof host / sizeof host[0]; i++)
+        free(host[i]);
+}
+
 /* Causal attention (B, T, H, Hd) in precision p, forward (out, lse) and backward (dq, dk,
  * dv), against the fp32 CPU reference; 16-bit modes take the tensor-core kernels where Hd
  * is a multiple of 16. The backward runs from the reference's out and lse. The gradients
@@ -1025,6 +1196,7 @@ int main(void)
     if (cc >= 80) {
         check_mode(MOE_PREC_BF16, "bf16", 1e-2);
         check_attention_mode(MOE_PREC_BF16, "bf16", 1e-2);
+        check_grads16();
         /* the wmma kernels of sm_75, which sm_80 and later replace by mma.sync */
         setenv("MOE_ATTENTION", "wmma", 1);
         check_attention_mode(MOE_PREC_FP16, "fp16 wmma", 5e-3);

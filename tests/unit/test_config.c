@@ -479,6 +479,14 @@ static const rule_case rule_errors[] = {
      NULL,
      {"R.ini:3: [precision] mode = fp16: must be bf16 (or auto on sm_80+) with [precision] "
       "master_weights = bf16 (line 2)"}},
+    {"[precision]\nmode = bf16\nexpert_grads = bf16\n",
+     NULL,
+     {"R.ini:3: [precision] expert_grads = bf16: = bf16 keeps the gradients of bf16 master",
+      "needs bf16 in [precision] master_weights = fp32 (default)"}},
+    {"[precision]\nmode = bf16\nexpert_grads = bf16\nmaster_weights = fp32\n",
+     NULL,
+     {"R.ini:4: [precision] master_weights = fp32: must be bf16 with [precision] "
+      "expert_grads = bf16 (line 3)"}},
 };
 
 static void test_rules(void **state)
@@ -636,6 +644,7 @@ static void test_round_trip(void **state)
         "precision.mode=bf16",
         "precision.optimizer_state=bf16",
         "precision.master_weights=bf16",
+        "precision.expert_grads=bf16",
         "checkpoint.dir=/scratch/ckpt dir",
         "checkpoint.interval=500",
         "checkpoint.interval_minutes=30",
