@@ -291,6 +291,43 @@ static __global__ void combine_dw_kernel(real *dw, const real *dy, const real *e
         dw[n * K + row_slot[m]] += (real)dot;
 }
 
+/* Both in one pass where D % 4 == 0 and the rows are aligned: one warp per row reads
+ * dy[token] once for the product and the dot (4 elements a lane a step; O16 / E16:
+ * dexpert_out written, expert_out read, in 16 bits). The same products; the dot's double
+ * sum in another order than combine_dw_kernel's (the same float nearly always). */
+template <bool O16, int E16>
+static __global__ void
+combine_backward_fused_kernel(real *dexpert_out, real *dw, const real *dy, const real *expert_out,
+                              const real *w, const int32_t *row_token, const int32_t *row_slot,
+                              int M, int D, int K, int bf16)
+{
+    const int m = blockIdx.x * (MOE_CUDA_THREADS / 32) + (threadIdx.x >> 5),
+              lane = threadIdx.x & 31;
+    if (m >= M)
+        return;
+    const size_t n = row_token[m], a = n * K + row_slot[m];
+    const real wk = w[a];
+    const real *g = dy + n * D;
+    const size_t e = (size_t)m * D;
+    double dot = 0.0;
+    for (int j = 4 * lane; j < D; j += 128) {
+        moe_fvec<4> gv = moe_load_v<4>(g + j);
+        const moe_fvec<4> ev = moe_ld_v<4, E16>(expert_out, e + j, bf16);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            dot += (double)gv.v[k] * ev.v[k];
+            gv.v[k] = __fmul_rn(wk, gv.v[k]);
+        }
+        if (O16)
+            moe_store16_v<4>((uint16_t *)dexpert_out + e + j, gv, bf16);
+        else
+            moe_store_v<4>(dexpert_out + e + j, gv);
+    }
+    dot = moe_warp_sum_d(dot);
+    if (lane == 0)
+        dw[a] += (real)dot;
+}
+
 extern "C" void cuda_moe_combine_backward(real *dexpert_out, real *dw, const real *dy,
                                           const real *expert_out, const real *w,
                                           const int32_t *row_token, const int32_t *row_slot, int M,
@@ -298,6 +335,21 @@ extern "C" void cuda_moe_combine_backward(real *dexpert_out, real *dw, const rea
 {
     if (M <= 0)
         return;
+    if (dexpert_out && dw && D > 0 && D % 4 == 0 && moe_aligned16(dexpert_out) &&
+        moe_aligned16(dy) && moe_aligned16(expert_out)) {
+        int bf16 = 0, bf16e = 0;
+        const bool o16 = cuda_operand_in_place(dexpert_out, (size_t)M * D, &bf16);
+        const int e16 = cuda_operand_in_place(expert_out, (size_t)M * D, &bf16e);
+        if (e16)
+            bf16 = bf16e;
+        const unsigned blocks = (M + MOE_CUDA_THREADS / 32 - 1) / (MOE_CUDA_THREADS / 32);
+#define COMBINE_FUSED(O16, E16)                                                                    \
+    MOE_CUDA_LAUNCH((combine_backward_fused_kernel<O16, E16>), blocks, MOE_CUDA_THREADS, 0,        \
+                    dexpert_out, dw, dy, expert_out, w, row_token, row_slot, M, D, K, bf16)
+        MOE_CUDA_PICK2(o16, e16, COMBINE_FUSED, true, false, 1, 0);
+#undef COMBINE_FUSED
+        return;
+    }
     if (dexpert_out && D > 0) {
         int bf16 = 0;
         const bool o16 = cuda_operand_in_place(dexpert_out, (size_t)M * D, &bf16);

@@ -452,6 +452,28 @@ static void check_combine16(moe_precision p, const char *mode, int N, int D)
     to_host(gdw, dw, (size_t)N * K);
     snprintf(what, sizeof what, "combine_bwd 16-bit rows D=%d: dw", D);
     report(what, mode, rel_err(gdw, rdw, (size_t)N * K), 1e-6);
+    /* both gradients in one call (one pass where D % 4 == 0): dexpert_out marked, as the
+     * model's deout, holds the rounding of the fp32 products of an unmarked run, and dw
+     * gets the same dots again (added to the first call's) */
+    float *de32 = gpu->alloc(sizeof(float) * md), *de16 = gpu->alloc(sizeof(float) * md);
+    bad += gpu->mark_operand(de16, md) != MOE_OK;
+    gpu->moe_combine_backward(de16, dw, dy, e16, w, dmap, dmap + M, M, D, K);
+    gpu->moe_combine_backward(de32, NULL, dy, e16, w, dmap, dmap + M, M, D, K);
+    moe_backend_cpu.moe_combine_backward(NULL, rdw, hdy, he, hw, map, map + M, M, D, K);
+    to_host(gdw, dw, (size_t)N * K);
+    float *href = malloc(sizeof(float) * md), *hgot = malloc(sizeof(float) * md);
+    moe_backend_cpu.moe_combine_backward(href, NULL, hdy, he, hw, map, map + M, M, D, K);
+    to_host(hgot, de32, md);
+    snprintf(what, sizeof what, "combine_bwd both D=%d: dexpert, dw", D);
+    report(what, mode,
+           rel_err(hgot, href, md) + round16_mismatches(p, de32, de16, md) + bad +
+               rel_err(gdw, rdw, (size_t)N * K),
+           1e-6);
+    gpu->mark_operand(de16, 0);
+    gpu->release(de16);
+    gpu->release(de32);
+    free(href);
+    free(hgot);
     gpu->mark_operand(e16, 0);
     gpu->release(e16);
     gpu->release(w);
