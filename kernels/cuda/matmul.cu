@@ -14,7 +14,10 @@
  * bf16 / fp16 (set_precision): the operands are 16-bit, outputs fp32, compute fp32. A
  * weight operand inside the parameter arena is read from a 16-bit shadow of the arena
  * (refreshed after every optimizer step); activation and gradient operands are rounded
- * into one of two workspaces sized at set_precision, so nothing is allocated in a step. */
+ * into one of two workspaces sized at set_precision, so nothing is allocated in a step.
+ * With bf16 gradients of bf16 master weights (grads_in_shadow) a weight gradient inside
+ * the gradient arena's expert part is written (and added to) in a bf16 copy of that part
+ * instead (dw_target). */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cublas_v2.h>

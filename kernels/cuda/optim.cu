@@ -7,7 +7,9 @@
  * skip; over the whole parameter
  * arena in a 16-bit precision it also writes the GEMMs' 16-bit shadow, so the refresh
  * that follows has nothing left to do; with bf16 master weights, master_in_shadow, the
- * elements from there on are read from the shadow and written back to it only). */
+ * elements from there on are read from the shadow and written back to it only, and with
+ * bf16 gradients, grads_in_shadow, their gradients from the bf16 copy; the sums and the
+ * finiteness check read a range inside that copy there). */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
