@@ -1210,9 +1210,27 @@ static void router_backward_layer(moe_model *m, int l, int64_t step_sequences)
     m->be->matmul_backward(m->dh, g->router, m->drlogits, a->h2, w->router, N, m->D, E, 0);
 }
 
+/* Whether layer l's dispatch rows are the tokens themselves, in order: at ep 1 the rows
+ * go out in token order (moe_pack_dispatch), so when every token has a kept slot,
+ * send_token is the identity and nothing crosses a rank. With one chunk a micro-batch
+ * (dres, dh and dw then serve that chunk alone between the stages), the backward skips
+ * the exchange buffers: the experts take dres as their rows' gradient, and write the
+ * gradient of their input straight into dh (onto the shared experts') and that of the
+ * slot weights into dw: no copy of dres into send_buf, no packing of gradient rows, no
+ * scatter (at the bench shape on an H200, 3 passes of 46-69 us a layer). */
+static int rows_are_tokens(const moe_model *m, int l)
+{
+    static int off = -1; /* MOE_EP1_EXCHANGE_ROWS=1: the buffers anyway (a benchmark knob) */
+    if (off < 0)
+        off = getenv("MOE_EP1_EXCHANGE_ROWS") != NULL;
+    const moe_layer_acts *a = &m->acts[l];
+    return !off && m->ep == 1 && m->C == 1 && a->n_send == m->Nc && a->n_recv == m->Nc;
+}
+
 /* Experts' side of backward: from dy (R, D), the gradient of each received row's
  * weighted sum, computes the expert weight gradients and writes, per row, the gradient
- * of its input (D reals) and of its slots' weights (K reals) into out rows. */
+ * of its input (D reals) and of its slots' weights (K reals) into out rows; out NULL
+ * (rows_are_tokens): into dh (added to it with shared experts) and dw instead. */
 static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
 {
     const moe_layer_view *w = &m->p.layers[l];
@@ -1221,15 +1239,21 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
     const int R = a->n_recv, D = m->D, K = m->K, F = m->F, M = a->n_rows;
     /* the weight gradients are written by a step's first chunk (chunks run in order) */
     const int first = m->expert_grads_fresh && m->cur == 0 ? MOE_WRITE_DW : 0;
-    m->be->zero(m->dlw, sizeof(real) * (size_t)R * K); /* deout: written by the op */
-    m->be->moe_combine_backward(m->deout, m->dlw, dy, a->eout, a->lw, a->row_token, a->row_slot, M,
-                                D, K);
+    real *dlw = out ? m->dlw : m->dw;
+    m->be->zero(dlw, sizeof(real) * (size_t)R * K); /* deout: written by the op */
+    m->be->moe_combine_backward(m->deout, dlw, dy, a->eout, a->lw, a->row_token, a->row_slot, M, D,
+                                K);
     /* deh and dxperm are written by their first GEMM (every row has its expert) */
     m->be->grouped_matmul_backward(m->deh, g->ew2, m->deout, a->eh, w->ew2, a->offsets, m->El, F, D,
                                    first | MOE_WRITE_DX);
     m->be->swiglu_backward(m->dea, m->deb, m->deh, a->ea, a->eb, (size_t)M * F); /* overwrites */
     m->be->grouped_matmul_backward_pair(m->dxperm, g->ew1, g->ew3, m->dea, m->deb, a->xperm, w->ew1,
                                         w->ew3, a->offsets, m->El, D, F, first | MOE_WRITE_DX);
+    if (!out) {
+        m->be->moe_permute_backward(m->dh, m->Fs > 0 ? m->dh : NULL, m->dxperm, a->row_token, M, D,
+                                    a->lslot_row, R, K);
+        return;
+    }
     m->be->moe_permute_backward(m->dxrecv, NULL, m->dxperm, a->row_token, M, D, a->lslot_row, R, K);
     m->be->moe_pack_grad_rows(out, m->dxrecv, m->dlw, R, D, K);
 }
@@ -1255,6 +1279,8 @@ static moe_status layer_backward_begin(moe_model *m, int l)
     if (m->Fs > 0)
         swiglu_ffn_backward(m, m->dh, g->sw1, g->sw3, g->sw2, m->dres, a->h2, a->sa, a->sb, a->sh,
                             w->sw1, w->sw3, w->sw2, N, D, m->Fs);
+    if (rows_are_tokens(m, l)) /* the experts read dres itself */
+        return MOE_OK;
     m->be->moe_permute((real *)m->send_buf, m->dres, a->send_token, a->n_send, D);
     return exchange_start(m, m->send_buf, a->send_rows, m->dyrecv, a->recv_rows, sizeof(real) * D);
 }
@@ -1266,6 +1292,10 @@ static moe_status layer_backward_experts(moe_model *m, int l)
     if (l < m->cfg.dense_layers)
         return MOE_OK;
     moe_comm_set_context(m->comm, "backward dispatch", l);
+    if (rows_are_tokens(m, l)) { /* nothing was sent: dres, dh and dw directly */
+        moe_experts_backward(m, l, m->dres, NULL);
+        return MOE_OK;
+    }
     MOE_CHECK(exchange_finish(m));
     moe_experts_backward(m, l, (const real *)exchange_rows(m), (real *)m->send_buf);
     moe_comm_set_context(m->comm, "backward combine", l);
@@ -1283,9 +1313,10 @@ static moe_status layer_backward_end(moe_model *m, int l, int64_t step_sequences
     if (l >= m->cfg.dense_layers) {
         moe_comm_set_context(m->comm, "backward combine", l);
         MOE_CHECK(exchange_finish(m));
-        m->be->moe_scatter_grad_rows(m->dh, m->dw, m->Fs > 0 ? m->dh : NULL,
-                                     (const real *)exchange_rows(m), a->send_token, a->n_send, D, K,
-                                     a->token_rows, N, m->ep);
+        if (!rows_are_tokens(m, l)) /* else the experts wrote dh and dw */
+            m->be->moe_scatter_grad_rows(m->dh, m->dw, m->Fs > 0 ? m->dh : NULL,
+                                         (const real *)exchange_rows(m), a->send_token, a->n_send,
+                                         D, K, a->token_rows, N, m->ep);
         router_backward_layer(m, l, step_sequences);
     }
     m->be->rmsnorm_backward(m->dres, g->ffn_norm, m->dh, a->xmid, w->ffn_norm, a->rstd2, N, D);
