@@ -465,7 +465,10 @@ template <class Op> static void moe_cuda_runs(const Op &op, const int32_t *keys,
  * K2: K is 2 (top-2), the two rows ordered by one comparison in registers and a
  * negative one skipped where it is added (the general form's insertion sort indexes its
  * array at run time, which puts it in local memory); the same additions in the same
- * order. */
+ * order. Ops with weighted = true scale each row by a factor of its (token, slot) that
+ * op.weight(n, k) reads: loaded here next to slot_row (no load waits on the row number
+ * for it) and given to the op's valuew / value4w (the value of value / value4, which
+ * look the factor up through the row for moe_runs_kernel). */
 #define MOE_GATHER_MAX_K 16
 template <class Op, int V, bool K2>
 static __global__ void moe_gather_rows_kernel(Op op, const int32_t *slot_row, int N, int K, int W)
@@ -476,20 +479,32 @@ static __global__ void moe_gather_rows_kernel(Op op, const int32_t *slot_row, in
         const int n = (int)(e / G), j = (int)(e % G) * V;
         constexpr int RM = K2 ? 2 : MOE_GATHER_MAX_K;
         int rows[RM], c = 0;
+        float wt[RM]; /* weighted ops: each row's factor */
         if constexpr (K2) {
             const int a = slot_row[(size_t)n * 2], b = slot_row[(size_t)n * 2 + 1];
             rows[0] = min(a, b); /* ascending; -1 (no row) first, skipped below */
             rows[1] = max(a, b);
+            if constexpr (Op::weighted) {
+                const float wa = op.weight(n, 0), wb = op.weight(n, 1);
+                wt[0] = a <= b ? wa : wb;
+                wt[1] = a <= b ? wb : wa;
+            }
             c = 2;
         } else {
             for (int k = 0; k < K; k++) {
                 const int r = slot_row[(size_t)n * K + k];
                 if (r < 0)
                     continue;
+                float f = 1.f;
+                if constexpr (Op::weighted)
+                    f = op.weight(n, k);
                 int i = c++;
-                for (; i > 0 && rows[i - 1] > r; i--) /* insertion: ascending rows */
+                for (; i > 0 && rows[i - 1] > r; i--) { /* insertion: ascending rows */
                     rows[i] = rows[i - 1];
+                    wt[i] = wt[i - 1];
+                }
                 rows[i] = r;
+                wt[i] = f;
             }
         }
         /* every token stored: one without rows gets its base value */
@@ -501,7 +516,11 @@ static __global__ void moe_gather_rows_kernel(Op op, const int32_t *slot_row, in
                     break;
                 if (K2 && rows[i] < 0)
                     continue;
-                const float4 a = op.value4(rows[i], j);
+                float4 a;
+                if constexpr (Op::weighted)
+                    a = op.value4w(rows[i], j, wt[i]);
+                else
+                    a = op.value4(rows[i], j);
                 v = make_float4(__fadd_rn(v.x, a.x), __fadd_rn(v.y, a.y), __fadd_rn(v.z, a.z),
                                 __fadd_rn(v.w, a.w));
             }
@@ -526,7 +545,12 @@ static __global__ void moe_gather_rows_kernel(Op op, const int32_t *slot_row, in
                     break;
                 if (K2 && rows[i] < 0)
                     continue;
-                v = __fadd_rn(v, op.value(rows[i], j));
+                float a;
+                if constexpr (Op::weighted)
+                    a = op.valuew(rows[i], j, wt[i]);
+                else
+                    a = op.value(rows[i], j);
+                v = __fadd_rn(v, a);
             }
             op.store(n, j, v);
         }

@@ -273,6 +273,7 @@ struct scatter_grad {
     int D, K;
     static constexpr bool vec4 = false; /* a row's columns go to two arrays */
     static constexpr bool vec2 = true;  /* D, K even: a pair never straddles them */
+    static constexpr bool weighted = false;
     bool aligned16() const { return false; }
     bool aligned8() const
     {

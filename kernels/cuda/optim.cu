@@ -17,59 +17,64 @@
 
 #define SUM_MAX_BLOCKS 1024
 
-/* V4: x is 16-byte aligned; groups of 4 by float4, the last n % 4 by block 0. */
-template <int SQUARE, int V4>
-static __global__ void sum_partial(double *part, const real *x, size_t n)
-{
-    double s = 0.0;
-    if (V4) {
-        MOE_CUDA_GRID_STRIDE(c, n / 4)
-        {
-            const float4 q = ((const float4 *)x)[c];
-            const double a = q.x, b = q.y, d = q.z, e = q.w;
-            s += SQUARE ? a * a + b * b + d * d + e * e : a + b + d + e;
-        }
-        if (blockIdx.x == 0 && threadIdx.x < n % 4) {
-            const double v = x[n / 4 * 4 + threadIdx.x];
-            s += SQUARE ? v * v : v;
-        }
-    } else {
-        MOE_CUDA_GRID_STRIDE(i, n)
-        {
-            const double v = x[i];
-            s += SQUARE ? v * v : v;
-        }
+/* The elements sum_partial reads: fp32 (real), or bf16 (uint16_t: gradients kept in
+ * bf16, grads_in_shadow); W of them in 16 bytes. */
+template <class T> struct sum_elem;
+template <> struct sum_elem<real> {
+    static constexpr int W = 4;
+    static __device__ __forceinline__ double get(const real *x, size_t i) { return x[i]; }
+    static __device__ __forceinline__ void group(double (&v)[W], const real *x, size_t c)
+    {
+        const float4 q = ((const float4 *)x)[c];
+        v[0] = q.x;
+        v[1] = q.y;
+        v[2] = q.z;
+        v[3] = q.w;
     }
-    s = moe_block_sum_d(s);
-    if (threadIdx.x == 0)
-        part[blockIdx.x] = s;
-}
-
-/* The same over bf16 values (gradients kept in bf16, grads_in_shadow): V8, x is 16-byte
- * aligned; groups of 8 by uint4, the last n % 8 by block 0. */
-template <int SQUARE, int V8>
-static __global__ void sum_partial16(double *part, const uint16_t *x, size_t n)
-{
-    double s = 0.0;
-    if (V8) {
-        MOE_CUDA_GRID_STRIDE(c, n / 8)
-        {
-            const uint4 q = ((const uint4 *)x)[c];
-            const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+};
+template <> struct sum_elem<uint16_t> {
+    static constexpr int W = 8;
+    static __device__ __forceinline__ double get(const uint16_t *x, size_t i)
+    {
+        return moe_bf16_widen(x[i]);
+    }
+    static __device__ __forceinline__ void group(double (&v)[W], const uint16_t *x, size_t c)
+    {
+        const uint4 q = ((const uint4 *)x)[c];
+        const uint32_t w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-            for (int e = 0; e < 8; e++) {
-                const double a = moe_bf16_widen((uint16_t)(w[e / 2] >> (16 * (e % 2))));
-                s += SQUARE ? a * a : a;
-            }
+        for (int e = 0; e < W; e++)
+            v[e] = moe_bf16_widen((uint16_t)(w[e / 2] >> (16 * (e % 2))));
+    }
+};
+
+/* part[block] = the block's sum (SQUARE: of squares) over x, in double. VEC: x is 16-byte
+ * aligned; groups of W by one 16-byte load, each group summed first, the last n % W by
+ * block 0. */
+template <class T, int SQUARE, int VEC>
+static __global__ void sum_partial(double *part, const T *x, size_t n)
+{
+    typedef sum_elem<T> E;
+    double s = 0.0;
+    if (VEC) {
+        MOE_CUDA_GRID_STRIDE(c, n / E::W)
+        {
+            double v[E::W];
+            E::group(v, x, c);
+            double g = SQUARE ? v[0] * v[0] : v[0];
+#pragma unroll
+            for (int e = 1; e < E::W; e++)
+                g += SQUARE ? v[e] * v[e] : v[e];
+            s += g;
         }
-        if (blockIdx.x == 0 && threadIdx.x < n % 8) {
-            const double v = moe_bf16_widen(x[n / 8 * 8 + threadIdx.x]);
+        if (blockIdx.x == 0 && threadIdx.x < n % E::W) {
+            const double v = E::get(x, n / E::W * E::W + threadIdx.x);
             s += SQUARE ? v * v : v;
         }
     } else {
         MOE_CUDA_GRID_STRIDE(i, n)
         {
-            const double v = moe_bf16_widen(x[i]);
+            const double v = E::get(x, i);
             s += SQUARE ? v * v : v;
         }
     }
@@ -103,23 +108,18 @@ extern "C" void cuda_sum_into(double *acc, const real *x, size_t n, int square)
     if (!part)
         return;
     const uint16_t *x16 = cuda_gemm_grad16_at(x, n); /* gradients kept in bf16 */
-    const int v4 = moe_aligned16(x16 ? (const void *)x16 : (const void *)x);
-    if (x16 && square && v4)
-        MOE_CUDA_LAUNCH((sum_partial16<1, 1>), blocks, MOE_CUDA_THREADS, 0, part, x16, n);
-    else if (x16 && square)
-        MOE_CUDA_LAUNCH((sum_partial16<1, 0>), blocks, MOE_CUDA_THREADS, 0, part, x16, n);
-    else if (x16 && v4)
-        MOE_CUDA_LAUNCH((sum_partial16<0, 1>), blocks, MOE_CUDA_THREADS, 0, part, x16, n);
-    else if (x16)
-        MOE_CUDA_LAUNCH((sum_partial16<0, 0>), blocks, MOE_CUDA_THREADS, 0, part, x16, n);
-    else if (square && v4)
-        MOE_CUDA_LAUNCH((sum_partial<1, 1>), blocks, MOE_CUDA_THREADS, 0, part, x, n);
-    else if (square)
-        MOE_CUDA_LAUNCH((sum_partial<1, 0>), blocks, MOE_CUDA_THREADS, 0, part, x, n);
-    else if (v4)
-        MOE_CUDA_LAUNCH((sum_partial<0, 1>), blocks, MOE_CUDA_THREADS, 0, part, x, n);
-    else
-        MOE_CUDA_LAUNCH((sum_partial<0, 0>), blocks, MOE_CUDA_THREADS, 0, part, x, n);
+    const int vec = moe_aligned16(x16 ? (const void *)x16 : (const void *)x);
+    moe_cuda_pick(
+        [&](auto sq, auto vec_) {
+            constexpr int SQ = decltype(sq)::value, VEC = decltype(vec_)::value;
+            if (x16)
+                MOE_CUDA_LAUNCH((sum_partial<uint16_t, SQ, VEC>), blocks, MOE_CUDA_THREADS, 0, part,
+                                x16, n);
+            else
+                MOE_CUDA_LAUNCH((sum_partial<real, SQ, VEC>), blocks, MOE_CUDA_THREADS, 0, part, x,
+                                n);
+        },
+        square != 0, vec != 0);
     MOE_CUDA_LAUNCH(sum_final, 1, MOE_CUDA_THREADS, 0, acc, part, (int)blocks);
 }
 

@@ -172,7 +172,7 @@ struct permute_grad {
     real *dx;
     const real *base, *dout;
     int D;
-    static constexpr bool vec4 = true, vec2 = false;
+    static constexpr bool vec4 = true, vec2 = false, weighted = false;
     bool aligned16() const
     {
         return moe_aligned16(dx) && moe_aligned16(dout) && (!base || moe_aligned16(base));
@@ -201,34 +201,42 @@ extern "C" void cuda_moe_permute_backward(real *dx, const real *base, const real
 }
 
 /* y[token] = base[token] + w[token, slot] * expert_out[row] ..., rows of a token in row
- * order; e16: expert_out holds 16-bit values (marked; bf16 by `bf16`). */
+ * order; e16: expert_out holds 16-bit values (marked; bf16 by `bf16`). The gather reads
+ * w by (token, slot) (weight; valuew, value4w), the sorted runs through the row. */
 struct combine_sum {
     real *y;
     const real *base, *expert_out, *w;
     const int32_t *row_token, *row_slot;
     int D, K, e16, bf16;
-    static constexpr bool vec4 = true, vec2 = false;
+    static constexpr bool vec4 = true, vec2 = false, weighted = true;
     bool aligned16() const
     {
         return moe_aligned16(y) && moe_aligned16(expert_out) && (!base || moe_aligned16(base));
     }
     void start(int N) const { moe_cuda_rows_base(y, base, N, D); }
     __device__ float load(int n, int j) const { return moe_base_value(base, (size_t)n * D + j); }
-    __device__ float value(int m, int j) const
+    __device__ float weight(int n, int k) const { return w[(size_t)n * K + k]; }
+    __device__ float valuew(int m, int j, float wk) const
     {
-        const real wk = w[(size_t)row_token[m] * K + row_slot[m]];
         const size_t at = (size_t)m * D + j;
         return __fmul_rn(wk, e16 ? moe_ld<1>(expert_out, at, bf16) : expert_out[at]);
     }
+    __device__ float value(int m, int j) const
+    {
+        return valuew(m, j, w[(size_t)row_token[m] * K + row_slot[m]]);
+    }
     __device__ void store(int n, int j, float v) const { y[(size_t)n * D + j] = v; }
     __device__ float4 load4(int n, int j) const { return moe_base_value4(base, (size_t)n * D + j); }
-    __device__ float4 value4(int m, int j) const
+    __device__ float4 value4w(int m, int j, float wk) const
     {
-        const real wk = w[(size_t)row_token[m] * K + row_slot[m]];
         const size_t at = (size_t)m * D + j;
         const float4 e = e16 ? moe_ld4<1>(expert_out, at, bf16) : moe_ld4<0>(expert_out, at, 0);
         return make_float4(__fmul_rn(wk, e.x), __fmul_rn(wk, e.y), __fmul_rn(wk, e.z),
                            __fmul_rn(wk, e.w));
+    }
+    __device__ float4 value4(int m, int j) const
+    {
+        return value4w(m, j, w[(size_t)row_token[m] * K + row_slot[m]]);
     }
     __device__ void store4(int n, int j, float4 v) const { *(float4 *)(y + (size_t)n * D + j) = v; }
 };
@@ -295,6 +303,7 @@ static __global__ void combine_dw_kernel(real *dw, const real *dy, const real *e
  * dy[token] once for the product and the dot (4 elements a lane a step; O16 / E16:
  * dexpert_out written, expert_out read, in 16 bits). The same products; the dot's double
  * sum in another order than combine_dw_kernel's (the same float nearly always). */
+#define CB_STEPS 4
 template <bool O16, int E16>
 static __global__ void
 combine_backward_fused_kernel(real *dexpert_out, real *dw, const real *dy, const real *expert_out,
@@ -310,18 +319,33 @@ combine_backward_fused_kernel(real *dexpert_out, real *dw, const real *dy, const
     const real *g = dy + n * D;
     const size_t e = (size_t)m * D;
     double dot = 0.0;
-    for (int j = 4 * lane; j < D; j += 128) {
-        moe_fvec<4> gv = moe_load_v<4>(g + j);
-        const moe_fvec<4> ev = moe_ld_v<4, E16>(expert_out, e + j, bf16);
+    /* CB_STEPS steps' loads before their stores (which the compiler may not move loads
+     * past: they might alias), so that several are in flight; the dot in step order */
+    for (int j0 = 4 * lane; j0 < D; j0 += 128 * CB_STEPS) {
+        moe_fvec<4> gv[CB_STEPS], ev[CB_STEPS];
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            dot += (double)gv.v[k] * ev.v[k];
-            gv.v[k] = __fmul_rn(wk, gv.v[k]);
+        for (int u = 0; u < CB_STEPS; u++) {
+            const int j = j0 + 128 * u;
+            if (j < D) {
+                gv[u] = moe_load_v<4>(g + j);
+                ev[u] = moe_ld_v<4, E16>(expert_out, e + j, bf16);
+            }
         }
-        if (O16)
-            moe_store16_v<4>((uint16_t *)dexpert_out + e + j, gv, bf16);
-        else
-            moe_store_v<4>(dexpert_out + e + j, gv);
+#pragma unroll
+        for (int u = 0; u < CB_STEPS; u++) {
+            const int j = j0 + 128 * u;
+            if (j >= D)
+                break;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                dot += (double)gv[u].v[k] * ev[u].v[k];
+                gv[u].v[k] = __fmul_rn(wk, gv[u].v[k]);
+            }
+            if (O16)
+                moe_store16_v<4>((uint16_t *)dexpert_out + e + j, gv[u], bf16);
+            else
+                moe_store_v<4>(dexpert_out + e + j, gv[u]);
+        }
     }
     dot = moe_warp_sum_d(dot);
     if (lane == 0)
@@ -337,11 +361,9 @@ extern "C" void cuda_moe_combine_backward(real *dexpert_out, real *dw, const rea
         return;
     if (dexpert_out && dw && D > 0 && D % 4 == 0 && moe_aligned16(dexpert_out) &&
         moe_aligned16(dy) && moe_aligned16(expert_out)) {
-        int bf16 = 0, bf16e = 0;
+        int bf16 = 0; /* set by either mark: both are of the one 16-bit precision */
         const bool o16 = cuda_operand_in_place(dexpert_out, (size_t)M * D, &bf16);
-        const int e16 = cuda_operand_in_place(expert_out, (size_t)M * D, &bf16e);
-        if (e16)
-            bf16 = bf16e;
+        const int e16 = cuda_operand_in_place(expert_out, (size_t)M * D, &bf16);
         const unsigned blocks = (M + MOE_CUDA_THREADS / 32 - 1) / (MOE_CUDA_THREADS / 32);
 #define COMBINE_FUSED(O16, E16)                                                                    \
     MOE_CUDA_LAUNCH((combine_backward_fused_kernel<O16, E16>), blocks, MOE_CUDA_THREADS, 0,        \

@@ -1369,6 +1369,7 @@ int main(void)
     test_rmsnorm(1, 64, "one token");
     test_rmsnorm(512, 64, "tiny");
     test_rmsnorm(600, 1000, "N=600 D=1000");
+    test_rmsnorm(2051, 1024, "D=1024, 129 row blocks (the model's width)");
     test_rmsnorm(37, 2048, "D=2048 (one pass, 2 groups a thread)");
     test_rmsnorm(33, 4096, "D=4096 (one pass, 4 groups a thread)");
     test_rmsnorm(17, 4100, "D=4100 (two passes)");
@@ -1448,6 +1449,7 @@ int main(void)
     test_route(512, 8, 2, 512, 128, IDX_SKEWED, 64, "tiny capacity 128");
     test_route(4096, 64, 4, 4096, 300, IDX_SKEWED, 32, "N=4096 E=64 K=4 capacity");
     test_route(4096, 64, 4, 1, 1, IDX_RANDOM, 4, "capacity 1 per token (many groups)");
+    test_route(300, 8, 2, 300, -1, IDX_HOLES, 1000, "D=1000 (rows of several steps)");
     test_permute_backward_any(37, 200, 11, "any order, repeats");
     test_permute_backward_any(5000, 300, 3, "sparse targets");
 
