@@ -93,11 +93,11 @@ static __global__ void rmsnorm_forward_kernel(real *out, real *rstd, const real 
 }
 
 /* The forward with the row in registers (V = 4): each of a row's tx threads holds up to G
- * groups, d = 4 (threadIdx.x + q tx), and their weights, all loaded before the sum of
- * squares (in the order of rmsnorm_forward_kernel at the same block, so the same bits);
- * the output is written from the registers, without the second pass over x. D <= 4 tx G.
- * (A row per warp, without the block's barrier, measured slower on an H200 at D = 1024:
- * 56% of copy against this form's 78%.) */
+ * groups, d = 4 (threadIdx.x + q tx), read once; the squares are summed in the order of
+ * rmsnorm_forward_kernel at the same block (so the same bits) and the output is written
+ * from the registers, without the second pass over x. D <= 4 tx G. (Measured on an H200
+ * at D = 1024: 78% of device copy; loading the weights before the barrier too made it
+ * 60%, and a row per warp without the barrier 56%.) */
 template <int G, bool O16>
 static __global__ void rmsnorm_forward_regs_kernel(real *out, real *rstd, const real *x,
                                                    const real *weight, int N, int D, real eps,
@@ -106,14 +106,13 @@ static __global__ void rmsnorm_forward_regs_kernel(real *out, real *rstd, const 
     const int row = blockIdx.x * blockDim.y + threadIdx.y;
     const int live = row < N;
     const real *xr = x + (size_t)row * D;
-    moe_fvec<4> xv[G], w[G];
+    moe_fvec<4> xv[G];
     double ss = 0.0;
 #pragma unroll
     for (int q = 0; q < G; q++) {
         const int d = (threadIdx.x + q * blockDim.x) * 4;
         if (live && d < D) {
             xv[q] = moe_load_v<4>(xr + d);
-            w[q] = moe_load_v<4>(weight + d);
 #pragma unroll
             for (int k = 0; k < 4; k++)
                 ss += (double)xv[q].v[k] * xv[q].v[k];
@@ -128,10 +127,11 @@ static __global__ void rmsnorm_forward_regs_kernel(real *out, real *rstd, const 
         const int d = (threadIdx.x + q * blockDim.x) * 4;
         if (d >= D)
             continue;
+        const moe_fvec<4> w = moe_load_v<4>(weight + d);
         moe_fvec<4> ov;
 #pragma unroll
         for (int k = 0; k < 4; k++)
-            ov.v[k] = (real)(xv[q].v[k] * r * w[q].v[k]);
+            ov.v[k] = (real)(xv[q].v[k] * r * w.v[k]);
         if (O16)
             moe_store16_v<4>((uint16_t *)out + (size_t)row * D + d, ov, bf16);
         else
