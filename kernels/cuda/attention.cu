@@ -21,6 +21,8 @@
 
 #include "kernels/cuda/cuda_common.cuh"
 
+#include "kernels/cuda/attention_mma.cuh"
+
 /* Which of the op's buffers are marked as holding 16-bit values (backend.h mark_operand):
  * the mma.sync kernels read them (q, k, v as a whole; out and dout) or write them (out,
  * dq, dk, dv) so; no other kernel takes them. */
@@ -370,25 +372,6 @@ namespace wmma = nvcuda::wmma;
 #define FA_PAD 8  /* 16-bit elements after each staged row (wmma ldm: a multiple of 8) */
 #define FA_LDW 72 /* fp32 row stride of a warp's 16 x 64 scratch (a multiple of 4) */
 #define FA_LDP 72 /* 16-bit row stride of P / dS in the scratch */
-#define FA_LOG2E 1.4426950408889634f
-#define FA_LN2 0.6931471805599453f
-
-/* The 16-bit type: rounding of two floats into a pair. */
-template <class T16> struct fa_type;
-template <> struct fa_type<__half> {
-    typedef __half2 pair;
-    static __device__ __forceinline__ pair pack(float a, float b)
-    {
-        return __floats2half2_rn(a, b);
-    }
-};
-template <> struct fa_type<__nv_bfloat16> {
-    typedef __nv_bfloat162 pair;
-    static __device__ __forceinline__ pair pack(float a, float b)
-    {
-        return __floats2bfloat162_rn(a, b);
-    }
-};
 
 template <class T16> using fa_a = wmma::fragment<wmma::matrix_a, 16, 16, 16, T16, wmma::row_major>;
 /* B = X^T for a row-major X: column-major B */
@@ -806,29 +789,6 @@ static __global__ void __launch_bounds__(FA_THREADS)
  * no 16x8x16 shape (nor cp.async): it keeps the wmma kernels (MOE_ATTENTION=wmma selects
  * them on any GPU, so their tests run there too). */
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define FM_SKIP 1
-#else
-#define FM_SKIP 0
-#endif
-
-/* Four 8x8 16-bit matrices from shared memory; lanes 8i..8i+7 give the rows of matrix i.
- * trans: each lane receives a column pair instead of a row pair. */
-__device__ __forceinline__ void fm_ldsm(unsigned (&r)[4], const void *p)
-{
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-__device__ __forceinline__ void fm_ldsm_t(unsigned (&r)[4], const void *p)
-{
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-
 /* c (16x8, fp32) += a (16x16) b (16x8). */
 template <class T16>
 static __device__ __forceinline__ void fm_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0,
@@ -846,42 +806,6 @@ static __device__ __forceinline__ void fm_mma(float (&c)[4], const unsigned (&a)
                      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
-}
-
-/* 2^x by the special-function unit, denormal results flushed to 0 (a probability below
- * 2^-126 adds nothing an fp32 sum keeps); 2^-inf = 0. exp2f adds the denormal range's
- * scaling around the same instruction. */
-static __device__ __forceinline__ float fm_exp2(float x)
-{
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-/* f(n, e, keep) over a warp's 16 x 64 fragment (column tile n, element e), keep being
- * in(n, e): whether the causal mask keeps that score. full: the tile lies wholly on the
- * kept side of the diagonal, and f runs with keep = true, a constant (no test). */
-template <class In, class F> static __device__ __forceinline__ void fm_each(bool full, In in, F f)
-{
-    if (full) {
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                f(n, e, true);
-    } else {
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                f(n, e, in(n, e));
-    }
-}
-
-template <class T16> static __device__ __forceinline__ unsigned fm_pack(float a, float b)
-{
-    typename fa_type<T16>::pair p = fa_type<T16>::pack(a, b); /* a in the low half */
-    return *(unsigned *)&p;
 }
 
 /* A operands of a warp's 16 rows (row stride LD, HD wide), one per 16 columns. */
@@ -970,34 +894,6 @@ static __device__ __forceinline__ void fm_pv(float (&acc)[HD / 8][4], const floa
     fm_pv_mt<T16, HD, 1>(*(float(*)[1][HD / 8][4]) & acc, *(const float(*)[1][8][4]) & p, Y, lane);
 }
 
-/* g[base + row] = mul * acc for the lane's 2 rows (row0 + lane / 4, + 8) below T, columns
- * < Hd; o16: g holds T16 values (a marked buffer), else fp32. */
-template <class T16, int HD>
-static __device__ __forceinline__ void
-fm_store_rows(real *g, size_t base, size_t ld, int row0, int T, int Hd, float mul,
-              const float (&acc)[HD / 8][4], int lane, int o16)
-{
-    if (!g)
-        return;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = row0 + (lane >> 2) + 8 * r;
-        if (row >= T)
-            continue;
-        const size_t at = base + (size_t)row * ld + 2 * (lane & 3);
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++) {
-            if (8 * n + 2 * (lane & 3) >= Hd)
-                continue;
-            const float a = mul * acc[n][2 * r], b = mul * acc[n][2 * r + 1];
-            if (o16)
-                *(unsigned *)((T16 *)g + at + 8 * n) = fm_pack<T16>(a, b);
-            else
-                *(float2 *)(g + at + 8 * n) = make_float2(a, b);
-        }
-    }
-}
-
 /* Rows [r0, r0 + 64) of a 16-bit (sequence, head) slice (row stride ld, Hd columns) into
  * shared memory (row stride HD + FA_PAD) by cp.async of 16 bytes, zero past T and past Hd;
  * the caller commits the group. */
@@ -1015,21 +911,6 @@ static __device__ __forceinline__ void fm_stage(T16 *dst, const T16 *src, size_t
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(s),
                      "r"(in ? 16 : 0));
     }
-#endif
-}
-
-static __device__ __forceinline__ void fm_commit(void)
-{
-#if !FM_SKIP
-    asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-
-/* Waits for every committed cp.async of this thread (the caller then synchronises). */
-static __device__ __forceinline__ void fm_wait_all(void)
-{
-#if !FM_SKIP
-    asm volatile("cp.async.wait_group 0;\n" ::);
 #endif
 }
 
@@ -1409,6 +1290,61 @@ static int fm_family(void)
     return cc >= 80 && !(e && strcmp(e, "wmma") == 0);
 }
 
+/* The wgmma kernels of sm90/attention_wgmma.cu (built where the architectures include
+ * 90: MOE_HAVE_SM90A) run on compute capability 9.0 for head dim 64, unless
+ * MOE_ATTENTION=mma (or wmma) in the environment keeps the mma.sync (wmma) kernels. */
+#if MOE_HAVE_SM90A
+extern "C" int cuda_wgmma_attention_forward(int bf16, real *out, real *lse, const uint16_t *q,
+                                            const uint16_t *k, const uint16_t *v, int B, int T,
+                                            int H, int o16);
+extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real *dv,
+                                             const uint16_t *dout, const real *lse,
+                                             const float *dsum, const uint16_t *q,
+                                             const uint16_t *k, const uint16_t *v, int B, int T,
+                                             int H, int dq16, int dk16, int dv16, int dkv_wg);
+#endif
+static int fw_family(void)
+{
+#if MOE_HAVE_SM90A
+    int cc, smem_max;
+    fa_device(&cc, &smem_max);
+    const char *e = getenv("MOE_ATTENTION");
+    return cc == 90 && fm_family() && !(e && strcmp(e, "mma") == 0);
+#else
+    return 0;
+#endif
+}
+
+static void fw_forward(int bf16, real *out, real *lse, const uint16_t *q, const uint16_t *k,
+                       const uint16_t *v, int B, int T, int H, int o16)
+{
+#if MOE_HAVE_SM90A
+    cuda_wgmma_attention_forward(bf16, out, lse, q, k, v, B, T, H, o16);
+#else
+    (void)bf16, (void)out, (void)lse, (void)q, (void)k, (void)v, (void)B, (void)T, (void)H,
+        (void)o16;
+    MOE_CUDA_FAIL("attention: the wgmma kernels are not built in");
+#endif
+}
+
+/* The wgmma backward; MOE_ATTENTION_DKV_WG=2 in the environment gives the dk/dv kernel
+ * blocks of 2 warpgroups (128 keys) instead of 1 (a benchmark knob). */
+static void fw_backward(int bf16, real *dq, real *dk, real *dv, const uint16_t *dout,
+                        const real *lse, const float *dsum, const uint16_t *q, const uint16_t *k,
+                        const uint16_t *v, int B, int T, int H, int m16)
+{
+#if MOE_HAVE_SM90A
+    const char *e = getenv("MOE_ATTENTION_DKV_WG");
+    cuda_wgmma_attention_backward(bf16, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H,
+                                  (m16 & ATT_DQ16) != 0, (m16 & ATT_DK16) != 0,
+                                  (m16 & ATT_DV16) != 0, e && strcmp(e, "2") == 0 ? 2 : 1);
+#else
+    (void)bf16, (void)dq, (void)dk, (void)dv, (void)dout, (void)lse, (void)dsum, (void)q, (void)k,
+        (void)v, (void)B, (void)T, (void)H, (void)m16;
+    MOE_CUDA_FAIL("attention backward: the wgmma kernels are not built in");
+#endif
+}
+
 /* m16 (ATT_*16): q, k, v hold 16-bit values (marked, cuda_attention_operands16), which
  * the mma.sync kernels read as they are; out gets 16-bit values. */
 template <class T16, int HD, int FM>
@@ -1423,22 +1359,28 @@ static void flash_forward_run(real *out, real *lse, const real *q, const real *k
                        int) = mt == 2 ? fm_forward_kernel<T16, HD, (HD == 64 ? 2 : 1)>
                                       : fm_forward_kernel<T16, HD, 1>;
         const size_t n = (size_t)B * T * H * Hd, smem = fm_forward_smem(HD);
-        const int o16 = (m16 & ATT_OUT16) != 0;
-        if (!fa_smem((const void *)kernel, smem))
+        const int o16 = (m16 & ATT_OUT16) != 0, wgmma = HD == 64 && Hd == 64 && fw_family();
+        if (!wgmma && !fa_smem((const void *)kernel, smem))
             return;
-        if (m16 & ATT_QKV16) {
-            MOE_CUDA_LAUNCH(kernel, grid, FA_THREADS, smem, out, lse, (const T16 *)q,
-                            (const T16 *)k, (const T16 *)v, T, H, Hd, sl2, o16);
-            return;
+        const uint16_t *q16 = (const uint16_t *)q, *k16 = (const uint16_t *)k,
+                       *v16 = (const uint16_t *)v;
+        if (!(m16 & ATT_QKV16)) {
+            uint16_t *c = (uint16_t *)moe_cuda_scratch(sizeof(uint16_t) * 3 * n);
+            if (!c)
+                return;
+            cuda_round_operand(c, q, n);
+            cuda_round_operand(c + n, k, n);
+            cuda_round_operand(c + 2 * n, v, n);
+            q16 = c;
+            k16 = c + n;
+            v16 = c + 2 * n;
         }
-        uint16_t *c = (uint16_t *)moe_cuda_scratch(sizeof(uint16_t) * 3 * n);
-        if (!c)
-            return;
-        cuda_round_operand(c, q, n);
-        cuda_round_operand(c + n, k, n);
-        cuda_round_operand(c + 2 * n, v, n);
-        MOE_CUDA_LAUNCH(kernel, grid, FA_THREADS, smem, out, lse, (const T16 *)c,
-                        (const T16 *)(c + n), (const T16 *)(c + 2 * n), T, H, Hd, sl2, o16);
+        if (wgmma)
+            fw_forward(std::is_same<T16, __nv_bfloat16>::value, out, lse, q16, k16, v16, B, T, H,
+                       o16);
+        else
+            MOE_CUDA_LAUNCH(kernel, grid, FA_THREADS, smem, out, lse, (const T16 *)q16,
+                            (const T16 *)k16, (const T16 *)v16, T, H, Hd, sl2, o16);
     } else {
         (void)m16; /* never set without the mma.sync kernels */
         void (*kernel)(real *, real *, const real *, const real *, const real *, int, int, int,
@@ -1484,6 +1426,12 @@ static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, c
         if (!(m16 & ATT_DOUT16)) {
             cuda_round_operand(next, dout, n);
             g16 = (const T16 *)next;
+        }
+        if (HD == 64 && Hd == 64 && fw_family()) {
+            fw_backward(std::is_same<T16, __nv_bfloat16>::value, dq, dk, dv, (const uint16_t *)g16,
+                        lse, dsum, (const uint16_t *)q16, (const uint16_t *)k16,
+                        (const uint16_t *)v16, B, T, H, m16);
+            return;
         }
         if (dq)
             MOE_CUDA_LAUNCH(kdq, grid, FA_THREADS, smem, dq, g16, lse, dsum, q16, k16, v16, T, H,

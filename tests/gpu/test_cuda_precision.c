@@ -1219,6 +1219,13 @@ int main(void)
         check_mode(MOE_PREC_BF16, "bf16", 1e-2);
         check_attention_mode(MOE_PREC_BF16, "bf16", 1e-2);
         check_grads16();
+        /* the mma.sync kernels of sm_80, which sm_90 replaces by wgmma at head dim 64 */
+        if (cc >= 90) {
+            setenv("MOE_ATTENTION", "mma", 1);
+            check_attention_mode(MOE_PREC_FP16, "fp16 mma", 5e-3);
+            check_attention_mode(MOE_PREC_BF16, "bf16 mma", 1e-2);
+            unsetenv("MOE_ATTENTION");
+        }
         /* the wmma kernels of sm_75, which sm_80 and later replace by mma.sync */
         setenv("MOE_ATTENTION", "wmma", 1);
         check_attention_mode(MOE_PREC_FP16, "fp16 wmma", 5e-3);

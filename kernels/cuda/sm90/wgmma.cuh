@@ -1,0 +1,153 @@
+/* kernels/cuda/sm90/wgmma.cuh: Hopper's warpgroup MMA (wgmma, sm_90a) for the attention
+ * kernels of attention_wgmma.cu: 64 x 64 bf16 / fp16 tiles staged in shared memory in the
+ * 128-byte swizzle the tensor cores read, their matrix descriptors, the m64n64k16 product
+ * with A in registers, and the fences around it. Compiled for sm_90a only (CMakeLists.txt
+ * builds this directory's sources for 90a-real when the architectures include 90).
+ *
+ * A tile is 64 rows of 64 16-bit values: 128 bytes a row, 8192 bytes, at a 1024-byte
+ * aligned shared address. The 16-byte chunk c of row r sits at r * 128 + 16 (c ^ (r % 8)):
+ * the 128-byte swizzle, which the hardware undoes from the address bits, so the tile must
+ * start on a 1024-byte boundary. Read as B of a product, such a tile is either
+ *  - K-major (its rows are B's n index, its columns the summed k index): the descriptor
+ *    of the 16 columns 16 kk .. 16 kk + 15 starts 32 kk bytes in; or
+ *  - MN-major (its rows are the summed k index, its columns B's n index; the transposed
+ *    form, imm-trans-b 1): the 16 rows 16 kk .. start 2048 kk bytes in.
+ * In both the 8-row groups are 1024 bytes apart (the stride byte offset); the leading
+ * byte offset is unused with this swizzle at n = 64 (set to 1, as a 16-byte unit). */
+#pragma once
+#include <stdint.h>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#define FW_TILE 8192u /* bytes of a 64 x 64 16-bit tile */
+
+/* The descriptor of a swizzled tile's slice starting at shared address a. */
+static __device__ __forceinline__ uint64_t fw_desc(unsigned a)
+{
+    return (uint64_t)((a & 0x3FFFFu) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           ((uint64_t)1 << 62);
+}
+
+/* Rows [r0, r0 + 64) of a 16-bit matrix (row stride ld values, 64 columns from src) into
+ * the tile at shared address dst by cp.async of 16 bytes, zero past T; NT threads. The
+ * caller commits the group. */
+template <int NT>
+static __device__ __forceinline__ void fw_stage(unsigned dst, const uint16_t *src, size_t ld,
+                                                int r0, int T)
+{
+    for (int e = threadIdx.x; e < 64 * 8; e += NT) {
+        const int r = e >> 3, c = e & 7, row = r0 + r, in = row < T;
+        const uint16_t *s = in ? src + (size_t)row * ld + 8 * c : src; /* 0 bytes read */
+        const unsigned d = dst + (unsigned)(r * 128 + ((c ^ (r & 7)) << 4));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(s),
+                     "r"(in ? 16 : 0));
+    }
+}
+
+/* d (64 x 64 fp32, this thread's 32) += a (the warpgroup's 64 x 16, registers) b (16 x 64,
+ * the descriptor's slice); TB: b is MN-major. d[4 n + e] holds, in lane l of warp w of
+ * the warpgroup, row 16 w + l / 4 + 8 (e / 2), column 8 n + 2 (l % 4) + e % 2. */
+template <class T16, int TB>
+static __device__ __forceinline__ void fw_mma(float (&d)[32], const unsigned (&a)[4], uint64_t b)
+{
+    if constexpr (std::is_same<T16, __half>::value)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "
+                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                       "+f"(d[30]), "+f"(d[31])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB), "r"(1));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "
+                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                       "+f"(d[30]), "+f"(d[31])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB), "r"(1));
+}
+
+/* The same with A (64 x 16) from a K-major swizzled tile too: descriptor a. */
+template <class T16, int TB>
+static __device__ __forceinline__ void fw_mma_s(float (&d)[32], uint64_t a, uint64_t b)
+{
+    if constexpr (std::is_same<T16, __half>::value)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %35, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "
+                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "%32, %33, p, 1, 1, 0, %34;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                       "+f"(d[30]), "+f"(d[31])
+                     : "l"(a), "l"(b), "n"(TB), "r"(1));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %35, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "
+                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "%32, %33, p, 1, 1, 0, %34;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                       "+f"(d[30]), "+f"(d[31])
+                     : "l"(a), "l"(b), "n"(TB), "r"(1));
+}
+
+/* Before a group of products: their accumulators' and operands' registers are written.
+ * The compiler does not see that the products read those registers after the fence, so
+ * the caller first passes each through fw_keep / fw_keep_a (volatile, in order with the
+ * fence), or the writes could be scheduled after it and the products read stale values. */
+static __device__ __forceinline__ void fw_fence(void)
+{
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+/* Ends a group of products and waits for it (and any before it). */
+static __device__ __forceinline__ void fw_commit_wait(void)
+{
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+/* Registers a group reads or writes: not to be moved across the fence before it or the
+ * wait after it. */
+template <int N> static __device__ __forceinline__ void fw_keep(float (&d)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        asm volatile("" : "+f"(d[i])::"memory");
+}
+static __device__ __forceinline__ void fw_keep_a(unsigned (&a)[4][4])
+{
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            asm volatile("" : "+r"(a[i][j])::"memory");
+}
+
+/* Shared memory written by cp.async (the generic proxy), then read by wgmma (the async
+ * proxy): each writing thread fences after its copies land, before the barrier. */
+static __device__ __forceinline__ void fw_proxy_fence(void)
+{
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
