@@ -1296,12 +1296,13 @@ static int fm_family(void)
 #if MOE_HAVE_SM90A
 extern "C" int cuda_wgmma_attention_forward(int bf16, real *out, real *lse, const uint16_t *q,
                                             const uint16_t *k, const uint16_t *v, int B, int T,
-                                            int H, int o16);
+                                            int H, int o16, int wg);
 extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real *dv,
                                              const uint16_t *dout, const real *lse,
                                              const float *dsum, const uint16_t *q,
                                              const uint16_t *k, const uint16_t *v, int B, int T,
-                                             int H, int dq16, int dk16, int dv16, int dkv_wg);
+                                             int H, int dq16, int dk16, int dv16, int dq_wg,
+                                             int dkv_wg);
 #endif
 static int fw_family(void)
 {
@@ -1315,11 +1316,21 @@ static int fw_family(void)
 #endif
 }
 
+/* Warpgroups a block of a wgmma kernel: the environment's name = 1 or 2, else dflt (a
+ * benchmark knob: MOE_ATTENTION_WG for the forward and dq, default 2; MOE_ATTENTION_DKV_WG
+ * for dk/dv, default 1). */
+static int fw_env_wg(const char *name, int dflt)
+{
+    const char *e = getenv(name);
+    return e && strcmp(e, "1") == 0 ? 1 : e && strcmp(e, "2") == 0 ? 2 : dflt;
+}
+
 static void fw_forward(int bf16, real *out, real *lse, const uint16_t *q, const uint16_t *k,
                        const uint16_t *v, int B, int T, int H, int o16)
 {
 #if MOE_HAVE_SM90A
-    cuda_wgmma_attention_forward(bf16, out, lse, q, k, v, B, T, H, o16);
+    cuda_wgmma_attention_forward(bf16, out, lse, q, k, v, B, T, H, o16,
+                                 fw_env_wg("MOE_ATTENTION_WG", 2));
 #else
     (void)bf16, (void)out, (void)lse, (void)q, (void)k, (void)v, (void)B, (void)T, (void)H,
         (void)o16;
@@ -1327,17 +1338,16 @@ static void fw_forward(int bf16, real *out, real *lse, const uint16_t *q, const 
 #endif
 }
 
-/* The wgmma backward; MOE_ATTENTION_DKV_WG=2 in the environment gives the dk/dv kernel
- * blocks of 2 warpgroups (128 keys) instead of 1 (a benchmark knob). */
+/* The wgmma backward (fw_env_wg: the warpgroups a block of dq and of dk/dv). */
 static void fw_backward(int bf16, real *dq, real *dk, real *dv, const uint16_t *dout,
                         const real *lse, const float *dsum, const uint16_t *q, const uint16_t *k,
                         const uint16_t *v, int B, int T, int H, int m16)
 {
 #if MOE_HAVE_SM90A
-    const char *e = getenv("MOE_ATTENTION_DKV_WG");
     cuda_wgmma_attention_backward(bf16, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H,
                                   (m16 & ATT_DQ16) != 0, (m16 & ATT_DK16) != 0,
-                                  (m16 & ATT_DV16) != 0, e && strcmp(e, "2") == 0 ? 2 : 1);
+                                  (m16 & ATT_DV16) != 0, fw_env_wg("MOE_ATTENTION_WG", 2),
+                                  fw_env_wg("MOE_ATTENTION_DKV_WG", 1));
 #else
     (void)bf16, (void)dq, (void)dk, (void)dv, (void)dout, (void)lse, (void)dsum, (void)q, (void)k,
         (void)v, (void)B, (void)T, (void)H, (void)m16;

@@ -1221,6 +1221,14 @@ int main(void)
         check_grads16();
         /* the mma.sync kernels of sm_80, which sm_90 replaces by wgmma at head dim 64 */
         if (cc >= 90) {
+            /* the wgmma kernels' other block shapes (1 warpgroup for the forward and dq,
+             * 2 for dk/dv) */
+            setenv("MOE_ATTENTION_WG", "1", 1);
+            setenv("MOE_ATTENTION_DKV_WG", "2", 1);
+            check_attention_mode(MOE_PREC_FP16, "fp16 wg", 5e-3);
+            check_attention_mode(MOE_PREC_BF16, "bf16 wg", 1e-2);
+            unsetenv("MOE_ATTENTION_WG");
+            unsetenv("MOE_ATTENTION_DKV_WG");
             setenv("MOE_ATTENTION", "mma", 1);
             check_attention_mode(MOE_PREC_FP16, "fp16 mma", 5e-3);
             check_attention_mode(MOE_PREC_BF16, "bf16 mma", 1e-2);

@@ -29,11 +29,8 @@
 #define FW_SKIP 0
 #endif
 
-#define FW_WG 2 /* warpgroups a block */
-#define FW_THREADS (128 * FW_WG)
-#define FW_BR (64 * FW_WG) /* queries a block */
 /* Q (a tile a warpgroup), K0, V0, K1, V1, and room to align the start to 1024 bytes */
-#define FW_SMEM ((FW_WG + 4) * FW_TILE + 1024)
+#define FW_SMEM(NWG) (((NWG) + 4) * FW_TILE + 1024)
 
 /* A thread's 32 accumulators as 16-bit pairs: P (or dS) as the 4 A operands of its
  * 16-column slices (the layouts of fm_pv_mt). */
@@ -50,8 +47,8 @@ static __device__ __forceinline__ void fw_pack_a(unsigned (&a)[4][4], const floa
 /* out, lse as attention.cu's forward, from 16-bit q, k, v (B, T, H, 64); sl2 = log2(e) /
  * 8. grid (B*H, query blocks of 128), the longest (last queries) first. o16: out holds
  * T16 values. */
-template <class T16>
-static __global__ void __launch_bounds__(FW_THREADS, 2)
+template <class T16, int NWG>
+static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
     fw_forward_kernel(real *out, real *lse, const uint16_t *q, const uint16_t *k, const uint16_t *v,
                       int T, int H, float sl2, int o16)
 {
@@ -60,19 +57,19 @@ static __global__ void __launch_bounds__(FW_THREADS, 2)
 #else
     extern __shared__ unsigned char fw_sm[];
     const unsigned sm0 = ((unsigned)__cvta_generic_to_shared(fw_sm) + 1023u) & ~1023u;
-    const unsigned Qs = sm0, KV = sm0 + FW_WG * FW_TILE; /* KV: K0, V0, K1, V1 */
+    const unsigned Qs = sm0, KV = sm0 + NWG * FW_TILE; /* KV: K0, V0, K1, V1 */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
     const int wg = warp >> 2, wq = warp & 3;
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * FW_BR;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * 64 * NWG;
     const int g0 = q0 + 64 * wg, first = g0 + 16 * wq; /* the warpgroup's, the warp's */
     const int row[2] = {first + (lane >> 2), first + (lane >> 2) + 8}; /* the lane's */
     const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
 #pragma unroll
-    for (int t = 0; t < FW_WG; t++)
-        fw_stage<FW_THREADS>(Qs + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
-    fw_stage<FW_THREADS>(KV, k + base, ld, 0, T);
-    fw_stage<FW_THREADS>(KV + FW_TILE, v + base, ld, 0, T);
+    for (int t = 0; t < NWG; t++)
+        fw_stage<128 * NWG>(Qs + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
+    fw_stage<128 * NWG>(KV, k + base, ld, 0, T);
+    fw_stage<128 * NWG>(KV + FW_TILE, v + base, ld, 0, T);
     fm_commit();
     fm_wait_all();
     fw_proxy_fence();
@@ -82,13 +79,13 @@ static __global__ void __launch_bounds__(FW_THREADS, 2)
 #pragma unroll
     for (int i = 0; i < 32; i++)
         o[i] = 0.f;
-    const int kend = min(T, q0 + FW_BR);
+    const int kend = min(T, q0 + 64 * NWG);
     for (int j0 = 0, tb = 0; j0 < kend; j0 += 64, tb ^= 1) {
         const unsigned Ks = KV + 2 * tb * FW_TILE, Vs = Ks + FW_TILE;
         if (j0 + 64 < kend) { /* the next tile into the other buffer */
             const unsigned nk = KV + 2 * (tb ^ 1) * FW_TILE;
-            fw_stage<FW_THREADS>(nk, k + base, ld, j0 + 64, T);
-            fw_stage<FW_THREADS>(nk + FW_TILE, v + base, ld, j0 + 64, T);
+            fw_stage<128 * NWG>(nk, k + base, ld, j0 + 64, T);
+            fw_stage<128 * NWG>(nk + FW_TILE, v + base, ld, j0 + 64, T);
             fm_commit();
         }
         if (j0 <= g0 + 63) { /* warpgroup-uniform: else every key is after its rows */
@@ -180,8 +177,8 @@ static __global__ void __launch_bounds__(FW_THREADS, 2)
  * per tile S = Q K^T and dP = dO V^T (A and B both from shared memory), dS = P (dP - D)
  * in registers, dQ += dS K (K read MN-major). grid (B*H, query blocks), the longest
  * first. dq16: dq holds T16 values. */
-template <class T16>
-static __global__ void __launch_bounds__(FW_THREADS, 2)
+template <class T16, int NWG>
+static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
     fw_dq_kernel(real *dq, const uint16_t *dout, const real *lse, const float *dsum,
                  const uint16_t *q, const uint16_t *k, const uint16_t *v, int T, int H, float scale,
                  float sl2, int dq16)
@@ -194,20 +191,20 @@ static __global__ void __launch_bounds__(FW_THREADS, 2)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
     const int wg = warp >> 2, wq = warp & 3;
     /* Q (a tile a warpgroup), dO (likewise), K0, V0, K1, V1 */
-    const unsigned Qs = sm0 + wg * FW_TILE, Gs = sm0 + (FW_WG + wg) * FW_TILE;
-    const unsigned KV = sm0 + 2 * FW_WG * FW_TILE;
+    const unsigned Qs = sm0 + wg * FW_TILE, Gs = sm0 + (NWG + wg) * FW_TILE;
+    const unsigned KV = sm0 + 2 * NWG * FW_TILE;
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * FW_BR;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * 64 * NWG;
     const int g0 = q0 + 64 * wg, first = g0 + 16 * wq;
     const int row[2] = {first + (lane >> 2), first + (lane >> 2) + 8};
     const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
 #pragma unroll
-    for (int t = 0; t < FW_WG; t++) {
-        fw_stage<FW_THREADS>(sm0 + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
-        fw_stage<FW_THREADS>(sm0 + (FW_WG + t) * FW_TILE, dout + base, ld, q0 + 64 * t, T);
+    for (int t = 0; t < NWG; t++) {
+        fw_stage<128 * NWG>(sm0 + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
+        fw_stage<128 * NWG>(sm0 + (NWG + t) * FW_TILE, dout + base, ld, q0 + 64 * t, T);
     }
-    fw_stage<FW_THREADS>(KV, k + base, ld, 0, T);
-    fw_stage<FW_THREADS>(KV + FW_TILE, v + base, ld, 0, T);
+    fw_stage<128 * NWG>(KV, k + base, ld, 0, T);
+    fw_stage<128 * NWG>(KV + FW_TILE, v + base, ld, 0, T);
     fm_commit();
     float lse2[2], Di[2];
 #pragma unroll
@@ -222,13 +219,13 @@ static __global__ void __launch_bounds__(FW_THREADS, 2)
 #pragma unroll
     for (int i = 0; i < 32; i++)
         acc[i] = 0.f;
-    const int kend = min(T, q0 + FW_BR);
+    const int kend = min(T, q0 + 64 * NWG);
     for (int j0 = 0, tb = 0; j0 < kend; j0 += 64, tb ^= 1) {
         const unsigned Ks = KV + 2 * tb * FW_TILE, Vs = Ks + FW_TILE;
         if (j0 + 64 < kend) {
             const unsigned nk = KV + 2 * (tb ^ 1) * FW_TILE;
-            fw_stage<FW_THREADS>(nk, k + base, ld, j0 + 64, T);
-            fw_stage<FW_THREADS>(nk + FW_TILE, v + base, ld, j0 + 64, T);
+            fw_stage<128 * NWG>(nk, k + base, ld, j0 + 64, T);
+            fw_stage<128 * NWG>(nk + FW_TILE, v + base, ld, j0 + 64, T);
             fm_commit();
         }
         if (j0 <= g0 + 63) { /* warpgroup-uniform */
@@ -403,7 +400,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
 
 /* Shared memory of the backward kernels: dq 2 x 2 fixed tiles + 2 x 2 walked ones; dk/dv
  * 2 NWG fixed ones + 2 x 2 walked ones and their statistics (2 x 128 floats). */
-#define FW_DQ_SMEM ((2 * FW_WG + 4) * FW_TILE + 1024)
+#define FW_DQ_SMEM(NWG) ((2 * (NWG) + 4) * FW_TILE + 1024)
 #define FW_DKV_SMEM(NWG) ((2 * (NWG) + 4) * FW_TILE + 2 * 128 * 4 + 1024)
 
 /* Lets kernel take smem bytes of dynamic shared memory, once per kernel (ready its flag);
@@ -420,54 +417,61 @@ static int fw_smem(const void *kernel, size_t smem, int *ready)
 }
 
 /* The forward for head dim 64 from 16-bit q, k, v (16-byte aligned): bf16 or fp16 values;
- * 0 (recorded) when the kernel cannot take its shared memory. Called by attention.cu on
- * compute capability 9.0 only. */
+ * wg warpgroups a block (1 or 2); 0 (recorded) when the kernel cannot take its shared
+ * memory. Called by attention.cu on compute capability 9.0 only. */
 extern "C" int cuda_wgmma_attention_forward(int bf16, real *out, real *lse, const uint16_t *q,
                                             const uint16_t *k, const uint16_t *v, int B, int T,
-                                            int H, int o16)
+                                            int H, int o16, int wg)
 {
+    const int nwg = wg == 1 ? 1 : 2;
     void (*fw_forward)(real *, real *, const uint16_t *, const uint16_t *, const uint16_t *, int,
                        int, float, int) =
-        bf16 ? fw_forward_kernel<__nv_bfloat16> : fw_forward_kernel<__half>;
-    static int ready[2];
-    if (!fw_smem((const void *)fw_forward, FW_SMEM, &ready[bf16]))
+        nwg == 1 ? (bf16 ? fw_forward_kernel<__nv_bfloat16, 1> : fw_forward_kernel<__half, 1>)
+                 : (bf16 ? fw_forward_kernel<__nv_bfloat16, 2> : fw_forward_kernel<__half, 2>);
+    static int ready[2][3];
+    const size_t smem = FW_SMEM(nwg);
+    if (!fw_smem((const void *)fw_forward, smem, &ready[bf16][nwg]))
         return 0;
-    const dim3 grid((unsigned)(B * H), (unsigned)((T + FW_BR - 1) / FW_BR));
+    const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
     const float sl2 = (float)(1.4426950408889634 / 8.0); /* log2(e) / sqrt(64) */
-    MOE_CUDA_LAUNCH(fw_forward, grid, FW_THREADS, FW_SMEM, out, lse, q, k, v, T, H, sl2, o16);
+    MOE_CUDA_LAUNCH(fw_forward, grid, 128 * nwg, smem, out, lse, q, k, v, T, H, sl2, o16);
     return 1;
 }
 
 /* The backward for head dim 64 from 16-bit q, k, v and dout, after dsum (Di = dout_i .
- * out_i): dq if dq, dk and dv if either; dkv_wg warpgroups a dk/dv block (1 or 2). 0
- * (recorded) when a kernel cannot take its shared memory. */
+ * out_i): dq if dq, dk and dv if either; dq_wg, dkv_wg warpgroups a block of each (1 or
+ * 2). 0 (recorded) when a kernel cannot take its shared memory. */
 extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real *dv,
                                              const uint16_t *dout, const real *lse,
                                              const float *dsum, const uint16_t *q,
                                              const uint16_t *k, const uint16_t *v, int B, int T,
-                                             int H, int dq16, int dk16, int dv16, int dkv_wg)
+                                             int H, int dq16, int dk16, int dv16, int dq_wg,
+                                             int dkv_wg)
 {
     const float scale = 0.125f, sl2 = (float)(1.4426950408889634 / 8.0); /* 1 / sqrt(64) */
-    static int ready[2][3];
+    static int ready[2][2][3];
     if (dq) {
+        const int nwg = dq_wg == 1 ? 1 : 2;
         void (*fw_dq)(real *, const uint16_t *, const real *, const float *, const uint16_t *,
                       const uint16_t *, const uint16_t *, int, int, float, float, int) =
-            bf16 ? fw_dq_kernel<__nv_bfloat16> : fw_dq_kernel<__half>;
-        if (!fw_smem((const void *)fw_dq, FW_DQ_SMEM, &ready[bf16][0]))
+            nwg == 1 ? (bf16 ? fw_dq_kernel<__nv_bfloat16, 1> : fw_dq_kernel<__half, 1>)
+                     : (bf16 ? fw_dq_kernel<__nv_bfloat16, 2> : fw_dq_kernel<__half, 2>);
+        const size_t smem = FW_DQ_SMEM(nwg);
+        if (!fw_smem((const void *)fw_dq, smem, &ready[bf16][0][nwg]))
             return 0;
-        const dim3 grid((unsigned)(B * H), (unsigned)((T + FW_BR - 1) / FW_BR));
-        MOE_CUDA_LAUNCH(fw_dq, grid, FW_THREADS, FW_DQ_SMEM, dq, dout, lse, dsum, q, k, v, T, H,
-                        scale, sl2, dq16);
+        const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
+        MOE_CUDA_LAUNCH(fw_dq, grid, 128 * nwg, smem, dq, dout, lse, dsum, q, k, v, T, H, scale,
+                        sl2, dq16);
     }
     if (dk || dv) {
+        const int nwg = dkv_wg == 1 ? 1 : 2;
         void (*fw_dkv)(real *, real *, const uint16_t *, const real *, const float *,
                        const uint16_t *, const uint16_t *, const uint16_t *, int, int, float, float,
                        int, int) =
-            dkv_wg == 1 ? (bf16 ? fw_dkv_kernel<__nv_bfloat16, 1> : fw_dkv_kernel<__half, 1>)
-                        : (bf16 ? fw_dkv_kernel<__nv_bfloat16, 2> : fw_dkv_kernel<__half, 2>);
-        const int nwg = dkv_wg == 1 ? 1 : 2;
+            nwg == 1 ? (bf16 ? fw_dkv_kernel<__nv_bfloat16, 1> : fw_dkv_kernel<__half, 1>)
+                     : (bf16 ? fw_dkv_kernel<__nv_bfloat16, 2> : fw_dkv_kernel<__half, 2>);
         const size_t smem = FW_DKV_SMEM(nwg);
-        if (!fw_smem((const void *)fw_dkv, smem, &ready[bf16][nwg]))
+        if (!fw_smem((const void *)fw_dkv, smem, &ready[bf16][1][nwg]))
             return 0;
         const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
         MOE_CUDA_LAUNCH(fw_dkv, grid, 128 * nwg, smem, dk, dv, dout, lse, dsum, q, k, v, T, H,
