@@ -1097,11 +1097,7 @@ static __global__ void __launch_bounds__(FA_THREADS, HD == 64 ? 3 : 2)
         fm_stage<T16, HD>(Gs, dout + base, ld, q0, T, Hd);
         fm_prefetch_kv<T16, HD>(KV, 0, k + base, v + base, ld, 0, T, Hd);
         float lse2[2], Di[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            lse2[r] = row[r] < T ? lse[(size_t)bh * T + row[r]] * FA_LOG2E : 0.f;
-            Di[r] = row[r] < T ? dsum[(size_t)bh * T + row[r]] : 0.f;
-        }
+        fm_row_stats(lse2, Di, lse, dsum, bh, T, row);
         fm_wait_all();
         __syncthreads();
         unsigned qa[HD / 16][4], ga[HD / 16][4];
@@ -1316,6 +1312,7 @@ static int fw_family(void)
 #endif
 }
 
+#if MOE_HAVE_SM90A
 /* Warpgroups a block of a wgmma kernel: the environment's name = 1 or 2, else dflt (a
  * benchmark knob: MOE_ATTENTION_WG for the forward and dq, default 2; MOE_ATTENTION_DKV_WG
  * for dk/dv, default 1). */
@@ -1324,6 +1321,7 @@ static int fw_env_wg(const char *name, int dflt)
     const char *e = getenv(name);
     return e && strcmp(e, "1") == 0 ? 1 : e && strcmp(e, "2") == 0 ? 2 : dflt;
 }
+#endif
 
 static void fw_forward(int bf16, real *out, real *lse, const uint16_t *q, const uint16_t *k,
                        const uint16_t *v, int B, int T, int H, int o16)

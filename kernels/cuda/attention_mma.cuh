@@ -127,3 +127,15 @@ fm_store_rows(real *g, size_t base, size_t ld, int row0, int T, int Hd, float mu
         }
     }
 }
+
+/* lse * log2(e) and Di (dsum) of a lane's 2 rows of (sequence, head) bh; 0 past T. */
+static __device__ __forceinline__ void fm_row_stats(float (&lse2)[2], float (&Di)[2],
+                                                    const real *lse, const float *dsum, int bh,
+                                                    int T, const int (&row)[2])
+{
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        lse2[r] = row[r] < T ? lse[(size_t)bh * T + row[r]] * FA_LOG2E : 0.f;
+        Di[r] = row[r] < T ? dsum[(size_t)bh * T + row[r]] : 0.f;
+    }
+}

@@ -32,18 +32,6 @@
 /* Q (a tile a warpgroup), K0, V0, K1, V1, and room to align the start to 1024 bytes */
 #define FW_SMEM(NWG) (((NWG) + 4) * FW_TILE + 1024)
 
-/* A thread's 32 accumulators as 16-bit pairs: P (or dS) as the 4 A operands of its
- * 16-column slices (the layouts of fm_pv_mt). */
-template <class T16>
-static __device__ __forceinline__ void fw_pack_a(unsigned (&a)[4][4], const float (&x)[32])
-{
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++)
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            a[kk][i] = fm_pack<T16>(x[8 * kk + 2 * i], x[8 * kk + 2 * i + 1]);
-}
-
 /* out, lse as attention.cu's forward, from 16-bit q, k, v (B, T, H, 64); sl2 = log2(e) /
  * 8. grid (B*H, query blocks of 128), the longest (last queries) first. o16: out holds
  * T16 values. */
@@ -134,17 +122,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
 #pragma unroll
             for (int i = 0; i < 32; i++)
                 o[i] *= corr[(i >> 1) & 1];
-            unsigned pa[4][4]; /* P's 16-key slices as A operands */
-            fw_pack_a<T16>(pa, s);
-            fw_keep(o);
-            fw_keep_a(pa);
-            fw_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-                fw_mma<T16, 1>(o, pa[kk], fw_desc(Vs + 2048 * kk));
-            fw_commit_wait();
-            fw_keep(o);
-            fw_keep_a(pa);
+            fw_mma_rs<T16>(o, s, Vs); /* O += P V */
         }
         fm_wait_all();
         fw_proxy_fence();
@@ -207,11 +185,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
     fw_stage<128 * NWG>(KV + FW_TILE, v + base, ld, 0, T);
     fm_commit();
     float lse2[2], Di[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        lse2[r] = row[r] < T ? lse[(size_t)bh * T + row[r]] * FA_LOG2E : 0.f;
-        Di[r] = row[r] < T ? dsum[(size_t)bh * T + row[r]] : 0.f;
-    }
+    fm_row_stats(lse2, Di, lse, dsum, bh, T, row);
     fm_wait_all();
     fw_proxy_fence();
     __syncthreads();
@@ -230,21 +204,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
         }
         if (j0 <= g0 + 63) { /* warpgroup-uniform */
             float p[32], dp[32];
-#pragma unroll
-            for (int i = 0; i < 32; i++)
-                p[i] = dp[i] = 0.f;
-            fw_keep(p);
-            fw_keep(dp);
-            fw_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-                fw_mma_s<T16, 0>(p, fw_desc(Qs + 32 * kk), fw_desc(Ks + 32 * kk));
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-                fw_mma_s<T16, 0>(dp, fw_desc(Gs + 32 * kk), fw_desc(Vs + 32 * kk));
-            fw_commit_wait();
-            fw_keep(p);
-            fw_keep(dp);
+            fw_scores2<T16>(p, Qs, Ks, dp, Gs, Vs); /* S, dP */
             fm_each(
                 j0 + 64 <= first && first + 16 <= T, /* no key after a row of the warp */
                 [&](int n, int e) {
@@ -254,17 +214,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
                     const int i = 4 * n + e, r = e >> 1;
                     p[i] = keep ? fm_exp2(p[i] * sl2 - lse2[r]) * (dp[i] - Di[r]) : 0.f; /* dS */
                 });
-            unsigned da[4][4];
-            fw_pack_a<T16>(da, p);
-            fw_keep(acc);
-            fw_keep_a(da);
-            fw_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-                fw_mma<T16, 1>(acc, da[kk], fw_desc(Ks + 2048 * kk));
-            fw_commit_wait();
-            fw_keep(acc);
-            fw_keep_a(da);
+            fw_mma_rs<T16>(acc, p, Ks); /* dQ += dS K */
         }
         fm_wait_all();
         fw_proxy_fence();
@@ -341,21 +291,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
         }
         if (i0 + 63 >= g0) { /* warpgroup-uniform: else every query is before its keys */
             float p[32], dp[32];
-#pragma unroll
-            for (int i = 0; i < 32; i++)
-                p[i] = dp[i] = 0.f;
-            fw_keep(p);
-            fw_keep(dp);
-            fw_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-                fw_mma_s<T16, 0>(p, fw_desc(Ks + 32 * kk), fw_desc(Qt + 32 * kk)); /* S^T */
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-                fw_mma_s<T16, 0>(dp, fw_desc(Vs + 32 * kk), fw_desc(Gt + 32 * kk)); /* dP^T */
-            fw_commit_wait();
-            fw_keep(p);
-            fw_keep(dp);
+            fw_scores2<T16>(p, Ks, Qt, dp, Vs, Gt); /* S^T, dP^T */
             fm_each(
                 i0 >= first + 16 && i0 + 64 <= T, /* every query after every key of the warp */
                 [&](int n, int e) {
@@ -375,12 +311,8 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
             fw_keep_a(pa);
             fw_keep_a(da);
             fw_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-                fw_mma<T16, 1>(dva, pa[kk], fw_desc(Gt + 2048 * kk)); /* dV += P^T dO */
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-                fw_mma<T16, 1>(dka, da[kk], fw_desc(Qt + 2048 * kk)); /* dK += dS^T Q */
+            fw_products_rs<T16>(dva, pa, Gt); /* dV += P^T dO */
+            fw_products_rs<T16>(dka, da, Qt); /* dK += dS^T Q */
             fw_commit_wait();
             fw_keep(dva);
             fw_keep(dka);

@@ -15,6 +15,7 @@
  * In both the 8-row groups are 1024 bytes apart (the stride byte offset); the leading
  * byte offset is unused with this swizzle at n = 64 (set to 1, as a 16-byte unit). */
 #pragma once
+/* After kernels/cuda/attention_mma.cuh (fm_pack). */
 #include <stdint.h>
 #include <type_traits>
 
@@ -49,35 +50,37 @@ static __device__ __forceinline__ void fw_stage(unsigned dst, const uint16_t *sr
 /* d (64 x 64 fp32, this thread's 32) += a (the warpgroup's 64 x 16, registers) b (16 x 64,
  * the descriptor's slice); TB: b is MN-major. d[4 n + e] holds, in lane l of warp w of
  * the warpgroup, row 16 w + l / 4 + 8 (e / 2), column 8 n + 2 (l % 4) + e % 2. */
+/* The accumulators' operands of the asm below (d, 32 floats). */
+#define FW_ACC32                                                                                   \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "  \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+#define FW_D32                                                                                     \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),            \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+/* One product, TY the 16-bit type's name: A in registers a (rs) or at descriptor a (ss). */
+#define FW_MMA_RS(TY)                                                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"                                      \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " FW_ACC32              \
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"                                   \
+                 : FW_D32                                                                          \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB), "r"(1))
+#define FW_MMA_SS(TY)                                                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %35, 0;\n"                                      \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " FW_ACC32              \
+                 "%32, %33, p, 1, 1, 0, %34;\n}\n"                                                 \
+                 : FW_D32                                                                          \
+                 : "l"(a), "l"(b), "n"(TB), "r"(1))
+
 template <class T16, int TB>
 static __device__ __forceinline__ void fw_mma(float (&d)[32], const unsigned (&a)[4], uint64_t b)
 {
     if constexpr (std::is_same<T16, __half>::value)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "
-                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                     "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-                       "+f"(d[30]), "+f"(d[31])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB), "r"(1));
+        FW_MMA_RS("f16");
     else
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "
-                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                     "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-                       "+f"(d[30]), "+f"(d[31])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB), "r"(1));
+        FW_MMA_RS("bf16");
 }
 
 /* The same with A (64 x 16) from a K-major swizzled tile too: descriptor a. */
@@ -85,31 +88,9 @@ template <class T16, int TB>
 static __device__ __forceinline__ void fw_mma_s(float (&d)[32], uint64_t a, uint64_t b)
 {
     if constexpr (std::is_same<T16, __half>::value)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %35, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "
-                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                     "%32, %33, p, 1, 1, 0, %34;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-                       "+f"(d[30]), "+f"(d[31])
-                     : "l"(a), "l"(b), "n"(TB), "r"(1));
+        FW_MMA_SS("f16");
     else
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %35, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "
-                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                     "%32, %33, p, 1, 1, 0, %34;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-                       "+f"(d[30]), "+f"(d[31])
-                     : "l"(a), "l"(b), "n"(TB), "r"(1));
+        FW_MMA_SS("bf16");
 }
 
 /* Before a group of products: their accumulators' and operands' registers are written.
@@ -150,4 +131,66 @@ static __device__ __forceinline__ void fw_keep_a(unsigned (&a)[4][4])
 static __device__ __forceinline__ void fw_proxy_fence(void)
 {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/* A thread's 32 accumulators as 16-bit pairs: P (or dS) as the 4 A operands of its
+ * 16-column slices (the layouts of fm_pv_mt). */
+template <class T16>
+static __device__ __forceinline__ void fw_pack_a(unsigned (&a)[4][4], const float (&x)[32])
+{
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            a[kk][i] = fm_pack<T16>(x[8 * kk + 2 * i], x[8 * kk + 2 * i + 1]);
+}
+
+/* d += A B over k = 64: A's 4 slices in registers, B the MN-major tile at shared address
+ * b (4 products, issued; the caller fences before and waits after). */
+template <class T16>
+static __device__ __forceinline__ void fw_products_rs(float (&d)[32], const unsigned (&a)[4][4],
+                                                      unsigned b)
+{
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+        fw_mma<T16, 1>(d, a[kk], fw_desc(b + 2048 * kk));
+}
+
+/* d += x B: x (64 x 64 in accumulator layout) rounded to 16 bits as A, B the MN-major tile
+ * at b; one group, fenced and waited for. */
+template <class T16>
+static __device__ __forceinline__ void fw_mma_rs(float (&d)[32], const float (&x)[32], unsigned b)
+{
+    unsigned a[4][4];
+    fw_pack_a<T16>(a, x);
+    fw_keep(d);
+    fw_keep_a(a);
+    fw_fence();
+    fw_products_rs<T16>(d, a, b);
+    fw_commit_wait();
+    fw_keep(d);
+    fw_keep_a(a);
+}
+
+/* s = A1 B1^T and t = A2 B2^T over k = 64, the four 64 x 64 tiles K-major in shared
+ * memory (a1, b1, a2, b2); one group, fenced and waited for. */
+template <class T16>
+static __device__ __forceinline__ void fw_scores2(float (&s)[32], unsigned a1, unsigned b1,
+                                                  float (&t)[32], unsigned a2, unsigned b2)
+{
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+        s[i] = t[i] = 0.f;
+    fw_keep(s);
+    fw_keep(t);
+    fw_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+        fw_mma_s<T16, 0>(s, fw_desc(a1 + 32 * kk), fw_desc(b1 + 32 * kk));
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+        fw_mma_s<T16, 0>(t, fw_desc(a2 + 32 * kk), fw_desc(b2 + 32 * kk));
+    fw_commit_wait();
+    fw_keep(s);
+    fw_keep(t);
 }
