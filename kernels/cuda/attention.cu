@@ -11,7 +11,8 @@
  *
  * These fp32 kernels run in fp32 precision (and wherever the tensor-core path below does
  * not apply); in bf16 / fp16 precision the FlashAttention-2 kernels at the end of the file
- * take the op (16-bit wmma products, fp32 accumulation, same layouts and lse). */
+ * take the op (16-bit wmma products, fp32 accumulation, same layouts and lse), or, on
+ * sm_90 at Hd = 64, the wgmma kernels of sm90/attention_wgmma.cu (fw_family). */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>
