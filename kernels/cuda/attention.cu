@@ -1166,11 +1166,7 @@ static __global__ void __launch_bounds__(FA_THREADS, 2)
         fm_stage<T16, HD>(QG, q + base, ld, j0, T, Hd);
         fm_stage<T16, HD>(QG + FA_ROWS * LD, dout + base, ld, j0, T, Hd);
         fm_commit();
-        if (threadIdx.x < FA_ROWS) {
-            const int i = j0 + threadIdx.x;
-            st[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * FA_LOG2E : 0.f;
-            st[FA_ROWS + threadIdx.x] = i < T ? dsum[(size_t)bh * T + i] : 0.f;
-        }
+        fm_stage_stats(st, lse, dsum, bh, T, j0);
         fm_wait_all();
         __syncthreads();
         unsigned ka[HD / 16][4], va[HD / 16][4];
@@ -1191,12 +1187,7 @@ static __global__ void __launch_bounds__(FA_THREADS, 2)
                 fm_stage<T16, HD>(nq, q + base, ld, n0, T, Hd);
                 fm_stage<T16, HD>(nq + FA_ROWS * LD, dout + base, ld, n0, T, Hd);
                 fm_commit();
-                if (threadIdx.x < FA_ROWS) {
-                    float *ns = st + 2 * (t ^ 1) * FA_ROWS;
-                    const int i = n0 + threadIdx.x;
-                    ns[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * FA_LOG2E : 0.f;
-                    ns[FA_ROWS + threadIdx.x] = i < T ? dsum[(size_t)bh * T + i] : 0.f;
-                }
+                fm_stage_stats(st + 2 * (t ^ 1) * FA_ROWS, lse, dsum, bh, T, n0);
             }
             /* i0 >= j0 and first <= j0 + 48: the tile always has queries i >= a warp key */
             float p[8][4], dp[8][4];

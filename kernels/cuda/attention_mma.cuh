@@ -139,3 +139,15 @@ static __device__ __forceinline__ void fm_row_stats(float (&lse2)[2], float (&Di
         Di[r] = row[r] < T ? dsum[(size_t)bh * T + row[r]] : 0.f;
     }
 }
+
+/* The statistics of query rows [i0, i0 + 64) of (sequence, head) bh into st (lse * log2(e))
+ * and st + 64 (Di), by threads 0..63; 0 past T. */
+static __device__ __forceinline__ void fm_stage_stats(float *st, const real *lse, const float *dsum,
+                                                      int bh, int T, int i0)
+{
+    if (threadIdx.x < 64) {
+        const int i = i0 + threadIdx.x;
+        st[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * FA_LOG2E : 0.f;
+        st[64 + threadIdx.x] = i < T ? dsum[(size_t)bh * T + i] : 0.f;
+    }
+}

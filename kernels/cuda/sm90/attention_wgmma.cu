@@ -44,7 +44,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
     __trap();
 #else
     extern __shared__ unsigned char fw_sm[];
-    const unsigned sm0 = ((unsigned)__cvta_generic_to_shared(fw_sm) + 1023u) & ~1023u;
+    const unsigned sm0 = fw_align1024(fw_sm);
     const unsigned Qs = sm0, KV = sm0 + NWG * FW_TILE; /* KV: K0, V0, K1, V1 */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
     const int wg = warp >> 2, wq = warp & 3;
@@ -165,7 +165,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
     __trap();
 #else
     extern __shared__ unsigned char fw_sm[];
-    const unsigned sm0 = ((unsigned)__cvta_generic_to_shared(fw_sm) + 1023u) & ~1023u;
+    const unsigned sm0 = fw_align1024(fw_sm);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
     const int wg = warp >> 2, wq = warp & 3;
     /* Q (a tile a warpgroup), dO (likewise), K0, V0, K1, V1 */
@@ -242,7 +242,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
 #else
     constexpr int NT = 128 * NWG;
     extern __shared__ unsigned char fw_sm[];
-    const unsigned sm0 = ((unsigned)__cvta_generic_to_shared(fw_sm) + 1023u) & ~1023u;
+    const unsigned sm0 = fw_align1024(fw_sm);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
     const int wg = warp >> 2, wq = warp & 3;
     /* K (a tile a warpgroup), V (likewise), Q0, G0, Q1, G1; then the statistics */
@@ -261,11 +261,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     fw_stage<NT>(QG, q + base, ld, j0, T);
     fw_stage<NT>(QG + FW_TILE, dout + base, ld, j0, T);
     fm_commit();
-    if (threadIdx.x < 64) {
-        const int i = j0 + threadIdx.x;
-        st[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * FA_LOG2E : 0.f;
-        st[64 + threadIdx.x] = i < T ? dsum[(size_t)bh * T + i] : 0.f;
-    }
+    fm_stage_stats(st, lse, dsum, bh, T, j0);
     fm_wait_all();
     fw_proxy_fence();
     __syncthreads();
@@ -282,12 +278,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
             fw_stage<NT>(nq, q + base, ld, n0, T);
             fw_stage<NT>(nq + FW_TILE, dout + base, ld, n0, T);
             fm_commit();
-            if (threadIdx.x < 64) {
-                float *ns = st + 128 * (t ^ 1);
-                const int i = n0 + threadIdx.x;
-                ns[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * FA_LOG2E : 0.f;
-                ns[64 + threadIdx.x] = i < T ? dsum[(size_t)bh * T + i] : 0.f;
-            }
+            fm_stage_stats(st + 128 * (t ^ 1), lse, dsum, bh, T, n0);
         }
         if (i0 + 63 >= g0) { /* warpgroup-uniform: else every query is before its keys */
             float p[32], dp[32];

@@ -24,6 +24,12 @@
 
 #define FW_TILE 8192u /* bytes of a 64 x 64 16-bit tile */
 
+/* The first 1024-byte aligned shared address at or after p (the tiles' start). */
+static __device__ __forceinline__ unsigned fw_align1024(const void *p)
+{
+    return ((unsigned)__cvta_generic_to_shared(p) + 1023u) & ~1023u;
+}
+
 /* The descriptor of a swizzled tile's slice starting at shared address a. */
 static __device__ __forceinline__ uint64_t fw_desc(unsigned a)
 {
