@@ -100,6 +100,14 @@ static __device__ __forceinline__ void fm_wait_all(void)
 #endif
 }
 
+/* Waits until at most N of this thread's committed cp.async groups are pending. */
+template <int N> static __device__ __forceinline__ void fm_wait_group(void)
+{
+#if !FM_SKIP
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
 /* g[base + row] = mul * acc for the lane's 2 rows (row0 + lane / 4, + 8) below T, columns
  * < Hd; o16: g holds T16 values (a marked buffer), else fp32. */
 template <class T16, int HD>

@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cublas_v2.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -526,6 +527,40 @@ static int batch_alignment(const void *p, long long stride, size_t elem)
     return a < s ? a : s;
 }
 
+/* The kernel profile's name of a cuBLASLt GEMM: "cublasLt GEMM", or with
+ * MOE_PROFILE_GEMM_SHAPES=1 in the environment its shape (column-major m n k, the
+ * transposes, the output type, beta 1 as "+=", a batch of 2 as "x2"; a size that is not a
+ * multiple of 128, as the experts' rows are, shown "~" rounded to 256, so that a call's
+ * experts share a line). The names are kept in a table for the profile's keys. */
+static const char *gemm_prof_name(int ta, int tb, int m, int n, int k, int out16, int accumulate,
+                                  int batch)
+{
+    static int shapes = -1, used;
+    static char names[160][96];
+    if (shapes < 0) {
+        const char *e = getenv("MOE_PROFILE_GEMM_SHAPES");
+        shapes = e && strcmp(e, "1") == 0;
+    }
+    if (!shapes)
+        return "cublasLt GEMM";
+    char dim[3][16], name[96];
+    const int v[3] = {m, n, k};
+    for (int i = 0; i < 3; i++)
+        if (v[i] % 128 == 0)
+            snprintf(dim[i], sizeof dim[i], "%d", v[i]);
+        else
+            snprintf(dim[i], sizeof dim[i], "~%d", (v[i] + 128) / 256 * 256);
+    snprintf(name, sizeof name, "GEMM %s %s %s %c%c %s%s%s", dim[0], dim[1], dim[2], ta ? 'T' : 'N',
+             tb ? 'T' : 'N', out16 ? "16" : "32", accumulate ? " +=" : "", batch > 1 ? " x2" : "");
+    for (int i = 0; i < used; i++)
+        if (strcmp(names[i], name) == 0)
+            return names[i];
+    if (used == (int)(sizeof names / sizeof names[0]))
+        return "cublasLt GEMM (other shapes)";
+    memcpy(names[used], name, sizeof name);
+    return names[used++];
+}
+
 /* out16: 0 when C is fp32, else its 16-bit cudaDataType_t (a marked output, written).
  * accumulate: C = base + A B, base = Cin (of C's layout), or C itself where Cin is NULL. */
 static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A, int lda,
@@ -588,7 +623,7 @@ static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A
             return;
         if ((p->cur_n != n || p->cur_k != k) && !plan_resize(p, n, k))
             return;
-        MOE_CUDA_PROF_BEGIN("cublasLt GEMM");
+        MOE_CUDA_PROF_BEGIN(gemm_prof_name(ta, tb, m, n, k, out16, accumulate, bt.count));
         const cublasStatus_t st =
             cublasLtMatmul(moe_cuda_lt(), p->op, &alpha, A, p->la, B, p->lb, &beta, Cin, p->lc, C,
                            p->lc, &p->algo, ws, ws_bytes, lane_stream(lane));

@@ -32,6 +32,34 @@
 /* Q (a tile a warpgroup), K0, V0, K1, V1, and room to align the start to 1024 bytes */
 #define FW_SMEM(NWG) (((NWG) + 4) * FW_TILE + 1024)
 
+/* The forward's end: the lane's 2 rows of out = O / l (o16: T16 values) and their lse,
+ * from its share of the row sums l (added over the quad here) and the maxima m. */
+template <class T16>
+static __device__ __forceinline__ void
+fw_forward_finish(real *out, real *lse, const float (&o)[32], const float (&m)[2], float (&l)[2],
+                  const int (&row)[2], size_t base, size_t ld, int bh, int T, int quad, int o16)
+{
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(MOE_CUDA_FULL_MASK, l[r], 1);
+        l[r] += __shfl_xor_sync(MOE_CUDA_FULL_MASK, l[r], 2);
+        if (row[r] >= T)
+            continue;
+        const float inv = 1.f / l[r];
+        const size_t orow = base + (size_t)row[r] * ld + 2 * quad;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            const float a = o[4 * n + 2 * r] * inv, c = o[4 * n + 2 * r + 1] * inv;
+            if (o16)
+                *(unsigned *)((T16 *)out + orow + 8 * n) = fm_pack<T16>(a, c);
+            else
+                *(float2 *)(out + orow + 8 * n) = make_float2(a, c);
+        }
+        if (quad == 0)
+            lse[(size_t)bh * T + row[r]] = (m[r] + log2f(l[r])) * FA_LN2;
+    }
+}
+
 /* out, lse as attention.cu's forward, from 16-bit q, k, v (B, T, H, 64); sl2 = log2(e) /
  * 8. grid (B*H, query blocks of 128), the longest (last queries) first. o16: out holds
  * T16 values. */
@@ -128,25 +156,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
         fw_proxy_fence();
         __syncthreads(); /* this tile is used up, the next one is in */
     }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(MOE_CUDA_FULL_MASK, l[r], 1);
-        l[r] += __shfl_xor_sync(MOE_CUDA_FULL_MASK, l[r], 2);
-        if (row[r] >= T)
-            continue;
-        const float inv = 1.f / l[r];
-        const size_t orow = base + (size_t)row[r] * ld + 2 * quad; /* o16: T16 */
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            const float a = o[4 * n + 2 * r] * inv, c = o[4 * n + 2 * r + 1] * inv;
-            if (o16)
-                *(unsigned *)((T16 *)out + orow + 8 * n) = fm_pack<T16>(a, c);
-            else
-                *(float2 *)(out + orow + 8 * n) = make_float2(a, c);
-        }
-        if (quad == 0)
-            lse[(size_t)bh * T + row[r]] = (m[r] + log2f(l[r])) * FA_LN2;
-    }
+    fw_forward_finish<T16>(out, lse, o, m, l, row, base, ld, bh, T, quad, o16);
 #endif
 }
 
@@ -321,6 +331,390 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
 #endif
 }
 
+/* ---- the pipelined forms (taken unless MOE_ATTENTION_PIPE=0) ----------------------------
+ * The same products and sums in the same order as the kernels above, so the same bits,
+ * but a warpgroup no longer waits for each product before its elementwise work: at step u
+ * it issues the first products of tile u (S, or S and dP) and the second ones of tile
+ * u - 1 (P V, dS K, or P^T dO and dS^T Q) as two groups, waits for the first only, does
+ * tile u's elementwise work while the tensor cores run tile u - 1's products, then waits
+ * for those and rounds tile u's P (dS) into the registers its products read at step u + 1.
+ * The walked tiles sit in S buffers (FW_PSTAGES; 3 for dq's blocks of one warpgroup, 3 an
+ * SM); tile u + S - 2 is copied from step u on, tiles u - 1 and u are read. Every warpgroup
+ * of a block walks all the block's tiles: one wholly masked (past a forward warpgroup's
+ * rows, before a dk/dv warpgroup's keys) adds exact zeros (exp2(-inf) = 0, its correction
+ * exp2(0) = 1), and no product is then issued under a condition: ptxas serializes the
+ * products of a kernel where it cannot prove that, or where registers run short (dq's
+ * blocks of 2 warpgroups take 1 an SM, dk/dv's of 1 take 2, for 255 registers). */
+#define FW_PSTAGES 4
+#define FW_PSMEM(NWG) (((NWG) + 2 * FW_PSTAGES) * FW_TILE + 1024)
+#define FW_DQ_PSTAGES(NWG) ((NWG) == 1 ? 3 : FW_PSTAGES) /* 3 blocks of 1 warpgroup an SM */
+#define FW_DQ_PSMEM(NWG) ((2 * (NWG) + 2 * FW_DQ_PSTAGES(NWG)) * FW_TILE + 1024)
+#define FW_DKV_PSMEM(NWG) ((2 * (NWG) + 2 * FW_PSTAGES) * FW_TILE + FW_PSTAGES * 512 + 1024)
+
+/* The start of step u of a walk over S buffers: tile u has landed and every thread is done
+ * with tile u - 2 (its buffer is refilled next). */
+using fw_yes = std::true_type;
+using fw_no = std::false_type;
+
+template <int S> static __device__ __forceinline__ void fw_step_start(void)
+{
+    fm_wait_group<S - 3>(); /* the groups after tile u's: tiles u + 1 .. u + S - 3 */
+    fw_proxy_fence();
+    __syncthreads();
+}
+
+template <class T16, int NWG>
+static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
+    fw_forward_pipe_kernel(real *out, real *lse, const uint16_t *q, const uint16_t *k,
+                           const uint16_t *v, int T, int H, float sl2, int o16)
+{
+#if FW_SKIP
+    __trap();
+#else
+    constexpr int NT = 128 * NWG, S = FW_PSTAGES;
+    extern __shared__ unsigned char fw_sm[];
+    const unsigned sm0 = fw_align1024(fw_sm);
+    const unsigned KV = sm0 + NWG * FW_TILE; /* buffer t: K at KV + 2 t FW_TILE, V after it */
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
+    const int wg = warp >> 2, wq = warp & 3;
+    const int bh = blockIdx.x, b = bh / H, h = bh % H;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * 64 * NWG;
+    const int g0 = q0 + 64 * wg, first = g0 + 16 * wq;
+    const int row[2] = {first + (lane >> 2), first + (lane >> 2) + 8};
+    const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
+    const int nt = (min(T, q0 + 64 * NWG) + 63) / 64; /* every warpgroup walks them all */
+    auto stage = [&](int u) { /* tile u into its buffer (one group, empty past the last) */
+                              if (u < nt) {
+                                  const unsigned d = KV + 2 * (u % S) * FW_TILE;
+                                  fw_stage<NT>(d, k + base, ld, 64 * u, T);
+                                  fw_stage<NT>(d + FW_TILE, v + base, ld, 64 * u, T);
+                              }
+                              fm_commit();
+    };
+#pragma unroll
+    for (int t = 0; t < NWG; t++)
+        fw_stage<NT>(sm0 + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
+#pragma unroll
+    for (int u = 0; u < S - 2; u++)
+        stage(u); /* the queries land with tile 0 */
+    const unsigned Qw = sm0 + wg * FW_TILE;
+    float o[32], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, corr[2] = {0.f, 0.f};
+    unsigned pa[4][4]; /* tile u - 1's P: A of its P V */
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+        o[i] = 0.f;
+    /* step u: tile u's S (HS) and tile u - 1's P V (HP) */
+    auto step = [&](int u, auto hs, auto hp) {
+        constexpr bool HS = decltype(hs)::value, HP = decltype(hp)::value;
+        fw_step_start<S>();
+        stage(u + S - 2);
+        float s[32];
+        if constexpr (HS) {
+#pragma unroll
+            for (int i = 0; i < 32; i++)
+                s[i] = 0.f;
+            fw_keep(s);
+        }
+        if constexpr (HP) {
+            fw_keep(o);
+            fw_keep_a(pa);
+        }
+        fw_fence();
+        if constexpr (HS) {
+            fw_products_ss<T16>(s, Qw, KV + 2 * (u % S) * FW_TILE); /* S = Q K^T */
+            fw_commit();
+        }
+        if constexpr (HP) {
+            fw_products_rs<T16>(o, pa, KV + (2 * ((u - 1) % S) + 1) * FW_TILE); /* O += P V */
+            fw_commit();
+        }
+        if constexpr (HS) {
+            if constexpr (HP)
+                fw_wait<1>();
+            else
+                fw_wait<0>();
+            fw_keep(s);
+            const int j0 = 64 * u;
+            float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};
+            fm_each(
+                j0 + 64 <= first,
+                [&](int n, int e) {
+                    const int j = j0 + 8 * n + 2 * quad + (e & 1);
+                    return j <= row[e >> 1] && j < T;
+                },
+                [&](int n, int e, bool keep) {
+                    float &x = s[4 * n + e];
+                    x = keep ? x * sl2 : -INFINITY;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                });
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(MOE_CUDA_FULL_MASK, mx[r], 2));
+                const float mnew = fmaxf(m[r], mx[r]);
+                corr[r] = fm_exp2(m[r] - mnew);
+                m[r] = mnew;
+            }
+#pragma unroll
+            for (int i = 0; i < 32; i++) {
+                s[i] = fm_exp2(s[i] - m[(i >> 1) & 1]);
+                sum[(i >> 1) & 1] += s[i];
+            }
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+                l[r] = l[r] * corr[r] + sum[r];
+        }
+        if constexpr (HP) {
+            fw_wait<0>();
+            fw_keep(o);
+            fw_keep_a(pa);
+        }
+        if constexpr (HS) {
+#pragma unroll
+            for (int i = 0; i < 32; i++)
+                o[i] *= corr[(i >> 1) & 1];
+            fw_pack_a<T16>(pa, s);
+        }
+    };
+    step(0, fw_yes(), fw_no());
+    for (int u = 1; u < nt; u++)
+        step(u, fw_yes(), fw_yes());
+    step(nt, fw_no(), fw_yes());
+    fw_forward_finish<T16>(out, lse, o, m, l, row, base, ld, bh, T, quad, o16);
+#endif
+}
+
+template <class T16, int NWG>
+static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
+    fw_dq_pipe_kernel(real *dq, const uint16_t *dout, const real *lse, const float *dsum,
+                      const uint16_t *q, const uint16_t *k, const uint16_t *v, int T, int H,
+                      float scale, float sl2, int dq16)
+{
+#if FW_SKIP
+    __trap();
+#else
+    constexpr int NT = 128 * NWG, S = FW_DQ_PSTAGES(NWG);
+    extern __shared__ unsigned char fw_sm[];
+    const unsigned sm0 = fw_align1024(fw_sm);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
+    const int wg = warp >> 2, wq = warp & 3;
+    /* Q (a tile a warpgroup), dO (likewise), then the buffers: K, V each */
+    const unsigned Qs = sm0 + wg * FW_TILE, Gs = sm0 + (NWG + wg) * FW_TILE;
+    const unsigned KV = sm0 + 2 * NWG * FW_TILE;
+    const int bh = blockIdx.x, b = bh / H, h = bh % H;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * 64 * NWG;
+    const int g0 = q0 + 64 * wg, first = g0 + 16 * wq;
+    const int row[2] = {first + (lane >> 2), first + (lane >> 2) + 8};
+    const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
+    const int nt = (min(T, q0 + 64 * NWG) + 63) / 64; /* every warpgroup walks them all */
+    auto stage = [&](int u) {
+        if (u < nt) {
+            const unsigned d = KV + 2 * (u % S) * FW_TILE;
+            fw_stage<NT>(d, k + base, ld, 64 * u, T);
+            fw_stage<NT>(d + FW_TILE, v + base, ld, 64 * u, T);
+        }
+        fm_commit();
+    };
+#pragma unroll
+    for (int t = 0; t < NWG; t++) {
+        fw_stage<NT>(sm0 + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
+        fw_stage<NT>(sm0 + (NWG + t) * FW_TILE, dout + base, ld, q0 + 64 * t, T);
+    }
+#pragma unroll
+    for (int u = 0; u < S - 2; u++)
+        stage(u);
+    float lse2[2], Di[2];
+    fm_row_stats(lse2, Di, lse, dsum, bh, T, row);
+    float acc[32];
+    unsigned da[4][4]; /* tile u - 1's dS: A of its dS K */
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+        acc[i] = 0.f;
+    /* step u: tile u's S and dP (HS) and tile u - 1's dS K (HP) */
+    auto step = [&](int u, auto hs, auto hp) {
+        constexpr bool HS = decltype(hs)::value, HP = decltype(hp)::value;
+        fw_step_start<S>();
+        stage(u + S - 2);
+        float p[32], dp[32];
+        if constexpr (HS) {
+#pragma unroll
+            for (int i = 0; i < 32; i++)
+                p[i] = dp[i] = 0.f;
+            fw_keep(p);
+            fw_keep(dp);
+        }
+        if constexpr (HP) {
+            fw_keep(acc);
+            fw_keep_a(da);
+        }
+        fw_fence();
+        if constexpr (HS) {
+            const unsigned Ks = KV + 2 * (u % S) * FW_TILE;
+            fw_products_ss<T16>(p, Qs, Ks);            /* S = Q K^T */
+            fw_products_ss<T16>(dp, Gs, Ks + FW_TILE); /* dP = dO V^T */
+            fw_commit();
+        }
+        if constexpr (HP) {
+            fw_products_rs<T16>(acc, da, KV + 2 * ((u - 1) % S) * FW_TILE); /* dQ += dS K */
+            fw_commit();
+        }
+        if constexpr (HS) {
+            if constexpr (HP)
+                fw_wait<1>();
+            else
+                fw_wait<0>();
+            fw_keep(p);
+            fw_keep(dp);
+            const int j0 = 64 * u;
+            fm_each(
+                j0 + 64 <= first && first + 16 <= T,
+                [&](int n, int e) {
+                    return j0 + 8 * n + 2 * quad + (e & 1) <= row[e >> 1] && row[e >> 1] < T;
+                },
+                [&](int n, int e, bool keep) {
+                    const int i = 4 * n + e, r = e >> 1;
+                    p[i] = keep ? fm_exp2(p[i] * sl2 - lse2[r]) * (dp[i] - Di[r]) : 0.f;
+                });
+        }
+        if constexpr (HP) {
+            fw_wait<0>();
+            fw_keep(acc);
+            fw_keep_a(da);
+        }
+        if constexpr (HS)
+            fw_pack_a<T16>(da, p);
+    };
+    step(0, fw_yes(), fw_no());
+    for (int u = 1; u < nt; u++)
+        step(u, fw_yes(), fw_yes());
+    step(nt, fw_no(), fw_yes());
+    fm_store_rows<T16, 64>(dq, base, ld, first, T, 64, scale,
+                           *reinterpret_cast<const float(*)[8][4]>(&acc), lane, dq16);
+#endif
+}
+
+template <class T16, int NWG>
+static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 2 : 1)
+    fw_dkv_pipe_kernel(real *dk, real *dv, const uint16_t *dout, const real *lse, const float *dsum,
+                       const uint16_t *q, const uint16_t *k, const uint16_t *v, int T, int H,
+                       float scale, float sl2, int dk16, int dv16)
+{
+#if FW_SKIP
+    __trap();
+#else
+    constexpr int NT = 128 * NWG, S = FW_PSTAGES;
+    extern __shared__ unsigned char fw_sm[];
+    const unsigned sm0 = fw_align1024(fw_sm);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
+    const int wg = warp >> 2, wq = warp & 3;
+    /* K (a tile a warpgroup), V (likewise), the buffers (Q, dO each), their statistics */
+    const unsigned Ks = sm0 + wg * FW_TILE, Vs = sm0 + (NWG + wg) * FW_TILE;
+    const unsigned QG = sm0 + 2 * NWG * FW_TILE;
+    float *st =
+        (float *)(fw_sm + (QG + 2 * S * FW_TILE - (unsigned)__cvta_generic_to_shared(fw_sm)));
+    const int bh = blockIdx.x, b = bh / H, h = bh % H;
+    const int j0 = blockIdx.y * 64 * NWG, g0 = j0 + 64 * wg, first = g0 + 16 * wq;
+    const int key[2] = {first + (lane >> 2), first + (lane >> 2) + 8};
+    const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
+    const int nt = (T - j0 + 63) / 64; /* query tiles from j0 on, every warpgroup all */
+    auto stage = [&](int u) {
+        if (u < nt) {
+            const unsigned d = QG + 2 * (u % S) * FW_TILE;
+            fw_stage<NT>(d, q + base, ld, j0 + 64 * u, T);
+            fw_stage<NT>(d + FW_TILE, dout + base, ld, j0 + 64 * u, T);
+            fm_stage_stats(st + 128 * (u % S), lse, dsum, bh, T, j0 + 64 * u);
+        }
+        fm_commit();
+    };
+#pragma unroll
+    for (int t = 0; t < NWG; t++) {
+        fw_stage<NT>(sm0 + t * FW_TILE, k + base, ld, j0 + 64 * t, T);
+        fw_stage<NT>(sm0 + (NWG + t) * FW_TILE, v + base, ld, j0 + 64 * t, T);
+    }
+#pragma unroll
+    for (int u = 0; u < S - 2; u++)
+        stage(u);
+    float dka[32], dva[32];
+    unsigned pa[4][4], da[4][4]; /* tile u - 1's P^T and dS^T */
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+        dka[i] = dva[i] = 0.f;
+    /* step u: tile u's S^T and dP^T (HS) and tile u - 1's P^T dO and dS^T Q (HP) */
+    auto step = [&](int u, auto hs, auto hp) {
+        constexpr bool HS = decltype(hs)::value, HP = decltype(hp)::value;
+        fw_step_start<S>();
+        stage(u + S - 2);
+        float p[32], dp[32];
+        if constexpr (HS) {
+#pragma unroll
+            for (int i = 0; i < 32; i++)
+                p[i] = dp[i] = 0.f;
+            fw_keep(p);
+            fw_keep(dp);
+        }
+        if constexpr (HP) {
+            fw_keep(dva);
+            fw_keep(dka);
+            fw_keep_a(pa);
+            fw_keep_a(da);
+        }
+        fw_fence();
+        if constexpr (HS) {
+            const unsigned Qt = QG + 2 * (u % S) * FW_TILE;
+            fw_products_ss<T16>(p, Ks, Qt);            /* S^T = K Q^T */
+            fw_products_ss<T16>(dp, Vs, Qt + FW_TILE); /* dP^T = V dO^T */
+            fw_commit();
+        }
+        if constexpr (HP) {
+            const unsigned Qt = QG + 2 * ((u - 1) % S) * FW_TILE;
+            fw_products_rs<T16>(dva, pa, Qt + FW_TILE); /* dV += P^T dO */
+            fw_products_rs<T16>(dka, da, Qt);           /* dK += dS^T Q */
+            fw_commit();
+        }
+        if constexpr (HS) {
+            if constexpr (HP)
+                fw_wait<1>();
+            else
+                fw_wait<0>();
+            fw_keep(p);
+            fw_keep(dp);
+            const int i0 = j0 + 64 * u;
+            const float *ls = st + 128 * (u % S), *Ds = ls + 64;
+            fm_each(
+                i0 >= first + 16 && i0 + 64 <= T,
+                [&](int n, int e) {
+                    const int i = i0 + 8 * n + 2 * quad + (e & 1), j = key[e >> 1];
+                    return i >= j && i < T && j < T;
+                },
+                [&](int n, int e, bool keep) {
+                    const int x = 4 * n + e, col = 8 * n + 2 * quad + (e & 1);
+                    p[x] = keep ? fm_exp2(p[x] * sl2 - ls[col]) : 0.f;
+                    dp[x] = p[x] * (dp[x] - Ds[col]);
+                });
+        }
+        if constexpr (HP) {
+            fw_wait<0>();
+            fw_keep(dva);
+            fw_keep(dka);
+            fw_keep_a(pa);
+            fw_keep_a(da);
+        }
+        if constexpr (HS) {
+            fw_pack_a<T16>(pa, p);
+            fw_pack_a<T16>(da, dp);
+        }
+    };
+    step(0, fw_yes(), fw_no());
+    for (int u = 1; u < nt; u++)
+        step(u, fw_yes(), fw_yes());
+    step(nt, fw_no(), fw_yes());
+    fm_store_rows<T16, 64>(dv, base, ld, first, T, 64, 1.f,
+                           *reinterpret_cast<const float(*)[8][4]>(&dva), lane, dv16);
+    fm_store_rows<T16, 64>(dk, base, ld, first, T, 64, scale,
+                           *reinterpret_cast<const float(*)[8][4]>(&dka), lane, dk16);
+#endif
+}
+
 /* Shared memory of the backward kernels: dq 2 x 2 fixed tiles + 2 x 2 walked ones; dk/dv
  * 2 NWG fixed ones + 2 x 2 walked ones and their statistics (2 x 128 floats). */
 #define FW_DQ_SMEM(NWG) ((2 * (NWG) + 4) * FW_TILE + 1024)
@@ -339,66 +733,76 @@ static int fw_smem(const void *kernel, size_t smem, int *ready)
     return 1;
 }
 
+/* The instantiation of kernel for the 16-bit type (bf16) and the warpgroups (nwg). */
+#define FW_PICK(kernel, bf16, nwg)                                                                 \
+    ((nwg) == 1 ? ((bf16) ? kernel<__nv_bfloat16, 1> : kernel<__half, 1>)                          \
+                : ((bf16) ? kernel<__nv_bfloat16, 2> : kernel<__half, 2>))
+
 /* The forward for head dim 64 from 16-bit q, k, v (16-byte aligned): bf16 or fp16 values;
- * wg warpgroups a block (1 or 2); 0 (recorded) when the kernel cannot take its shared
- * memory. Called by attention.cu on compute capability 9.0 only. */
+ * wg warpgroups a block (1 or 2), pipe: the pipelined kernel; 0 (recorded) when the kernel
+ * cannot take its shared memory. Called by attention.cu on compute capability 9.0 only. */
 extern "C" int cuda_wgmma_attention_forward(int bf16, real *out, real *lse, const uint16_t *q,
                                             const uint16_t *k, const uint16_t *v, int B, int T,
-                                            int H, int o16, int wg)
+                                            int H, int o16, int wg, int pipe)
 {
     const int nwg = wg == 1 ? 1 : 2;
     void (*fw_forward)(real *, real *, const uint16_t *, const uint16_t *, const uint16_t *, int,
                        int, float, int) =
-        nwg == 1 ? (bf16 ? fw_forward_kernel<__nv_bfloat16, 1> : fw_forward_kernel<__half, 1>)
-                 : (bf16 ? fw_forward_kernel<__nv_bfloat16, 2> : fw_forward_kernel<__half, 2>);
-    static int ready[2][3];
-    const size_t smem = FW_SMEM(nwg);
-    if (!fw_smem((const void *)fw_forward, smem, &ready[bf16][nwg]))
+        pipe ? FW_PICK(fw_forward_pipe_kernel, bf16, nwg) : FW_PICK(fw_forward_kernel, bf16, nwg);
+    static int ready[2][2][3];
+    const size_t smem = pipe ? FW_PSMEM(nwg) : FW_SMEM(nwg);
+    if (!fw_smem((const void *)fw_forward, smem, &ready[pipe != 0][bf16][nwg]))
         return 0;
     const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
     const float sl2 = (float)(1.4426950408889634 / 8.0); /* log2(e) / sqrt(64) */
+    MOE_CUDA_PROF_BEGIN(pipe ? "fw_forward, pipelined" : "fw_forward");
     MOE_CUDA_LAUNCH(fw_forward, grid, 128 * nwg, smem, out, lse, q, k, v, T, H, sl2, o16);
+    MOE_CUDA_PROF_END();
     return 1;
 }
 
 /* The backward for head dim 64 from 16-bit q, k, v and dout, after dsum (Di = dout_i .
  * out_i): dq if dq, dk and dv if either; dq_wg, dkv_wg warpgroups a block of each (1 or
- * 2). 0 (recorded) when a kernel cannot take its shared memory. */
+ * 2), pipe: the pipelined kernels. 0 (recorded) when a kernel cannot take its shared
+ * memory. */
 extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real *dv,
                                              const uint16_t *dout, const real *lse,
                                              const float *dsum, const uint16_t *q,
                                              const uint16_t *k, const uint16_t *v, int B, int T,
                                              int H, int dq16, int dk16, int dv16, int dq_wg,
-                                             int dkv_wg)
+                                             int dkv_wg, int pipe)
 {
     const float scale = 0.125f, sl2 = (float)(1.4426950408889634 / 8.0); /* 1 / sqrt(64) */
-    static int ready[2][2][3];
+    static int ready[2][2][2][3];
+    pipe = pipe != 0;
     if (dq) {
         const int nwg = dq_wg == 1 ? 1 : 2;
         void (*fw_dq)(real *, const uint16_t *, const real *, const float *, const uint16_t *,
                       const uint16_t *, const uint16_t *, int, int, float, float, int) =
-            nwg == 1 ? (bf16 ? fw_dq_kernel<__nv_bfloat16, 1> : fw_dq_kernel<__half, 1>)
-                     : (bf16 ? fw_dq_kernel<__nv_bfloat16, 2> : fw_dq_kernel<__half, 2>);
-        const size_t smem = FW_DQ_SMEM(nwg);
-        if (!fw_smem((const void *)fw_dq, smem, &ready[bf16][0][nwg]))
+            pipe ? FW_PICK(fw_dq_pipe_kernel, bf16, nwg) : FW_PICK(fw_dq_kernel, bf16, nwg);
+        const size_t smem = pipe ? FW_DQ_PSMEM(nwg) : FW_DQ_SMEM(nwg);
+        if (!fw_smem((const void *)fw_dq, smem, &ready[pipe][bf16][0][nwg]))
             return 0;
         const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
+        MOE_CUDA_PROF_BEGIN(pipe ? "fw_dq, pipelined" : "fw_dq");
         MOE_CUDA_LAUNCH(fw_dq, grid, 128 * nwg, smem, dq, dout, lse, dsum, q, k, v, T, H, scale,
                         sl2, dq16);
+        MOE_CUDA_PROF_END();
     }
     if (dk || dv) {
         const int nwg = dkv_wg == 1 ? 1 : 2;
         void (*fw_dkv)(real *, real *, const uint16_t *, const real *, const float *,
                        const uint16_t *, const uint16_t *, const uint16_t *, int, int, float, float,
                        int, int) =
-            nwg == 1 ? (bf16 ? fw_dkv_kernel<__nv_bfloat16, 1> : fw_dkv_kernel<__half, 1>)
-                     : (bf16 ? fw_dkv_kernel<__nv_bfloat16, 2> : fw_dkv_kernel<__half, 2>);
-        const size_t smem = FW_DKV_SMEM(nwg);
-        if (!fw_smem((const void *)fw_dkv, smem, &ready[bf16][1][nwg]))
+            pipe ? FW_PICK(fw_dkv_pipe_kernel, bf16, nwg) : FW_PICK(fw_dkv_kernel, bf16, nwg);
+        const size_t smem = pipe ? FW_DKV_PSMEM(nwg) : FW_DKV_SMEM(nwg);
+        if (!fw_smem((const void *)fw_dkv, smem, &ready[pipe][bf16][1][nwg]))
             return 0;
         const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
+        MOE_CUDA_PROF_BEGIN(pipe ? "fw_dkv, pipelined" : "fw_dkv");
         MOE_CUDA_LAUNCH(fw_dkv, grid, 128 * nwg, smem, dk, dv, dout, lse, dsum, q, k, v, T, H,
                         scale, sl2, dk16, dv16);
+        MOE_CUDA_PROF_END();
     }
     return 1;
 }

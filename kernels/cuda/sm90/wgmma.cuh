@@ -108,6 +108,18 @@ static __device__ __forceinline__ void fw_fence(void)
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
 
+/* Ends a group of products (issued since the last commit), not waiting for it. */
+static __device__ __forceinline__ void fw_commit(void)
+{
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+/* Waits until at most N committed groups of products are pending (the oldest first). */
+template <int N> static __device__ __forceinline__ void fw_wait(void)
+{
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
 /* Ends a group of products and waits for it (and any before it). */
 static __device__ __forceinline__ void fw_commit_wait(void)
 {
@@ -162,6 +174,16 @@ static __device__ __forceinline__ void fw_products_rs(float (&d)[32], const unsi
         fw_mma<T16, 1>(d, a[kk], fw_desc(b + 2048 * kk));
 }
 
+/* d += A B^T over k = 64: A and B the K-major tiles at shared addresses a and b (4
+ * products, issued; the caller fences before and waits after). */
+template <class T16>
+static __device__ __forceinline__ void fw_products_ss(float (&d)[32], unsigned a, unsigned b)
+{
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+        fw_mma_s<T16, 0>(d, fw_desc(a + 32 * kk), fw_desc(b + 32 * kk));
+}
+
 /* d += x B: x (64 x 64 in accumulator layout) rounded to 16 bits as A, B the MN-major tile
  * at b; one group, fenced and waited for. */
 template <class T16>
@@ -190,12 +212,8 @@ static __device__ __forceinline__ void fw_scores2(float (&s)[32], unsigned a1, u
     fw_keep(s);
     fw_keep(t);
     fw_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++)
-        fw_mma_s<T16, 0>(s, fw_desc(a1 + 32 * kk), fw_desc(b1 + 32 * kk));
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++)
-        fw_mma_s<T16, 0>(t, fw_desc(a2 + 32 * kk), fw_desc(b2 + 32 * kk));
+    fw_products_ss<T16>(s, a1, b1);
+    fw_products_ss<T16>(t, a2, b2);
     fw_commit_wait();
     fw_keep(s);
     fw_keep(t);
