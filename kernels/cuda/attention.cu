@@ -1284,13 +1284,13 @@ static int fm_family(void)
 #if MOE_HAVE_SM90A
 extern "C" int cuda_wgmma_attention_forward(int bf16, real *out, real *lse, const uint16_t *q,
                                             const uint16_t *k, const uint16_t *v, int B, int T,
-                                            int H, int o16, int wg, int pipe);
+                                            int H, int o16, int wg);
 extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real *dv,
                                              const uint16_t *dout, const real *lse,
                                              const float *dsum, const uint16_t *q,
                                              const uint16_t *k, const uint16_t *v, int B, int T,
                                              int H, int dq16, int dk16, int dv16, int dq_wg,
-                                             int dkv_wg, int pipe);
+                                             int dkv_wg);
 #endif
 static int fw_family(void)
 {
@@ -1306,20 +1306,12 @@ static int fw_family(void)
 
 #if MOE_HAVE_SM90A
 /* Warpgroups a block of a wgmma kernel: the environment's name = 1 or 2, else dflt (a
- * benchmark knob: MOE_ATTENTION_WG for the forward, MOE_ATTENTION_DQ_WG for dq,
- * MOE_ATTENTION_DKV_WG for dk/dv). */
+ * benchmark knob: MOE_ATTENTION_WG for the forward, default 2, MOE_ATTENTION_DQ_WG
+ * for dq, default 1, MOE_ATTENTION_DKV_WG for dk/dv, default 1). */
 static int fw_env_wg(const char *name, int dflt)
 {
     const char *e = getenv(name);
     return e && strcmp(e, "1") == 0 ? 1 : e && strcmp(e, "2") == 0 ? 2 : dflt;
-}
-
-/* The pipelined wgmma kernels (sm90/attention_wgmma.cu) unless MOE_ATTENTION_PIPE=0 (the
- * same bits either way; a benchmark knob). */
-static int fw_env_pipe(void)
-{
-    const char *e = getenv("MOE_ATTENTION_PIPE");
-    return !(e && strcmp(e, "0") == 0);
 }
 #endif
 
@@ -1328,7 +1320,7 @@ static void fw_forward(int bf16, real *out, real *lse, const uint16_t *q, const 
 {
 #if MOE_HAVE_SM90A
     cuda_wgmma_attention_forward(bf16, out, lse, q, k, v, B, T, H, o16,
-                                 fw_env_wg("MOE_ATTENTION_WG", 2), fw_env_pipe());
+                                 fw_env_wg("MOE_ATTENTION_WG", 2));
 #else
     (void)bf16, (void)out, (void)lse, (void)q, (void)k, (void)v, (void)B, (void)T, (void)H,
         (void)o16;
@@ -1344,8 +1336,8 @@ static void fw_backward(int bf16, real *dq, real *dk, real *dv, const uint16_t *
 #if MOE_HAVE_SM90A
     cuda_wgmma_attention_backward(bf16, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H,
                                   (m16 & ATT_DQ16) != 0, (m16 & ATT_DK16) != 0,
-                                  (m16 & ATT_DV16) != 0, fw_env_wg("MOE_ATTENTION_DQ_WG", 2),
-                                  fw_env_wg("MOE_ATTENTION_DKV_WG", 1), fw_env_pipe());
+                                  (m16 & ATT_DV16) != 0, fw_env_wg("MOE_ATTENTION_DQ_WG", 1),
+                                  fw_env_wg("MOE_ATTENTION_DKV_WG", 1));
 #else
     (void)bf16, (void)dq, (void)dk, (void)dv, (void)dout, (void)lse, (void)dsum, (void)q, (void)k,
         (void)v, (void)B, (void)T, (void)H, (void)m16;

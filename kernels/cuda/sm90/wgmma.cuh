@@ -184,22 +184,6 @@ static __device__ __forceinline__ void fw_products_ss(float (&d)[32], unsigned a
         fw_mma_s<T16, 0>(d, fw_desc(a + 32 * kk), fw_desc(b + 32 * kk));
 }
 
-/* d += x B: x (64 x 64 in accumulator layout) rounded to 16 bits as A, B the MN-major tile
- * at b; one group, fenced and waited for. */
-template <class T16>
-static __device__ __forceinline__ void fw_mma_rs(float (&d)[32], const float (&x)[32], unsigned b)
-{
-    unsigned a[4][4];
-    fw_pack_a<T16>(a, x);
-    fw_keep(d);
-    fw_keep_a(a);
-    fw_fence();
-    fw_products_rs<T16>(d, a, b);
-    fw_commit_wait();
-    fw_keep(d);
-    fw_keep_a(a);
-}
-
 /* s = A1 B1^T and t = A2 B2^T over k = 64, the four 64 x 64 tiles K-major in shared
  * memory (a1, b1, a2, b2); one group, fenced and waited for. */
 template <class T16>
