@@ -1290,7 +1290,7 @@ extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real 
                                              const float *dsum, const uint16_t *q,
                                              const uint16_t *k, const uint16_t *v, int B, int T,
                                              int H, int dq16, int dk16, int dv16, int dq_wg,
-                                             int dkv_wg);
+                                             int dkv_wg, int dkv_stages);
 #endif
 static int fw_family(void)
 {
@@ -1312,6 +1312,14 @@ static int fw_env_wg(const char *name, int dflt)
 {
     const char *e = getenv(name);
     return e && strcmp(e, "1") == 0 ? 1 : e && strcmp(e, "2") == 0 ? 2 : dflt;
+}
+
+/* The buffers of the wgmma dk/dv kernel's walk: MOE_ATTENTION_DKV_STAGES = 2 or 3 (a
+ * benchmark knob), default 2. */
+static int fw_env_stages(void)
+{
+    const char *e = getenv("MOE_ATTENTION_DKV_STAGES");
+    return e && strcmp(e, "3") == 0 ? 3 : 2;
 }
 #endif
 
@@ -1337,7 +1345,7 @@ static void fw_backward(int bf16, real *dq, real *dk, real *dv, const uint16_t *
     cuda_wgmma_attention_backward(bf16, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H,
                                   (m16 & ATT_DQ16) != 0, (m16 & ATT_DK16) != 0,
                                   (m16 & ATT_DV16) != 0, fw_env_wg("MOE_ATTENTION_DQ_WG", 1),
-                                  fw_env_wg("MOE_ATTENTION_DKV_WG", 1));
+                                  fw_env_wg("MOE_ATTENTION_DKV_WG", 1), fw_env_stages());
 #else
     (void)bf16, (void)dq, (void)dk, (void)dv, (void)dout, (void)lse, (void)dsum, (void)q, (void)k,
         (void)v, (void)B, (void)T, (void)H, (void)m16;

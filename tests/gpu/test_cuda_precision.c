@@ -1231,6 +1231,11 @@ int main(void)
             unsetenv("MOE_ATTENTION_WG");
             unsetenv("MOE_ATTENTION_DQ_WG");
             unsetenv("MOE_ATTENTION_DKV_WG");
+            /* dk/dv's walk over 3 buffers */
+            setenv("MOE_ATTENTION_DKV_STAGES", "3", 1);
+            check_attention_mode(MOE_PREC_FP16, "fp16 dkv3", 5e-3);
+            check_attention_mode(MOE_PREC_BF16, "bf16 dkv3", 1e-2);
+            unsetenv("MOE_ATTENTION_DKV_STAGES");
             setenv("MOE_ATTENTION", "mma", 1);
             check_attention_mode(MOE_PREC_FP16, "fp16 mma", 5e-3);
             check_attention_mode(MOE_PREC_BF16, "bf16 mma", 1e-2);

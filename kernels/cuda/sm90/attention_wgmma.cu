@@ -331,9 +331,10 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
  * fm_dkv_kernel: a block of NWG warpgroups takes 64 NWG keys (each 64) and walks the
  * query tiles from its first key on; per tile S^T = K Q^T and dP^T = V dO^T (A and B
  * from shared memory), P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q (dO, Q
- * read MN-major). The Q, dO tiles and their row statistics are double-buffered. grid
- * (B*H, key blocks), the longest (first keys) first. dk or dv may be NULL. */
-template <class T16, int NWG>
+ * read MN-major). The Q, dO tiles and their row statistics sit in S buffers, tile u + S - 1
+ * copied from step u on (S = 2: double-buffered). grid (B*H, key blocks), the longest
+ * (first keys) first. dk or dv may be NULL. */
+template <class T16, int NWG, int S>
 static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     fw_dkv_kernel(real *dk, real *dv, const uint16_t *dout, const real *lse, const float *dsum,
                   const uint16_t *q, const uint16_t *k, const uint16_t *v, int T, int H,
@@ -347,41 +348,45 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     const unsigned sm0 = fw_align1024(fw_sm);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
     const int wg = warp >> 2, wq = warp & 3;
-    /* K (a tile a warpgroup), V (likewise), Q0, G0, Q1, G1; then the statistics */
+    /* K (a tile a warpgroup), V (likewise), the buffers (Q, dO each), their statistics */
     const unsigned Ks = sm0 + wg * FW_TILE, Vs = sm0 + (NWG + wg) * FW_TILE;
     const unsigned QG = sm0 + 2 * NWG * FW_TILE;
-    float *st = (float *)(fw_sm + (QG + 4 * FW_TILE - (unsigned)__cvta_generic_to_shared(fw_sm)));
+    float *st =
+        (float *)(fw_sm + (QG + 2 * S * FW_TILE - (unsigned)__cvta_generic_to_shared(fw_sm)));
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
     const int j0 = blockIdx.y * 64 * NWG, g0 = j0 + 64 * wg, first = g0 + 16 * wq;
     const int key[2] = {first + (lane >> 2), first + (lane >> 2) + 8};
     const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
+    const int nt = (T - j0 + 63) / 64; /* query tiles from j0 on */
+    auto stage = [&](int u) {          /* one group, empty past the last tile */
+                              if (u < nt) {
+                                  const unsigned d = QG + 2 * (u % S) * FW_TILE;
+                                  fw_stage<NT>(d, q + base, ld, j0 + 64 * u, T);
+                                  fw_stage<NT>(d + FW_TILE, dout + base, ld, j0 + 64 * u, T);
+                                  fm_stage_stats(st + 128 * (u % S), lse, dsum, bh, T, j0 + 64 * u);
+                              }
+                              fm_commit();
+    };
 #pragma unroll
     for (int t = 0; t < NWG; t++) {
         fw_stage<NT>(sm0 + t * FW_TILE, k + base, ld, j0 + 64 * t, T);
         fw_stage<NT>(sm0 + (NWG + t) * FW_TILE, v + base, ld, j0 + 64 * t, T);
     }
-    fw_stage<NT>(QG, q + base, ld, j0, T);
-    fw_stage<NT>(QG + FW_TILE, dout + base, ld, j0, T);
-    fm_commit();
-    fm_stage_stats(st, lse, dsum, bh, T, j0);
-    fm_wait_all();
-    fw_proxy_fence();
-    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < S - 1; u++)
+        stage(u); /* the keys and values land with tile 0 */
     float dka[32], dva[32];
 #pragma unroll
     for (int i = 0; i < 32; i++)
         dka[i] = dva[i] = 0.f;
-    for (int i0 = j0, t = 0; i0 < T; i0 += 64, t ^= 1) {
-        const unsigned Qt = QG + 2 * t * FW_TILE, Gt = Qt + FW_TILE;
-        const float *ls = st + 128 * t, *Ds = ls + 64;
-        if (i0 + 64 < T) { /* the next query tile into the other buffer */
-            const int n0 = i0 + 64;
-            const unsigned nq = QG + 2 * (t ^ 1) * FW_TILE;
-            fw_stage<NT>(nq, q + base, ld, n0, T);
-            fw_stage<NT>(nq + FW_TILE, dout + base, ld, n0, T);
-            fm_commit();
-            fm_stage_stats(st + 128 * (t ^ 1), lse, dsum, bh, T, n0);
-        }
+    for (int u = 0; u < nt; u++) {
+        fm_wait_group<S - 2>(); /* tile u has landed */
+        fw_proxy_fence();
+        __syncthreads(); /* and every thread is done with tile u - 1, whose buffer: */
+        stage(u + S - 1);
+        const int i0 = j0 + 64 * u;
+        const unsigned Qt = QG + 2 * (u % S) * FW_TILE, Gt = Qt + FW_TILE;
+        const float *ls = st + 128 * (u % S), *Ds = ls + 64;
         if (i0 + 63 >= g0) { /* warpgroup-uniform: else every query is before its keys */
             float p[32], dp[32];
             fw_scores2<T16>(p, Ks, Qt, dp, Vs, Gt); /* S^T, dP^T */
@@ -412,9 +417,6 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
             fw_keep_a(pa);
             fw_keep_a(da);
         }
-        fm_wait_all();
-        fw_proxy_fence();
-        __syncthreads();
     }
     fm_store_rows<T16, 64>(dv, base, ld, first, T, 64, 1.f,
                            *reinterpret_cast<const float(*)[8][4]>(&dva), lane, dv16);
@@ -424,9 +426,9 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
 }
 
 /* Shared memory of the backward kernels: dq 2 NWG fixed tiles + 2 x its stages walked
- * ones; dk/dv 2 NWG fixed ones + 2 x 2 walked ones and their statistics (2 x 128 floats). */
+ * ones; dk/dv 2 NWG fixed ones + 2 S walked ones and their statistics (S x 128 floats). */
 #define FW_DQ_SMEM(NWG) ((2 * (NWG) + 2 * FW_DQ_STAGES(NWG)) * FW_TILE + 1024)
-#define FW_DKV_SMEM(NWG) ((2 * (NWG) + 4) * FW_TILE + 2 * 128 * 4 + 1024)
+#define FW_DKV_SMEM(NWG, S) ((2 * (NWG) + 2 * (S)) * FW_TILE + (S)*128 * 4 + 1024)
 
 /* Lets kernel take smem bytes of dynamic shared memory, once per kernel (ready its flag);
  * 0 (recorded) on failure. */
@@ -468,16 +470,17 @@ extern "C" int cuda_wgmma_attention_forward(int bf16, real *out, real *lse, cons
 
 /* The backward for head dim 64 from 16-bit q, k, v and dout, after dsum (Di = dout_i .
  * out_i): dq if dq, dk and dv if either; dq_wg, dkv_wg warpgroups a block of each (1 or
- * 2). 0 (recorded) when a kernel cannot take its shared memory. */
+ * 2), dkv_stages the buffers of dk/dv's walk (2 or 3). 0 (recorded) when a kernel cannot
+ * take its shared memory. */
 extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real *dv,
                                              const uint16_t *dout, const real *lse,
                                              const float *dsum, const uint16_t *q,
                                              const uint16_t *k, const uint16_t *v, int B, int T,
                                              int H, int dq16, int dk16, int dv16, int dq_wg,
-                                             int dkv_wg)
+                                             int dkv_wg, int dkv_stages)
 {
     const float scale = 0.125f, sl2 = (float)(1.4426950408889634 / 8.0); /* 1 / sqrt(64) */
-    static int ready[2][2][3];
+    static int ready[2][3][3]; /* [bf16][0: dq, 1, 2: dk/dv of 2, 3 stages][nwg] */
     if (dq) {
         const int nwg = dq_wg == 1 ? 1 : 2;
         void (*fw_dq)(real *, const uint16_t *, const real *, const float *, const uint16_t *,
@@ -491,12 +494,19 @@ extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real 
                         sl2, dq16);
     }
     if (dk || dv) {
-        const int nwg = dkv_wg == 1 ? 1 : 2;
+        const int nwg = dkv_wg == 1 ? 1 : 2, ns = dkv_stages == 3 ? 3 : 2;
         void (*fw_dkv)(real *, real *, const uint16_t *, const real *, const float *,
                        const uint16_t *, const uint16_t *, const uint16_t *, int, int, float, float,
-                       int, int) = FW_PICK(fw_dkv_kernel, bf16, nwg);
-        const size_t smem = FW_DKV_SMEM(nwg);
-        if (!fw_smem((const void *)fw_dkv, smem, &ready[bf16][1][nwg]))
+                       int, int) =
+            ns == 3
+                ? (nwg == 1
+                       ? (bf16 ? fw_dkv_kernel<__nv_bfloat16, 1, 3> : fw_dkv_kernel<__half, 1, 3>)
+                       : (bf16 ? fw_dkv_kernel<__nv_bfloat16, 2, 3> : fw_dkv_kernel<__half, 2, 3>))
+                : (nwg == 1
+                       ? (bf16 ? fw_dkv_kernel<__nv_bfloat16, 1, 2> : fw_dkv_kernel<__half, 1, 2>)
+                       : (bf16 ? fw_dkv_kernel<__nv_bfloat16, 2, 2> : fw_dkv_kernel<__half, 2, 2>));
+        const size_t smem = FW_DKV_SMEM(nwg, ns);
+        if (!fw_smem((const void *)fw_dkv, smem, &ready[bf16][ns - 1][nwg]))
             return 0;
         const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
         MOE_CUDA_LAUNCH(fw_dkv, grid, 128 * nwg, smem, dk, dv, dout, lse, dsum, q, k, v, T, H,
