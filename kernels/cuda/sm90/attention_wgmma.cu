@@ -76,16 +76,30 @@ fw_forward_finish(real *out, real *lse, const float (&o)[32], const float (&m)[2
 #define FW_SMEM(NWG) (((NWG) + 2 * FW_STAGES) * FW_TILE + 1024)
 #define FW_DQ_STAGES(NWG) ((NWG) == 1 ? 3 : FW_STAGES)
 
-/* The start of step u of a walk over S buffers: tile u has landed and every thread is done
- * with tile u - 2 (its buffer is refilled next). */
-using fw_yes = std::true_type;
+using fw_yes = std::true_type; /* a step's products: issued (at compile time) */
 using fw_no = std::false_type;
 
+/* The start of step u of a walk over S buffers: tile u has landed and every thread is done
+ * with tile u - 2 (its buffer is refilled next). */
 template <int S> static __device__ __forceinline__ void fw_step_start(void)
 {
     fm_wait_group<S - 3>(); /* the groups after tile u's: tiles u + 1 .. u + S - 3 */
     fw_proxy_fence();
     __syncthreads();
+}
+
+/* Tile u (rows 64 u .. 64 u + 63) of k and v into buffer u % S of the walk at KV (K, then
+ * V): one cp.async group, empty past the last tile (nt - 1). */
+template <int NT, int S>
+static __device__ __forceinline__ void
+fw_stage_kv(unsigned KV, const uint16_t *k, const uint16_t *v, size_t ld, int u, int nt, int T)
+{
+    if (u < nt) {
+        const unsigned d = KV + 2 * (u % S) * FW_TILE;
+        fw_stage<NT>(d, k, ld, 64 * u, T);
+        fw_stage<NT>(d + FW_TILE, v, ld, 64 * u, T);
+    }
+    fm_commit();
 }
 
 /* out, lse as attention.cu's forward, from 16-bit q, k, v (B, T, H, 64); sl2 = log2(e) /
@@ -112,14 +126,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
     const int row[2] = {first + (lane >> 2), first + (lane >> 2) + 8};
     const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
     const int nt = (min(T, q0 + 64 * NWG) + 63) / 64; /* every warpgroup walks them all */
-    auto stage = [&](int u) { /* tile u into its buffer (one group, empty past the last) */
-                              if (u < nt) {
-                                  const unsigned d = KV + 2 * (u % S) * FW_TILE;
-                                  fw_stage<NT>(d, k + base, ld, 64 * u, T);
-                                  fw_stage<NT>(d + FW_TILE, v + base, ld, 64 * u, T);
-                              }
-                              fm_commit();
-    };
+    auto stage = [&](int u) { fw_stage_kv<NT, S>(KV, k + base, v + base, ld, u, nt, T); };
 #pragma unroll
     for (int t = 0; t < NWG; t++)
         fw_stage<NT>(sm0 + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
@@ -241,14 +248,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     const int row[2] = {first + (lane >> 2), first + (lane >> 2) + 8};
     const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
     const int nt = (min(T, q0 + 64 * NWG) + 63) / 64; /* every warpgroup walks them all */
-    auto stage = [&](int u) {
-        if (u < nt) {
-            const unsigned d = KV + 2 * (u % S) * FW_TILE;
-            fw_stage<NT>(d, k + base, ld, 64 * u, T);
-            fw_stage<NT>(d + FW_TILE, v + base, ld, 64 * u, T);
-        }
-        fm_commit();
-    };
+    auto stage = [&](int u) { fw_stage_kv<NT, S>(KV, k + base, v + base, ld, u, nt, T); };
 #pragma unroll
     for (int t = 0; t < NWG; t++) {
         fw_stage<NT>(sm0 + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
