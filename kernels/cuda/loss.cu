@@ -112,14 +112,18 @@ template <bool L16> static __device__ __forceinline__ float4 ce_widen(ce_group<L
         return x;
 }
 
-/* Adds a group of 4 logits to the running (m, s). */
+/* Adds a group of 4 logits to the running (m, s): the values of ce_exp, with its test for
+ * -inf once a group. After the raise m >= every value of the group, so m is -inf only
+ * where all four are; 0 stands for it then (exp(-inf - 0) = 0, no -inf - -inf), and a -inf
+ * value under a finite m gives exp(-inf) = 0, as ce_exp's test does. */
 template <typename F> static __device__ __forceinline__ void ce_add4(float &m, F &s, float4 x)
 {
     ce_raise<F>(m, s, fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
-    s += ce_exp<F>(x.x, m);
-    s += ce_exp<F>(x.y, m);
-    s += ce_exp<F>(x.z, m);
-    s += ce_exp<F>(x.w, m);
+    const F mf = m == -INFINITY ? (F)0 : (F)m;
+    s += ce_expf<F>((F)x.x - mf);
+    s += ce_expf<F>((F)x.y - mf);
+    s += ce_expf<F>((F)x.z - mf);
+    s += ce_expf<F>((F)x.w - mf);
 }
 
 /* One row of the forward (block n = blockIdx.x, CE_THREADS threads); V4: the row is read
@@ -128,14 +132,17 @@ template <typename F> static __device__ __forceinline__ void ce_add4(float &m, F
  * kernel's second pass reads them there); the order of the sums is the same either way,
  * so the fused kernel's lse has the forward kernel's bits. */
 template <typename F, bool V4, bool L16, int KEEP>
-static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, const real *logits,
-                                                      const int32_t *targets, int V, int bf16,
-                                                      ce_group<L16> *kept)
+static __device__ __forceinline__ double ce_forward_row(real *losses, real *lse, const real *logits,
+                                                        const int32_t *targets, int V, int bf16,
+                                                        ce_group<L16> *kept)
 {
     const int n = blockIdx.x;
     const size_t row = (size_t)n * V;
     float m = -INFINITY;
     F s = 0;
+    float target_logit = 0.0f; /* thread 0 loads it with the row, not after the merge */
+    if (threadIdx.x == 0)
+        target_logit = moe_ld<L16>(logits, row + targets[n], bf16);
     if (V4) {
         const int groups = V / 4;
 #pragma unroll
@@ -159,11 +166,13 @@ static __device__ __forceinline__ void ce_forward_row(real *losses, real *lse, c
         }
     }
     ce_block_merge<F>(m, s);
+    double r = 0.0; /* thread 0: the row's lse, returned */
     if (threadIdx.x == 0) {
-        const double r = (double)m + log((double)s);
+        r = (double)m + log((double)s);
         lse[n] = (real)r;
-        losses[n] = (real)(r - moe_ld<L16>(logits, row + targets[n], bf16));
+        losses[n] = (real)(r - target_logit);
     }
+    return r;
 }
 
 template <typename F, bool V4, bool L16>
@@ -220,9 +229,16 @@ static __device__ __forceinline__ void ce_backward_group(real *dlogits, size_t r
                                                          F s, int t, real dloss, int bf16)
 {
     const int v = 4 * c;
-    const float4 d =
-        make_float4(ce_grad<F>(x.x, s, v == t, dloss), ce_grad<F>(x.y, s, v + 1 == t, dloss),
-                    ce_grad<F>(x.z, s, v + 2 == t, dloss), ce_grad<F>(x.w, s, v + 3 == t, dloss));
+    float4 d = make_float4(ce_grad<F>(x.x, s, 0, dloss), ce_grad<F>(x.y, s, 0, dloss),
+                           ce_grad<F>(x.z, s, 0, dloss), ce_grad<F>(x.w, s, 0, dloss));
+    if ((unsigned)(t - v) < 4u) { /* the target's group: its column with the hit */
+        const int k = t - v;
+        const real dt = ce_grad<F>(k == 0 ? x.x : k == 1 ? x.y : k == 2 ? x.z : x.w, s, 1, dloss);
+        d.x = k == 0 ? dt : d.x;
+        d.y = k == 1 ? dt : d.y;
+        d.z = k == 2 ? dt : d.z;
+        d.w = k == 3 ? dt : d.w;
+    }
     if (O16)
         ((uint2 *)dlogits)[row / 4 + c] = moe_round16x4(d, bf16);
     else
@@ -276,41 +292,51 @@ static __global__ void cross_entropy_backward_kernel(real *dlogits, const real *
  * the lse as stored (so the bits are the two kernels'), and the groups of the row each
  * thread kept in registers (V4: all of a row of up to 32768 16-bit logits), the rest
  * read again (from L2 where it still is). */
-template <typename F, bool V4, bool O16, bool L16>
+template <typename F, bool V4, bool O16, bool L16, bool BF>
 static __global__ void __launch_bounds__(CE_THREADS)
     cross_entropy_fused_kernel(real *losses, real *lse, real *dlogits, const real *logits,
-                               const int32_t *targets, real dloss, int V, int bf16)
+                               const int32_t *targets, real dloss, int V, int bf16_arg)
 {
+    /* the 16-bit format as a constant where 16-bit values are read or written (BF: bf16,
+     * else fp16), so the widening and rounding compile to one form, not both and a select */
+    const int bf16 = O16 || L16 ? (int)BF : bf16_arg;
     __shared__ real row_lse;
     constexpr int KEEP = V4 ? CE_KEPT(L16) : 0;
     ce_group<L16> kept[KEEP > 0 ? KEEP : 1];
     const int n = blockIdx.x;
-    ce_forward_row<F, V4, L16, KEEP>(losses, lse, logits, targets, V, bf16, kept);
+    const int t = targets[n]; /* loaded with the row */
+    const double r = ce_forward_row<F, V4, L16, KEEP>(losses, lse, logits, targets, V, bf16, kept);
     if (threadIdx.x == 0)
-        row_lse = lse[n];
+        row_lse = (real)r; /* the lse as stored, without reading it back */
     __syncthreads();
-    ce_backward_cols<F, V4, O16, L16, KEEP>(dlogits, logits, n, (F)row_lse, targets[n], dloss, V,
-                                            bf16, threadIdx.x, CE_THREADS, kept);
+    ce_backward_cols<F, V4, O16, L16, KEEP>(dlogits, logits, n, (F)row_lse, t, dloss, V, bf16,
+                                            threadIdx.x, CE_THREADS, kept);
 }
 
 /* The instance a launcher runs, as a type: F the sums' type, V4 (rows read as float4),
  * O16 (16-bit gradients written), L16 (16-bit logits read). */
-template <typename F_, bool V4_, bool O16_, bool L16_> struct ce_kind {
+template <typename F_, bool V4_, bool O16_, bool L16_, bool BF_ = false> struct ce_kind {
     typedef F_ F;
-    static constexpr bool V4 = V4_, O16 = O16_, L16 = L16_;
+    static constexpr bool V4 = V4_, O16 = O16_, L16 = L16_, BF = BF_;
 };
 
-template <bool V4, bool O16, typename Launch> static void ce_pick_l16(int l16, Launch &launch)
+template <bool V4, bool O16, typename Launch>
+static void ce_pick_l16(int l16, int bf16, Launch &launch)
 {
-    if (l16)
-        launch(ce_kind<float, V4, O16, true>());
+    if (l16 && bf16)
+        launch(ce_kind<float, V4, O16, true, true>());
+    else if (l16)
+        launch(ce_kind<float, V4, O16, true, false>());
+    else if (O16 && bf16)
+        launch(ce_kind<float, V4, O16, false, true>());
     else
-        launch(ce_kind<float, V4, O16, false>());
+        launch(ce_kind<float, V4, O16, false, false>());
 }
 
 /* launch(ce_kind<...>()) for the flags: sums in double in fp32 (where no buffer is
- * marked, so never o16 or l16), in float in the 16-bit precisions. */
-template <typename Launch> static void ce_pick(int v4, int o16, int l16, Launch launch)
+ * marked, so never o16 or l16), in float in the 16-bit precisions; BF: the 16-bit
+ * format (bf16, else fp16) where o16 or l16. */
+template <typename Launch> static void ce_pick(int v4, int o16, int l16, int bf16, Launch launch)
 {
     if (cuda_gemm_precision() == MOE_PREC_FP32) {
         if (v4)
@@ -318,13 +344,13 @@ template <typename Launch> static void ce_pick(int v4, int o16, int l16, Launch 
         else
             launch(ce_kind<double, false, false, false>());
     } else if (v4 && o16) {
-        ce_pick_l16<true, true>(l16, launch);
+        ce_pick_l16<true, true>(l16, bf16, launch);
     } else if (v4) {
-        ce_pick_l16<true, false>(l16, launch);
+        ce_pick_l16<true, false>(l16, bf16, launch);
     } else if (o16) {
-        ce_pick_l16<false, true>(l16, launch);
+        ce_pick_l16<false, true>(l16, bf16, launch);
     } else {
-        ce_pick_l16<false, false>(l16, launch);
+        ce_pick_l16<false, false>(l16, bf16, launch);
     }
 }
 
@@ -341,11 +367,15 @@ extern "C" void cuda_cross_entropy_backward(real *dlogits, const real *logits, c
     const int cols = v4 ? V / 4 : V; /* items per row */
     const unsigned per_row = (unsigned)((cols + MOE_CUDA_THREADS - 1) / MOE_CUDA_THREADS);
     const dim3 grid((unsigned)N, per_row < 65535 ? per_row : 65535); /* grid.y <= 65535 */
-    ce_pick(v4, o16, l16, [&](auto kind) {
-        typedef decltype(kind) K;
-        MOE_CUDA_LAUNCH((cross_entropy_backward_kernel<typename K::F, K::V4, K::O16, K::L16>), grid,
-                        MOE_CUDA_THREADS, 0, dlogits, logits, lse, targets, dloss, V, bf16);
-    });
+    ce_pick(
+        v4, o16, l16, 0,
+        [&](auto kind) { /* BF not used: the format stays a parameter */
+                         typedef decltype(kind) K;
+                         MOE_CUDA_LAUNCH(
+                             (cross_entropy_backward_kernel<typename K::F, K::V4, K::O16, K::L16>),
+                             grid, MOE_CUDA_THREADS, 0, dlogits, logits, lse, targets, dloss, V,
+                             bf16);
+        });
 }
 
 extern "C" void cuda_cross_entropy_fused(real *losses, real *lse, real *dlogits, const real *logits,
@@ -366,9 +396,9 @@ extern "C" void cuda_cross_entropy_fused(real *losses, real *lse, real *dlogits,
     int bf16 = 0;
     const int o16 = cuda_operand_in_place(dlogits, (size_t)N * V, &bf16);
     const int l16 = logits16(logits, (size_t)N * V, &bf16);
-    ce_pick(v4, o16, l16, [&](auto kind) {
+    ce_pick(v4, o16, l16, bf16, [&](auto kind) {
         typedef decltype(kind) K;
-        MOE_CUDA_LAUNCH((cross_entropy_fused_kernel<typename K::F, K::V4, K::O16, K::L16>), N,
-                        CE_THREADS, 0, losses, lse, dlogits, logits, targets, dloss, V, bf16);
+        MOE_CUDA_LAUNCH((cross_entropy_fused_kernel<typename K::F, K::V4, K::O16, K::L16, K::BF>),
+                        N, CE_THREADS, 0, losses, lse, dlogits, logits, targets, dloss, V, bf16);
     });
 }

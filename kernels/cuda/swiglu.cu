@@ -12,6 +12,11 @@
 
 static_assert(sizeof(real) == sizeof(float), "the float4 forms read real as float");
 
+/* The 16-bit format (1: bf16, 0: fp16) in a kernel of AB16: a constant where the inputs
+ * are marked (AB16 1: fp16, 2: bf16), so that widening and rounding compile to one form
+ * instead of both and a select; else the argument (an output alone may be marked). */
+#define AB16_FORMAT(AB16, arg) ((AB16) ? (int)((AB16) == 2) : (arg))
+
 /* F: float or double, the type of the arithmetic */
 template <typename F> static __device__ __forceinline__ F sigmoid(F a)
 {
@@ -39,11 +44,12 @@ template <typename F> static __device__ __forceinline__ real db_term(F g, F x, F
 
 /* h16 (a buffer marked as holding its GEMM operand, in a 16-bit precision): h is written
  * there as 16 bits, the same value rounded as the GEMM would round the fp32 h; else h.
- * AB16: a and b are marked, 16-bit (the experts' gate and up outputs). */
+ * AB16: a and b are marked, 16-bit (the experts' gate and up outputs): 2 bf16, 1 fp16. */
 template <typename F, int AB16>
 static __global__ void swiglu_forward_kernel(real *h, uint16_t *h16, const void *a, const void *b,
-                                             size_t n, int bf16)
+                                             size_t n, int bf16_arg)
 {
+    const int bf16 = AB16_FORMAT(AB16, bf16_arg);
     MOE_CUDA_GRID_STRIDE(i, n)
     {
         const real v = swiglu_h<F>(moe_ld<AB16>(a, i, bf16), moe_ld<AB16>(b, i, bf16));
@@ -57,8 +63,9 @@ static __global__ void swiglu_forward_kernel(real *h, uint16_t *h16, const void 
 /* The same over n4 groups of 4 elements. */
 template <typename F, int AB16>
 static __global__ void swiglu_forward4_kernel(float4 *h, uint2 *h16, const void *a, const void *b,
-                                              size_t n4, int bf16)
+                                              size_t n4, int bf16_arg)
 {
+    const int bf16 = AB16_FORMAT(AB16, bf16_arg);
     MOE_CUDA_GRID_STRIDE(i, n4)
     {
         const float4 x = moe_ld4<AB16>(a, 4 * i, bf16), y = moe_ld4<AB16>(b, 4 * i, bf16);
@@ -86,11 +93,14 @@ static int inputs16(const real *a, const real *b, size_t n, int *bf16)
     return a16;
 }
 
-/* Launches kernel K<F, AB16> (the fp32 mode: double; 16-bit modes: float, AB16 as marked). */
-#define SWIGLU_LAUNCH(K, fp32, ab16, blocks, ...)                                                  \
+/* Launches kernel K<F, AB16> (the fp32 mode: double; 16-bit modes: float, AB16 as marked:
+ * 2 for bf16 inputs, 1 for fp16 ones, 0 for fp32 ones). */
+#define SWIGLU_LAUNCH(K, fp32, ab16, bf16, blocks, ...)                                            \
     do {                                                                                           \
         if (fp32)                                                                                  \
             MOE_CUDA_LAUNCH((K<double, 0>), blocks, MOE_CUDA_THREADS, 0, __VA_ARGS__);             \
+        else if (ab16 && bf16)                                                                     \
+            MOE_CUDA_LAUNCH((K<float, 2>), blocks, MOE_CUDA_THREADS, 0, __VA_ARGS__);              \
         else if (ab16)                                                                             \
             MOE_CUDA_LAUNCH((K<float, 1>), blocks, MOE_CUDA_THREADS, 0, __VA_ARGS__);              \
         else                                                                                       \
@@ -107,12 +117,12 @@ extern "C" void cuda_swiglu_forward(real *h, const real *a, const real *b, size_
     const int ab16 = inputs16(a, b, n, &bf16);
     if (n % 4 == 0 && moe_aligned16(h) && moe_aligned16(a) && moe_aligned16(b)) {
         const unsigned blocks = moe_cuda_blocks(n / 4, MOE_CUDA_THREADS);
-        SWIGLU_LAUNCH(swiglu_forward4_kernel, fp32, ab16, blocks, (float4 *)h, (uint2 *)h16,
+        SWIGLU_LAUNCH(swiglu_forward4_kernel, fp32, ab16, bf16, blocks, (float4 *)h, (uint2 *)h16,
                       (const void *)a, (const void *)b, n / 4, bf16);
         return;
     }
     const unsigned blocks = moe_cuda_blocks(n, MOE_CUDA_THREADS);
-    SWIGLU_LAUNCH(swiglu_forward_kernel, fp32, ab16, blocks, h, h16, (const void *)a,
+    SWIGLU_LAUNCH(swiglu_forward_kernel, fp32, ab16, bf16, blocks, h, h16, (const void *)a,
                   (const void *)b, n, bf16);
 }
 
@@ -122,8 +132,9 @@ extern "C" void cuda_swiglu_forward(real *h, const real *a, const real *b, size_
 template <typename F, int AB16>
 static __global__ void swiglu_backward_kernel(real *da, real *db, uint16_t *da16, uint16_t *db16,
                                               const void *dh, const void *a, const void *b,
-                                              size_t n, int bf16)
+                                              size_t n, int bf16_arg)
 {
+    const int bf16 = AB16_FORMAT(AB16, bf16_arg);
     MOE_CUDA_GRID_STRIDE(i, n)
     {
         const F x = moe_ld<AB16>(a, i, bf16), s = sigmoid(x), g = moe_ld<AB16>(dh, i, bf16);
@@ -148,8 +159,9 @@ static __global__ void swiglu_backward_kernel(real *da, real *db, uint16_t *da16
 template <typename F, int AB16>
 static __global__ void swiglu_backward4_kernel(float4 *da, float4 *db, uint2 *da16, uint2 *db16,
                                                const void *dh, const void *a, const void *b,
-                                               size_t n4, int bf16)
+                                               size_t n4, int bf16_arg)
 {
+    const int bf16 = AB16_FORMAT(AB16, bf16_arg);
     MOE_CUDA_GRID_STRIDE(i, n4)
     {
         const float4 a4 = moe_ld4<AB16>(a, 4 * i, bf16), g4 = moe_ld4<AB16>(dh, 4 * i, bf16);
@@ -191,12 +203,12 @@ extern "C" void cuda_swiglu_backward(real *da, real *db, const real *dh, const r
     if (n % 4 == 0 && moe_aligned16(da) && moe_aligned16(db) && moe_aligned16(dh) &&
         moe_aligned16(a) && moe_aligned16(b)) {
         const unsigned blocks = moe_cuda_blocks(n / 4, MOE_CUDA_THREADS);
-        SWIGLU_LAUNCH(swiglu_backward4_kernel, fp32, ab16, blocks, (float4 *)da, (float4 *)db,
+        SWIGLU_LAUNCH(swiglu_backward4_kernel, fp32, ab16, bf16, blocks, (float4 *)da, (float4 *)db,
                       (uint2 *)da16, (uint2 *)db16, (const void *)dh, (const void *)a,
                       (const void *)b, n / 4, bf16);
         return;
     }
     const unsigned blocks = moe_cuda_blocks(n, MOE_CUDA_THREADS);
-    SWIGLU_LAUNCH(swiglu_backward_kernel, fp32, ab16, blocks, da, db, da16, db16, (const void *)dh,
-                  (const void *)a, (const void *)b, n, bf16);
+    SWIGLU_LAUNCH(swiglu_backward_kernel, fp32, ab16, bf16, blocks, da, db, da16, db16,
+                  (const void *)dh, (const void *)a, (const void *)b, n, bf16);
 }
