@@ -247,23 +247,27 @@ static __global__ void rmsnorm_dweight_partial(double *part, const real *dout, c
 }
 
 /* The backward in one pass over x and dout (D % 4 == 0, aligned, D <= 4 * FUSED_THREADS *
- * FUSED_GROUPS): block b takes rows [b FUSED_ROWS, ...) one after another, its
- * FUSED_THREADS threads each FUSED_GROUPS float4 groups of columns (their weights loaded
- * once). Per row: the dot product (per thread in column order, then the warps in order,
- * in double), dx, and each column's g x r added to the thread's partial of dweight, which
- * goes to part[b][d] at the end (rmsnorm_dweight_final adds the blocks in order). The
- * two-kernel form reads x and dout a second time for dweight. */
+ * FUSED_GROUPS): block b takes rows [b rows, ...) one after another, its FUSED_THREADS
+ * threads each FUSED_GROUPS float4 groups of columns (their weights loaded once). Per row:
+ * the dot product (per thread in column order, then the warps in order, in double), dx,
+ * and each column's g x r added to the thread's partial of dweight, which goes to
+ * part[b][d] at the end (rmsnorm_dweight_final adds the blocks in order). The two-kernel
+ * form reads x and dout a second time for dweight. */
 #define FUSED_THREADS 256
 #define FUSED_GROUPS 4 /* the most; the kernel is built for 1, 2 and 4 */
-#define FUSED_ROWS 16
+/* Rows a block, by default (MOE_RMSNORM_ROWS): at D = 1024 on an H200 (N = 16384, 4
+ * blocks an SM) 32 rows took 79.4% of copy bandwidth, 16 rows 76.6% (twice the partials),
+ * 64 rows 59.5% (fewer blocks than the SMs hold). Issuing the next row's loads before a
+ * row's barrier measured 77.6% / 75.6% at 32 / 16 rows: not kept. */
+#define FUSED_ROWS 32
 
 template <int G>
 static __global__ void __launch_bounds__(FUSED_THREADS)
     rmsnorm_backward_fused_kernel(real *dx, double *part, const real *dout, const real *x,
-                                  const real *weight, const real *rstd, int N, int D)
+                                  const real *weight, const real *rstd, int N, int D, int rows)
 {
     __shared__ double red[2][FUSED_THREADS / 32];
-    const int lo = blockIdx.x * FUSED_ROWS, hi = min(N, lo + FUSED_ROWS);
+    const int lo = blockIdx.x * rows, hi = min(N, lo + rows);
     const int warp = threadIdx.x >> 5, warps = FUSED_THREADS / 32;
     moe_fvec<4> w[G];
     double s[G][4];
@@ -370,14 +374,19 @@ extern "C" void cuda_rmsnorm_backward(real *dx, real *dweight, const real *dout,
         two_pass = getenv("MOE_RMSNORM_TWO_PASS") != NULL;
     if (dx && dweight && vec && moe_aligned16(dx) && moe_aligned16(weight) &&
         D <= 4 * FUSED_THREADS * FUSED_GROUPS && !two_pass) {
-        const int blocks = (N + FUSED_ROWS - 1) / FUSED_ROWS;
+        /* MOE_RMSNORM_ROWS=1..1024: rows a block (a benchmark knob, read each call: the tests
+         * switch it) */
+        const char *rows_env = getenv("MOE_RMSNORM_ROWS");
+        int rows = rows_env ? atoi(rows_env) : FUSED_ROWS;
+        rows = rows < 1 ? 1 : rows > 1024 ? 1024 : rows;
+        const int blocks = (N + rows - 1) / rows;
         double *part = (double *)moe_cuda_scratch(sizeof(double) * (size_t)blocks * D);
         if (!part)
             return;
         const int groups = (D / 4 + FUSED_THREADS - 1) / FUSED_THREADS;
 #define RMS_FUSED(G)                                                                               \
     MOE_CUDA_LAUNCH(rmsnorm_backward_fused_kernel<G>, blocks, FUSED_THREADS, 0, dx, part, dout, x, \
-                    weight, rstd, N, D)
+                    weight, rstd, N, D, rows)
         if (groups <= 1)
             RMS_FUSED(1);
         else if (groups <= 2)

@@ -1373,6 +1373,14 @@ int main(void)
     test_rmsnorm(37, 2048, "D=2048 (one pass, 2 groups a thread)");
     test_rmsnorm(33, 4096, "D=4096 (one pass, 4 groups a thread)");
     test_rmsnorm(17, 4100, "D=4100 (two passes)");
+    /* the one-pass backward in blocks of 1 and 7 rows (MOE_RMSNORM_ROWS; 32 by default:
+     * 2051 and 33 rows end in a short block either way) */
+    setenv("MOE_RMSNORM_ROWS", "1", 1);
+    test_rmsnorm(600, 1024, "D=1024, 1 row a block");
+    setenv("MOE_RMSNORM_ROWS", "7", 1);
+    test_rmsnorm(2051, 1024, "D=1024, 7 rows a block");
+    test_rmsnorm(33, 4096, "D=4096, 7 rows a block");
+    unsetenv("MOE_RMSNORM_ROWS");
 
     test_matmul(7, 13, 5, "N=7 I=13 O=5");
     test_matmul(1, 1, 1, "1x1x1");
