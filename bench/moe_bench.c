@@ -1005,6 +1005,106 @@ static void bench_swiglu(int bwd)
 static void bench_swiglu_fwd(void) { bench_swiglu(0); }
 static void bench_swiglu_bwd(void) { bench_swiglu(1); }
 
+/* The same as the model runs it in a 16-bit precision: a, b (the experts' gate and up
+ * outputs), h, dh, da and db all marked, 16-bit (2 bytes an element counted). */
+static void bench_swiglu16(int bwd)
+{
+    if (opt.prec == MOE_PREC_FP32) {
+        printf("%-18s (fp32 precision: no 16-bit buffers; see swiglu%s)\n",
+               bwd ? "swiglu16_bwd" : "swiglu16", bwd ? "_bwd" : "");
+        return;
+    }
+    const ceiling *c = copy_ceiling();
+    const size_t n = bf.n = (size_t)M_ * opt.F;
+    bf.w = dfill((size_t)opt.D, 0.02, 0); /* a parameter arena for set_precision */
+    use_precision(bf.w, (size_t)opt.D, (size_t)opt.D);
+    real **bufs[] = {&bf.a, &bf.b, &bf.h, &bf.dh, &bf.da, &bf.db};
+    const int nb = bwd ? 6 : 3;
+    for (int i = 0; i < nb; i++) {
+        if (bufs[i] == &bf.h && bwd)
+            continue; /* the backward reads dh, not h */
+        uint16_t *h = malloc(sizeof(uint16_t) * PATTERN);
+        if (!h)
+            die("out of host memory");
+        for (size_t k = 0; k < PATTERN; k++) /* each buffer its own values */
+            h[k] = opt.prec == MOE_PREC_BF16
+                       ? moe_bf16_round((float)pat_normal[(k + 7919u * i) % PATTERN])
+                       : moe_fp16_round((float)pat_normal[(k + 7919u * i) % PATTERN]);
+        *bufs[i] = dtile(h, sizeof(uint16_t), n);
+        free(h);
+        mark(*bufs[i], n);
+    }
+    double ms = time_gpu(bwd ? run_swiglu_bwd : run_swiglu);
+    const double bytes = 2.0 * (bwd ? 5.0 : 3.0) * (double)n;
+    char shape[64];
+    snprintf(shape, sizeof shape, "n=%zu (M=%d x F=%d) %s", n, M_, opt.F, prec_name(opt.prec));
+    report(bwd ? "swiglu16_bwd" : "swiglu16", shape, ms, bytes, RATE_GBS, c);
+    free_all();
+}
+
+static void bench_swiglu16_fwd(void) { bench_swiglu16(0); }
+static void bench_swiglu16_bwd(void) { bench_swiglu16(1); }
+
+/* The fused cross-entropy of one LM-head chunk, as the model runs it: the rows of
+ * MOE_HEAD_MIB's default 512 MiB of fp32 logits (4096 at V = 32768, at most N), in a
+ * 16-bit precision 16-bit logits (as the head's GEMM writes them, marked) and 16-bit
+ * dlogits (marked: the head's backward GEMMs read them), else fp32 both. */
+static struct {
+    int32_t *targets;
+    int rows;
+} ce;
+
+static void run_cross_entropy(void)
+{
+    gpu->cross_entropy_fused(bf.probs, bf.lse, bf.dx, bf.logits, ce.targets, 1.0f / ce.rows,
+                             ce.rows, opt.V);
+}
+
+static void bench_cross_entropy(void)
+{
+    const ceiling *c = copy_ceiling();
+    const int V = opt.V;
+    int rows = (int)((512.0 * 1024 * 1024 / 4) / V);
+    rows = rows < 1 ? 1 : rows > N_ ? N_ : rows;
+    ce.rows = rows;
+    const size_t n = (size_t)rows * V;
+    const int h16 = opt.prec != MOE_PREC_FP32;
+    bf.w = dfill((size_t)opt.D, 0.02, 0); /* a parameter arena for set_precision */
+    use_precision(bf.w, (size_t)opt.D, (size_t)opt.D);
+    if (h16) {
+        uint16_t *h = malloc(sizeof(uint16_t) * PATTERN);
+        if (!h)
+            die("out of host memory");
+        for (size_t i = 0; i < PATTERN; i++) /* logits of a few units, as a trained head's */
+            h[i] = opt.prec == MOE_PREC_BF16 ? moe_bf16_round((float)(2.0 * pat_normal[i]))
+                                             : moe_fp16_round((float)(2.0 * pat_normal[i]));
+        bf.logits = dtile(h, sizeof(uint16_t), n);
+        free(h);
+        bf.dx = dmem(sizeof(uint16_t) * n);
+        mark(bf.logits, n);
+        mark(bf.dx, n);
+    } else {
+        bf.logits = dfill(n, 2.0, 0);
+        bf.dx = dreal(n);
+    }
+    int32_t *t = malloc(sizeof(int32_t) * (size_t)rows);
+    if (!t)
+        die("out of host memory");
+    for (int i = 0; i < rows; i++)
+        t[i] = (int32_t)(((uint32_t)i * 2654435761u) % (uint32_t)V);
+    ce.targets = dupload(t, sizeof(int32_t) * (size_t)rows);
+    free(t);
+    bf.probs = dreal((size_t)rows); /* the losses */
+    bf.lse = dreal((size_t)rows);
+    double ms = time_gpu(run_cross_entropy);
+    const double eb = h16 ? 2.0 : 4.0; /* logits read, dlogits written; targets, losses, lse */
+    double bytes = 2.0 * eb * (double)n + 12.0 * rows;
+    char shape[64];
+    snprintf(shape, sizeof shape, "rows=%d V=%d %s", rows, V, h16 ? prec_name(opt.prec) : "fp32");
+    report("cross_entropy", shape, ms, bytes, RATE_GBS, c);
+    free_all();
+}
+
 /* The parameter arena of the model (no dense or shared FFN layers): its segments (one per
  * tensor, in model order) and weight decay (0 for norms). Returns the element count. */
 static size_t arena_layout(int64_t *offs, real *wd, int *n_segs)
@@ -1140,6 +1240,9 @@ static const bench_op single_ops[] = {
     {"rope_bwd", bench_rope_bwd},
     {"swiglu", bench_swiglu_fwd},
     {"swiglu_bwd", bench_swiglu_bwd},
+    {"swiglu16", bench_swiglu16_fwd},
+    {"swiglu16_bwd", bench_swiglu16_bwd},
+    {"cross_entropy", bench_cross_entropy},
     {"adamw", bench_adamw},
     {"adamw16", bench_adamw16},
     {"adamw16_norm", bench_adamw16_norm},
