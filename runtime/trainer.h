@@ -74,6 +74,11 @@ typedef struct {
     moe_data *data;
     moe_optimizer *opt;
     int32_t *tokens;                     /* (micro_batch, T+1) */
+    int32_t *tokens_next;                /* (micro_batch, T+1): the next step's first
+                                            micro-batch, read while the device runs this
+                                            step's optimizer (moe_trainer_apply) */
+    int64_t next_first;                  /* its first sequence; -1: none held */
+    moe_status next_status;              /* how reading it ended (reported by that step) */
     int64_t consumed;                    /* global sequences consumed by finished steps */
     int step;                            /* next step to take */
     FILE *jsonl;                         /* NULL when [log] jsonl is empty */

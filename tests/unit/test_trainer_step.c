@@ -8,7 +8,9 @@
  *   gradient (MOE_FAULT=nan) leaves the parameters unchanged.
  * - AdamW's moments in bf16 ([precision] optimizer_state = bf16): the losses follow the
  *   fp32-moment run closely (the update is computed in double from the widened moments;
- *   only their storage rounds) but not identically (so the bf16 path ran). */
+ *   only their storage rounds) but not identically (so the bf16 path ran).
+ * - The next step's first micro-batch, read while the optimizer runs, is the one the step
+ *   then takes, with the losses of reading it at the step's start. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -187,6 +189,36 @@ static void test_bf16_moments_follow_fp32(void **state)
     moe_trainer_destroy(b);
 }
 
+/* The next step's first micro-batch is read while the step's optimizer runs (apply): it is
+ * the batch the data source gives at the next step's position, the next step takes it
+ * (and reads nothing), and the losses are those of a trainer that reads every batch when
+ * its step starts (its read-ahead dropped after each apply), bit for bit. */
+static void test_next_batch_read_ahead(void **state)
+{
+    (void)state;
+    moe_trainer *a = make_trainer(1, 2, "fp32"), *b = make_trainer(1, 2, "fp32");
+    const int micro = a->cfg.micro_batch;
+    const size_t n = (size_t)micro * (a->cfg.seq_len + 1);
+    int32_t *want = malloc(sizeof(int32_t) * n);
+    assert_non_null(want);
+    for (int s = 0; s < 4; s++) {
+        moe_step_result ra, rb;
+        assert_int_equal(moe_trainer_accumulate(a, &ra), MOE_OK);
+        assert_int_equal(a->next_first, -1); /* the batch read ahead (s > 0) was taken */
+        assert_int_equal(moe_trainer_apply(a, &ra), MOE_OK);
+        assert_int_equal(a->next_first, a->consumed); /* one rank: rank 0's first sequence */
+        assert_int_equal(moe_data_batch(a->data, want, a->consumed, micro), MOE_OK);
+        assert_memory_equal(want, a->tokens_next, sizeof(int32_t) * n);
+        assert_int_equal(moe_trainer_accumulate(b, &rb), MOE_OK);
+        assert_int_equal(moe_trainer_apply(b, &rb), MOE_OK);
+        b->next_first = -1; /* b reads each batch when its step starts */
+        assert_true(ra.loss == rb.loss && ra.grad_norm == rb.grad_norm);
+    }
+    free(want);
+    moe_trainer_destroy(a);
+    moe_trainer_destroy(b);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -194,6 +226,7 @@ int main(void)
         cmocka_unit_test(test_waits_chunks_and_accumulation),
         cmocka_unit_test(test_nan_step_changes_nothing),
         cmocka_unit_test(test_bf16_moments_follow_fp32),
+        cmocka_unit_test(test_next_batch_read_ahead),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
