@@ -17,9 +17,11 @@
  * logits), where the buffer is taken as fp32 both ways.
  *
  * The exponentials are in double in fp32 mode (as the CPU reference), in float in the
- * 16-bit modes, where they are the fast exponential (__expf: ex2.approx of x log2(e),
- * about 1e-6 relative for the arguments here, x - max >= about -40; the row's pass is
- * then bound by memory, not by the exponentials' instructions). */
+ * 16-bit modes, where they are the fast exponential: exp(x - c) as ex2.approx of
+ * fma(x, log2(e), -c log2(e)) (ce_exp_sub; a few 1e-6 relative for the arguments here,
+ * x - max >= about -40), the rescalings of the running sum __expf. The fused pass is
+ * bound by instruction issue (Nsight Compute on an H200), so each instruction a logit
+ * counts. */
 #include <type_traits>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -33,10 +35,32 @@ template <typename F> static __device__ __forceinline__ F ce_expf(F x)
         return exp(x);
 }
 
+/* exp(x - c) in F, given c2 = c log2(e) (ce_log2e): in float one fused multiply-add and
+ * the base-2 exponential (x log2(e) exact inside the fma, then c2 subtracted: about 3e-6
+ * relative for the logits here, as __expf of x - c), in double exp(x - c). A -inf x gives
+ * 0. The forward's sums and the backward's values both take this form (the fused kernel
+ * and the two kernels keep the same bits). */
+#define CE_LOG2E 1.4426950408889634
+template <typename F> static __device__ __forceinline__ F ce_log2e(F c)
+{
+    return sizeof(F) == sizeof(float) ? c * (F)CE_LOG2E : c;
+}
+
+template <typename F> static __device__ __forceinline__ F ce_exp_sub(F x, F c, F c2)
+{
+    if constexpr (sizeof(F) == sizeof(float)) {
+        float y;
+        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fmaf(x, (float)CE_LOG2E, -c2)));
+        return y;
+    } else {
+        return exp(x - c);
+    }
+}
+
 /* exp(x - m) in F; a -inf value adds nothing (also when m is still -inf). */
 template <typename F> static __device__ __forceinline__ F ce_exp(float x, float m)
 {
-    return x == -INFINITY ? (F)0 : ce_expf<F>((F)x - (F)m);
+    return x == -INFINITY ? (F)0 : ce_exp_sub<F>((F)x, (F)m, ce_log2e<F>((F)m));
 }
 
 /* Raises the running max m to x when x is larger, rescaling the sum s to the new max. */
@@ -119,11 +143,11 @@ template <bool L16> static __device__ __forceinline__ float4 ce_widen(ce_group<L
 template <typename F> static __device__ __forceinline__ void ce_add4(float &m, F &s, float4 x)
 {
     ce_raise<F>(m, s, fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
-    const F mf = m == -INFINITY ? (F)0 : (F)m;
-    s += ce_expf<F>((F)x.x - mf);
-    s += ce_expf<F>((F)x.y - mf);
-    s += ce_expf<F>((F)x.z - mf);
-    s += ce_expf<F>((F)x.w - mf);
+    const F mf = m == -INFINITY ? (F)0 : (F)m, mf2 = ce_log2e<F>(mf);
+    s += ce_exp_sub<F>((F)x.x, mf, mf2);
+    s += ce_exp_sub<F>((F)x.y, mf, mf2);
+    s += ce_exp_sub<F>((F)x.z, mf, mf2);
+    s += ce_exp_sub<F>((F)x.w, mf, mf2);
 }
 
 /* One row of the forward (block n = blockIdx.x, CE_THREADS threads); V4: the row is read
@@ -132,9 +156,9 @@ template <typename F> static __device__ __forceinline__ void ce_add4(float &m, F
  * kernel's second pass reads them there); the order of the sums is the same either way,
  * so the fused kernel's lse has the forward kernel's bits. */
 template <typename F, bool V4, bool L16, int KEEP>
-static __device__ __forceinline__ double ce_forward_row(real *losses, real *lse, const real *logits,
-                                                        const int32_t *targets, int V, int bf16,
-                                                        ce_group<L16> *kept)
+static __device__ __forceinline__ double
+ce_forward_row(real *losses, real *lse, const real *logits, const int32_t *targets, int V, int bf16,
+               ce_group<L16> *kept, float *target_out = NULL)
 {
     const int n = blockIdx.x;
     const size_t row = (size_t)n * V;
@@ -171,6 +195,8 @@ static __device__ __forceinline__ double ce_forward_row(real *losses, real *lse,
         r = (double)m + log((double)s);
         lse[n] = (real)r;
         losses[n] = (real)(r - target_logit);
+        if (target_out)
+            *target_out = target_logit;
     }
     return r;
 }
@@ -217,7 +243,7 @@ extern "C" void cuda_cross_entropy_forward(real *losses, real *lse, const real *
 template <typename F>
 static __device__ __forceinline__ real ce_grad(real x, F s, int hit, real dloss)
 {
-    return (real)(dloss * (ce_expf<F>((F)x - s) - (F)hit));
+    return (real)(dloss * (ce_exp_sub<F>((F)x, s, ce_log2e<F>(s)) - (F)hit));
 }
 
 /* dlogits = dloss * (exp(logit - s) - onehot(t)) over the columns first, first + stride, ...
@@ -226,19 +252,10 @@ static __device__ __forceinline__ real ce_grad(real x, F s, int hit, real dloss)
  * in 16 bits (bf16 or fp16 by `bf16`) as the GEMM would round the fp32 value. */
 template <typename F, bool O16>
 static __device__ __forceinline__ void ce_backward_group(real *dlogits, size_t row, int c, float4 x,
-                                                         F s, int t, real dloss, int bf16)
+                                                         F s, real dloss, int bf16)
 {
-    const int v = 4 * c;
-    float4 d = make_float4(ce_grad<F>(x.x, s, 0, dloss), ce_grad<F>(x.y, s, 0, dloss),
-                           ce_grad<F>(x.z, s, 0, dloss), ce_grad<F>(x.w, s, 0, dloss));
-    if ((unsigned)(t - v) < 4u) { /* the target's group: its column with the hit */
-        const int k = t - v;
-        const real dt = ce_grad<F>(k == 0 ? x.x : k == 1 ? x.y : k == 2 ? x.z : x.w, s, 1, dloss);
-        d.x = k == 0 ? dt : d.x;
-        d.y = k == 1 ? dt : d.y;
-        d.z = k == 2 ? dt : d.z;
-        d.w = k == 3 ? dt : d.w;
-    }
+    const float4 d = make_float4(ce_grad<F>(x.x, s, 0, dloss), ce_grad<F>(x.y, s, 0, dloss),
+                                 ce_grad<F>(x.z, s, 0, dloss), ce_grad<F>(x.w, s, 0, dloss));
     if (O16)
         ((uint2 *)dlogits)[row / 4 + c] = moe_round16x4(d, bf16);
     else
@@ -246,24 +263,43 @@ static __device__ __forceinline__ void ce_backward_group(real *dlogits, size_t r
 }
 
 /* The same over the columns first, first + stride, ... of row n; KEEP: the first KEEP
- * groups come from kept[] (ce_forward_row loaded them), the rest from memory. */
+ * groups come from kept[] (ce_forward_row loaded them), the rest from memory. V4: the
+ * groups are written without the target's hit, and the thread whose group holds the
+ * target t writes that one value again, with it (its logit read before any store: in
+ * place the group's store overwrites it), instead of testing every group for t. */
 template <typename F, bool V4, bool O16, bool L16, int KEEP>
 static __device__ __forceinline__ void
 ce_backward_cols(real *dlogits, const real *logits, int n, F s, int t, real dloss, int V, int bf16,
-                 int first, int stride, const ce_group<L16> *kept)
+                 int first, int stride, const ce_group<L16> *kept, const float *xt_shared = NULL)
 {
     const size_t row = (size_t)n * V;
     if (V4) {
+        /* whether this thread's groups hold the target */
+        auto owner = [&]() {
+            const int tg = t >> 2;
+            return t >= 0 && t < V && tg >= first && (tg - first) % stride == 0;
+        };
+        /* the target's logit: the fused kernel has it in shared memory (read after the
+         * loops: no register held through them), else read before any store */
+        float xt = !xt_shared && owner() ? moe_ld<L16>(logits, row + t, bf16) : 0.0f;
 #pragma unroll
         for (int k = 0; k < KEEP; k++)
             if (first + k * stride < V / 4)
                 ce_backward_group<F, O16>(dlogits, row, first + k * stride,
-                                          ce_widen<L16>(kept[k], bf16), s, t, dloss, bf16);
+                                          ce_widen<L16>(kept[k], bf16), s, dloss, bf16);
 #pragma unroll 4
         for (int c = first + KEEP * stride; c < V / 4; c += stride)
-            ce_backward_group<F, O16>(dlogits, row, c,
-                                      moe_ld4<L16>(logits, row + 4 * (size_t)c, bf16), s, t, dloss,
-                                      bf16);
+            ce_backward_group<F, O16>(
+                dlogits, row, c, moe_ld4<L16>(logits, row + 4 * (size_t)c, bf16), s, dloss, bf16);
+        if (owner()) {
+            if (xt_shared)
+                xt = *xt_shared;
+            const real dt = ce_grad<F>(xt, s, 1, dloss);
+            if (O16)
+                ((uint16_t *)dlogits)[row + t] = moe_round16(dt, bf16);
+            else
+                dlogits[row + t] = dt;
+        }
     } else {
         for (int v = first; v < V; v += stride) {
             const real d = ce_grad<F>(moe_ld<L16>(logits, row + v, bf16), s, v == t, dloss);
@@ -301,16 +337,18 @@ static __global__ void __launch_bounds__(CE_THREADS)
      * else fp16), so the widening and rounding compile to one form, not both and a select */
     const int bf16 = O16 || L16 ? (int)BF : bf16_arg;
     __shared__ real row_lse;
+    __shared__ float row_target; /* the target's logit, for the thread whose group holds it */
     constexpr int KEEP = V4 ? CE_KEPT(L16) : 0;
     ce_group<L16> kept[KEEP > 0 ? KEEP : 1];
     const int n = blockIdx.x;
     const int t = targets[n]; /* loaded with the row */
-    const double r = ce_forward_row<F, V4, L16, KEEP>(losses, lse, logits, targets, V, bf16, kept);
+    const double r =
+        ce_forward_row<F, V4, L16, KEEP>(losses, lse, logits, targets, V, bf16, kept, &row_target);
     if (threadIdx.x == 0)
         row_lse = (real)r; /* the lse as stored, without reading it back */
     __syncthreads();
     ce_backward_cols<F, V4, O16, L16, KEEP>(dlogits, logits, n, (F)row_lse, t, dloss, V, bf16,
-                                            threadIdx.x, CE_THREADS, kept);
+                                            threadIdx.x, CE_THREADS, kept, &row_target);
 }
 
 /* The instance a launcher runs, as a type: F the sums' type, V4 (rows read as float4),
