@@ -494,11 +494,12 @@ static int plan_resize(gemm_plan *p, int n, int k)
  * workspace of the same size (made with the grouped handle, so nothing is allocated in a
  * step). The problems of one call write disjoint outputs, so they may run at once; small
  * ones (an expert's 1024 rows) leave SMs idle in their last wave otherwise. */
-#define SIDE_LANES 3
+#define SIDE_LANES 7    /* the most (MOE_GEMM_STREAMS up to 8) */
+#define DEFAULT_LANES 4 /* the backend's stream and 3 side streams */
 static cudaStream_t side_stream[SIDE_LANES];
 static void *side_ws[SIDE_LANES];
 static cudaEvent_t fork_ev, join_ev[SIDE_LANES];
-static int lanes = 1; /* used: 1 + SIDE_LANES unless MOE_GEMM_STREAMS says fewer */
+static int lanes = 1; /* used: DEFAULT_LANES unless MOE_GEMM_STREAMS says otherwise */
 
 static cudaStream_t lane_stream(int lane)
 {
@@ -784,7 +785,7 @@ static int grouped_ready(void)
         return 0;
     }
     const char *env = getenv("MOE_GEMM_STREAMS"); /* 1 .. 1 + SIDE_LANES; a benchmark knob */
-    int want = env ? atoi(env) : 1 + SIDE_LANES;
+    int want = env ? atoi(env) : DEFAULT_LANES;
     want = want < 1 ? 1 : want > 1 + SIDE_LANES ? 1 + SIDE_LANES : want;
     if (!MOE_CUDA_OK(cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming)))
         return 0;
