@@ -357,7 +357,10 @@ static moe_status mark_operands(moe_model *m, int on)
     const size_t N = (size_t)m->Nc, Mx = (size_t)m->Mmax;
     const size_t Fmax = (size_t)(m->Fd > m->Fs ? m->Fd : m->Fs);
     const int qkv16 = m->be->attention_operands16(m->Hd);
-    for (int i = 0; m->chunk && i < m->C; i++)
+    for (int i = 0; m->chunk && i < m->C; i++) {
+        /* the final norm's output: only the LM head's GEMMs read it (a chunk of rows at a
+         * time: the backend finds a part of a marked buffer) */
+        MOE_CHECK(m->be->mark_operand(m->chunk[i].hf, on ? N * (size_t)m->D : 0));
         for (int l = 0; m->chunk[i].acts && l < m->L; l++) {
             const moe_layer_acts *a = &m->chunk[i].acts[l];
             MOE_CHECK(m->be->mark_operand(a->fh, on ? N * (size_t)m->Fd : 0));
@@ -377,6 +380,7 @@ static moe_status mark_operands(moe_model *m, int on)
                 MOE_CHECK(m->be->mark_operand(a->att, on ? N * (size_t)m->D : 0));
             }
         }
+    }
     if (qkv16) { /* the attention's backward: its input and output gradients */
         MOE_CHECK(m->be->mark_operand(m->datt, on ? N * (size_t)m->D : 0));
         MOE_CHECK(m->be->mark_operand(m->dq, on ? N * (size_t)m->D : 0));

@@ -282,8 +282,30 @@ extern "C" int cuda_operand_in_place(const void *x, size_t n, int *bf16)
     return 0;
 }
 
+/* Where x (n elements) starts inside a marked buffer, at its element e: the place of its
+ * 16-bit values (the buffer's 16-bit element e); NULL where x is in none. The LM head
+ * reads the final norm's output (marked) a chunk of rows at a time. */
+static const void *marked_interior(const real *x, size_t n)
+{
+    for (int i = 0; i < n_marks; i++) {
+        const real *p = (const real *)marks[i].p;
+        if (x > p && x < p + marks[i].n) {
+            const size_t e = (size_t)(x - p);
+            if (e + n > marks[i].n) {
+                MOE_CUDA_FAIL("a GEMM operand of %zu elements at element %zu of a marked buffer "
+                              "of %zu runs past its end",
+                              n, e, marks[i].n);
+                return NULL;
+            }
+            return (const uint16_t *)p + e;
+        }
+    }
+    return NULL;
+}
+
 /* The operand of an activation or gradient of n elements: rounded into workspace i, or
- * the buffer itself when it holds its operand (marked). */
+ * the buffer itself when it holds its operand (marked; a part of a marked buffer: its
+ * part of the 16-bit values). */
 static const void *rounded_operand(const real *x, size_t n, int i)
 {
     int bf16 = 0;
@@ -291,6 +313,9 @@ static const void *rounded_operand(const real *x, size_t n, int i)
         return x;
     if (cuda_operand_in_place(x, n, &bf16))
         return x;
+    const void *part = marked_interior(x, n);
+    if (part)
+        return part;
     if (n > ws16_n) {
         MOE_CUDA_FAIL("a GEMM operand of %zu elements exceeds the %zu-element workspace", n,
                       ws16_n);
