@@ -280,6 +280,13 @@ void moe_trainer_destroy(moe_trainer *tr)
     free(tr);
 }
 
+/* The first sequence of this rank's micro-batch j of the step that starts after
+ * `consumed` global sequences: the ranks' micro-batches of each j side by side. */
+static int64_t micro_first(const moe_trainer *tr, int64_t consumed, int j)
+{
+    return consumed + ((int64_t)j * tr->world + tr->rank) * tr->cfg.micro_batch;
+}
+
 moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
 {
     moe_model *m = tr->model;
@@ -300,7 +307,7 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     double *sums = tr->sums;
     memset(tr->sums, 0, sizeof tr->sums);
     for (int j = 0; j < accum; j++) {
-        int64_t first = tr->consumed + ((int64_t)j * tr->world + tr->rank) * micro;
+        int64_t first = micro_first(tr, tr->consumed, j);
         moe_fwd_stats fs;
         double t = moe_model_phase_begin(m);
         if (j == 0 && tr->next_first == first) { /* read during the last step (prefetch) */
@@ -410,7 +417,7 @@ static void prefetch_next(moe_trainer *tr, const moe_step_result *res)
         return;
     moe_model *m = tr->model;
     const double t = moe_model_phase_begin(m);
-    const int64_t first = tr->consumed + res->sequences + (int64_t)tr->rank * micro;
+    const int64_t first = micro_first(tr, tr->consumed + res->sequences, 0);
     tr->next_status = moe_data_batch(tr->data, tr->tokens_next, first, micro);
     tr->next_first = first;
     moe_model_phase_end(m, t, MOE_PHASE_DATA);
