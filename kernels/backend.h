@@ -40,6 +40,7 @@ extern "C" {
     X(rope_tables)                                                                                 \
     X(rope_forward)                                                                                \
     X(rope_backward)                                                                               \
+    X(rope_backward_qkv)                                                                           \
     X(attention_forward)                                                                           \
     X(attention_backward)                                                                          \
     X(router_forward)                                                                              \

@@ -112,6 +112,12 @@ void rope_forward(real *x, const real *cos_t, const real *sin_t, int B, int T, i
  * rotated output and it becomes the gradient of the input (the one backward that
  * transforms its gradient in place instead of accumulating). */
 void rope_backward(real *dx, const real *cos_t, const real *sin_t, int B, int T, int H, int Hd);
+/* The attention's input gradients side by side, for one GEMM over [q | k | v] (its
+ * weights wq, wk, wv lie one after another): row r of dqkv (B*T, 3*H*Hd) is dq's row r
+ * rotated back as rope_backward does, then dk's likewise, then dv's as it is. dq, dk, dv
+ * are read only; dqkv may not overlap them. */
+void rope_backward_qkv(real *dqkv, const real *dq, const real *dk, const real *dv,
+                       const real *cos_t, const real *sin_t, int B, int T, int H, int Hd);
 
 /* ---- causal multi-head attention ---------------------------------------------------- */
 /* q, k, v, out: (B*T, H*Hd). lse (B, H, T): log-sum-exp of each query's scaled scores,

@@ -64,6 +64,7 @@ static moe_status layout_tensors(moe_model *m)
         MOE_CHECK_GOTO(st, layout_add(&lb, name, l, 0, decay, ndim, d0, d1, 0));                   \
     } while (0)
         ADD("attn_norm", 0, 1, D, 0);
+        /* wq, wk, wv one after another: the backward's one GEMM over [q | k | v] */
         ADD("attn.wq", 1, 2, D, D);
         ADD("attn.wk", 1, 2, D, D);
         ADD("attn.wv", 1, 2, D, D);
@@ -134,6 +135,9 @@ static moe_status build_view(moe_model *m, real *arena, moe_view *v)
         lv->wk = tensor_ptr(m, arena, "layers.%d.attn.wk", l);
         lv->wv = tensor_ptr(m, arena, "layers.%d.attn.wv", l);
         lv->wo = tensor_ptr(m, arena, "layers.%d.attn.wo", l);
+        if (lv->wk != lv->wq + (size_t)m->D * m->D || lv->wv != lv->wk + (size_t)m->D * m->D)
+            MOE_FAIL(MOE_ERR_INVALID, "layer %d: wq, wk, wv are not laid out one after another",
+                     l);
         lv->ffn_norm = tensor_ptr(m, arena, "layers.%d.ffn_norm", l);
         lv->w1 = tensor_ptr(m, arena, "layers.%d.ffn.w1", l);
         lv->w3 = tensor_ptr(m, arena, "layers.%d.ffn.w3", l);
@@ -310,6 +314,7 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->dq = TAKE(c, real, N * D);
     m->dk = TAKE(c, real, N * D);
     m->dv = TAKE(c, real, N * D);
+    m->dqkv = TAKE(c, real, N * 3 * D);
     m->datt = TAKE(c, real, N * D);
     m->dfa = TAKE(c, real, N * Fmax);
     m->dfb = TAKE(c, real, N * Fmax);
@@ -351,7 +356,8 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
  * Where the attention takes q, k, v so, also its output att (written in 16 bits by the
  * attention, read by the output projection's GEMMs and the backward's row sums) and the
  * gradients datt (written by a GEMM), dq, dk, dv (written by the attention's backward,
- * rotated by rope, read by GEMMs). on = 0 removes the marks. */
+ * read by rope_backward_qkv). Always: [dq | dk | dv] (dqkv, written by rope_backward_qkv
+ * for the q, k, v projections' GEMM). on = 0 removes the marks. */
 static moe_status mark_operands(moe_model *m, int on)
 {
     const size_t N = (size_t)m->Nc, Mx = (size_t)m->Mmax;
@@ -387,6 +393,7 @@ static moe_status mark_operands(moe_model *m, int on)
         MOE_CHECK(m->be->mark_operand(m->dk, on ? N * (size_t)m->D : 0));
         MOE_CHECK(m->be->mark_operand(m->dv, on ? N * (size_t)m->D : 0));
     }
+    MOE_CHECK(m->be->mark_operand(m->dqkv, on ? N * 3 * (size_t)m->D : 0));
     MOE_CHECK(m->be->mark_operand(m->deh, on ? Mx * (size_t)m->F : 0));
     MOE_CHECK(m->be->mark_operand(m->deout, on ? Mx * (size_t)m->D : 0));
     MOE_CHECK(m->be->mark_operand(m->dfa, on ? N * Fmax : 0));
@@ -1329,11 +1336,10 @@ static moe_status layer_backward_end(moe_model *m, int l, int64_t step_sequences
     m->be->matmul_backward(m->datt, g->wo, m->dres, a->att, w->wo, N, D, D, MOE_WRITE_DX);
     m->be->attention_backward(m->dq, m->dk, m->dv, m->datt, a->att, a->att_lse, a->q, a->k, a->v,
                               m->Bc, m->T, m->H, m->Hd);
-    m->be->rope_backward(m->dq, m->rope_cos, m->rope_sin, m->Bc, m->T, m->H, m->Hd);
-    m->be->rope_backward(m->dk, m->rope_cos, m->rope_sin, m->Bc, m->T, m->H, m->Hd);
-    m->be->matmul_backward(m->dh, g->wq, m->dq, a->h1, w->wq, N, D, D, MOE_WRITE_DX);
-    m->be->matmul_backward(m->dh, g->wk, m->dk, a->h1, w->wk, N, D, D, 0);
-    m->be->matmul_backward(m->dh, g->wv, m->dv, a->h1, w->wv, N, D, D, 0);
+    /* the q, k, v projections' backward as one GEMM over [dq | dk | dv] and [wq; wk; wv] */
+    m->be->rope_backward_qkv(m->dqkv, m->dq, m->dk, m->dv, m->rope_cos, m->rope_sin, m->Bc, m->T,
+                             m->H, m->Hd);
+    m->be->matmul_backward(m->dh, g->wq, m->dqkv, a->h1, w->wq, N, D, 3 * D, MOE_WRITE_DX);
     m->be->rmsnorm_backward(m->dres, g->attn_norm, m->dh, m->x[l], w->attn_norm, a->rstd1, N, D);
     return MOE_OK;
 }

@@ -208,6 +208,7 @@ typedef struct moe_model {
 
     /* backward scratch, reused across layers */
     real *dres, *dh, *dq, *dk, *dv, *datt; /* (N, D) */
+    real *dqkv;                            /* (N, 3 D): [dq | dk | dv] rotated back */
     real *dfa, *dfb, *dfh;                 /* (N, max(Fd, Fs)) */
     real *dxperm, *deout;                  /* (Mmax, D) */
     real *dea, *deb, *deh;                 /* (Mmax, F) */

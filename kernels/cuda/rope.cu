@@ -1,7 +1,8 @@
 /* kernels/cuda/rope.cu: rotary position embedding (half rotation: pairs (i, i + Hd/2) of
  * each head rotate by t * theta^(-2i/Hd)), its tables and its in-place inverse for the
- * backward. Products and sums are rounded as the CPU reference's (no contraction), so
- * the rotation is bit-identical to it. A buffer marked as 16-bit (q and k, which the
+ * backward (in place, or into the rows of [dq | dk | dv] that one GEMM reads). Products and
+ * sums are rounded as the CPU reference's (no contraction), so the rotation is
+ * bit-identical to it. A buffer marked as 16-bit (q and k, which the
  * GEMMs wrote so: backend.h attention_operands16) is rotated in 16 bits: each value
  * widened, rotated as the fp32 one, rounded back (bf16 or fp16). */
 #include "kernels/cuda/cuda_common.cuh"
@@ -29,81 +30,142 @@ extern "C" void cuda_rope_tables(real *cos_t, real *sin_t, int T, int Hd, double
                     MOE_CUDA_THREADS, 0, cos_t, sin_t, T, Hd, theta);
 }
 
-/* x1' = x1 c - x2 s', x2' = x2 c + x1 s' with s' = dir * s, for V consecutive pairs
+/* The sources of one launch (blockIdx.y: which): rope_backward_qkv's dq, dk, dv, or the
+ * one buffer rotated in place. */
+typedef struct {
+    const real *x[3];
+} rope_sources;
+
+/* y1 = x1 c - x2 s', y2 = x2 c + x1 s' with s' = dir * s, for V consecutive pairs
  * (i .. i+V-1, i + Hd/2 .. i + Hd/2 + V-1) of one head: V = 4 reads them with float4
  * (x, cos_t and sin_t 16-byte aligned, Hd/2 % 4 == 0), V = 1 one float each (moe_fvec,
- * cuda_common.cuh).
+ * cuda_common.cuh). Source blockIdx.y (src.x) goes to column blockIdx.y * H * Hd of y's rows
+ * (ldy apart); the last source is copied as it is when copy_last (dv into [dq | dk | dv]).
  * Block (tx, ty): ty rows of x (B*T rows of H heads of Hd) per block, tx threads over the
  * H * (Hd/2)/V groups of a row, so the only divisions are 32-bit ones per group.
- * X16: x holds 16-bit values (bf16 when bf16, else fp16). */
-template <int V, int X16>
-static __global__ void rope_rotate_kernel(real *x, const real *cos_t, const real *sin_t, int rows,
-                                          int T, int H, int Hd, real dir, int bf16)
+ * X16, Y16: x, y hold 16-bit values (bf16 when bf16, else fp16); y may be x (in place). */
+template <int V, int X16, int Y16>
+static __global__ void rope_rotate_kernel(real *y, size_t ldy, rope_sources src, int copy_last,
+                                          const real *cos_t, const real *sin_t, int rows, int T,
+                                          int H, int Hd, real dir, int bf16)
 {
     const int half = Hd / 2, groups = half / V;
     const int row = blockIdx.x * blockDim.y + threadIdx.y;
     if (row >= rows)
         return;
+    const real *x = src.x[blockIdx.y];
+    const int copy = copy_last && blockIdx.y == gridDim.y - 1;
     const int t = row % T;
     const real *ct = cos_t + (size_t)t * half, *st = sin_t + (size_t)t * half;
+    const size_t y0 = (size_t)row * ldy + (size_t)blockIdx.y * H * Hd;
     for (int j = threadIdx.x; j < H * groups; j += blockDim.x) {
         const int head = j / groups, i = (j - head * groups) * V;
         const size_t e1 = ((size_t)row * H + head) * Hd + i, e2 = e1 + half;
-        const moe_fvec<V> c = moe_load_v<V>(ct + i), s = moe_load_v<V>(st + i);
+        const size_t f1 = y0 + (size_t)head * Hd + i, f2 = f1 + half;
         moe_fvec<V> a = moe_ld_v<V, X16>(x, e1, bf16), b = moe_ld_v<V, X16>(x, e2, bf16);
+        if (!copy) {
+            const moe_fvec<V> c = moe_load_v<V>(ct + i), s = moe_load_v<V>(st + i);
 #pragma unroll
-        for (int k = 0; k < V; k++) {
-            const real sn = dir * s.v[k], ak = a.v[k], bk = b.v[k];
-            a.v[k] = __fsub_rn(__fmul_rn(ak, c.v[k]), __fmul_rn(bk, sn));
-            b.v[k] = __fadd_rn(__fmul_rn(bk, c.v[k]), __fmul_rn(ak, sn));
+            for (int k = 0; k < V; k++) {
+                const real sn = dir * s.v[k], ak = a.v[k], bk = b.v[k];
+                a.v[k] = __fsub_rn(__fmul_rn(ak, c.v[k]), __fmul_rn(bk, sn));
+                b.v[k] = __fadd_rn(__fmul_rn(bk, c.v[k]), __fmul_rn(ak, sn));
+            }
         }
-        if constexpr (X16) {
-            moe_store16_v<V>((uint16_t *)x + e1, a, bf16);
-            moe_store16_v<V>((uint16_t *)x + e2, b, bf16);
+        if constexpr (Y16) {
+            moe_store16_v<V>((uint16_t *)y + f1, a, bf16);
+            moe_store16_v<V>((uint16_t *)y + f2, b, bf16);
         } else {
-            moe_store_v<V>(x + e1, a);
-            moe_store_v<V>(x + e2, b);
+            moe_store_v<V>(y + f1, a);
+            moe_store_v<V>(y + f2, b);
         }
     }
 }
 
-template <int V>
-static void rope_launch(real *x, const real *cos_t, const real *sin_t, int rows, int T, int H,
-                        int Hd, real dir, int x16, int bf16)
+template <int V, int X16, int Y16>
+static void rope_launch(real *y, size_t ldy, const rope_sources &src, int parts, int copy_last,
+                        const real *cos_t, const real *sin_t, int rows, int T, int H, int Hd,
+                        real dir, int bf16)
 {
     const int per_row = H * (Hd / 2 / V); /* groups of a row */
     const int tx = per_row >= MOE_CUDA_THREADS ? MOE_CUDA_THREADS : (per_row + 31) / 32 * 32;
     const int ty = MOE_CUDA_THREADS / tx;
-    if (x16)
-        MOE_CUDA_LAUNCH((rope_rotate_kernel<V, 1>), (rows + ty - 1) / ty, dim3(tx, ty), 0, x, cos_t,
-                        sin_t, rows, T, H, Hd, dir, bf16);
-    else
-        MOE_CUDA_LAUNCH((rope_rotate_kernel<V, 0>), (rows + ty - 1) / ty, dim3(tx, ty), 0, x, cos_t,
-                        sin_t, rows, T, H, Hd, dir, bf16);
+    MOE_CUDA_LAUNCH((rope_rotate_kernel<V, X16, Y16>), dim3((rows + ty - 1) / ty, parts),
+                    dim3(tx, ty), 0, y, ldy, src, copy_last, cos_t, sin_t, rows, T, H, Hd, dir,
+                    bf16);
 }
 
-static void rope_rotate(real *x, const real *cos_t, const real *sin_t, int B, int T, int H, int Hd,
-                        real dir)
+template <int V>
+static void rope_launch_v(real *y, size_t ldy, const rope_sources &src, int parts, int copy_last,
+                          const real *cos_t, const real *sin_t, int rows, int T, int H, int Hd,
+                          real dir, int x16, int y16, int bf16)
+{
+    if (x16 && y16)
+        rope_launch<V, 1, 1>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, bf16);
+    else if (x16)
+        rope_launch<V, 1, 0>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, bf16);
+    else if (y16)
+        rope_launch<V, 0, 1>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, bf16);
+    else
+        rope_launch<V, 0, 0>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, bf16);
+}
+
+/* parts sources (src) of B*T rows into the rows of y (ldy apart), each at its column
+ * part * H * Hd; x16 / y16: whether the sources / y hold 16-bit values. */
+static void rope_rotate(real *y, size_t ldy, const rope_sources &src, int parts, int copy_last,
+                        const real *cos_t, const real *sin_t, int B, int T, int H, int Hd,
+                        real dir, int x16, int y16, int bf16)
 {
     const int rows = B * T, half = Hd / 2;
     if (rows <= 0 || H <= 0 || half <= 0)
         return;
-    int bf16 = 0;
-    const int x16 = cuda_operand_in_place(x, (size_t)rows * H * Hd, &bf16);
-    if (half % 4 == 0 && moe_aligned16(x) && moe_aligned16(cos_t) && moe_aligned16(sin_t))
-        rope_launch<4>(x, cos_t, sin_t, rows, T, H, Hd, dir, x16, bf16);
+    int v4 = half % 4 == 0 && moe_aligned16(y) && moe_aligned16(cos_t) && moe_aligned16(sin_t);
+    for (int p = 0; p < parts; p++)
+        v4 = v4 && moe_aligned16(src.x[p]);
+    if (v4)
+        rope_launch_v<4>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, x16,
+                         y16, bf16);
     else
-        rope_launch<1>(x, cos_t, sin_t, rows, T, H, Hd, dir, x16, bf16);
+        rope_launch_v<1>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, x16,
+                         y16, bf16);
+}
+
+static void rope_in_place(real *x, const real *cos_t, const real *sin_t, int B, int T, int H,
+                          int Hd, real dir)
+{
+    int bf16 = 0;
+    const int x16 = cuda_operand_in_place(x, (size_t)B * T * H * Hd, &bf16);
+    const rope_sources src = {{x, NULL, NULL}};
+    rope_rotate(x, (size_t)H * Hd, src, 1, 0, cos_t, sin_t, B, T, H, Hd, dir, x16, x16, bf16);
 }
 
 extern "C" void cuda_rope_forward(real *x, const real *cos_t, const real *sin_t, int B, int T,
                                   int H, int Hd)
 {
-    rope_rotate(x, cos_t, sin_t, B, T, H, Hd, (real)1);
+    rope_in_place(x, cos_t, sin_t, B, T, H, Hd, (real)1);
 }
 
 extern "C" void cuda_rope_backward(real *dx, const real *cos_t, const real *sin_t, int B, int T,
                                    int H, int Hd)
 {
-    rope_rotate(dx, cos_t, sin_t, B, T, H, Hd, (real)-1);
+    rope_in_place(dx, cos_t, sin_t, B, T, H, Hd, (real)-1);
+}
+
+/* dq, dk, dv hold 16-bit values or fp32 alike (marked or not together); dqkv (marked) is
+ * written in 16 bits, the GEMM's operand. */
+extern "C" void cuda_rope_backward_qkv(real *dqkv, const real *dq, const real *dk, const real *dv,
+                                       const real *cos_t, const real *sin_t, int B, int T, int H,
+                                       int Hd)
+{
+    const size_t n = (size_t)B * T * H * Hd;
+    int bf16 = 0, b2 = 0;
+    const int x16 = cuda_operand_in_place(dq, n, &bf16);
+    if (cuda_operand_in_place(dk, n, &b2) != x16 || cuda_operand_in_place(dv, n, &b2) != x16) {
+        MOE_CUDA_FAIL("rope_backward_qkv: dq, dk and dv are not all held in the same precision");
+        return;
+    }
+    const int y16 = cuda_operand_in_place(dqkv, 3 * n, &bf16);
+    const rope_sources src = {{dq, dk, dv}};
+    rope_rotate(dqkv, 3 * (size_t)H * Hd, src, 3, 1, cos_t, sin_t, B, T, H, Hd, (real)-1, x16, y16,
+                bf16);
 }

@@ -542,6 +542,16 @@ static void test_rope(int B, int T, int H, int Hd, double theta, const char *nam
         gpu_done();
         check_f("x", HOSTF(dx, nx), x, nx, Hd, 1e-7, 1e-6);
     }
+    begin("rope_backward_qkv", name);
+    float *g[3], *dg[3], *y = fnan(3 * nx), *dy = DEVF(y, 3 * nx);
+    for (int a = 0; a < 3; a++) {
+        g[a] = frand(nx, -1, 1);
+        dg[a] = DEVF(g[a], nx);
+    }
+    cpu->rope_backward_qkv(y, g[0], g[1], g[2], c, s, B, T, H, Hd);
+    gpu->rope_backward_qkv(dy, dg[0], dg[1], dg[2], rc, rs, B, T, H, Hd);
+    gpu_done();
+    check_f("dqkv", HOSTF(dy, 3 * nx), y, 3 * nx, 3 * H * Hd, 1e-7, 1e-6);
     free_all();
 }
 

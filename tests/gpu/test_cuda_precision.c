@@ -1011,7 +1011,8 @@ static void check_attention(moe_precision p, const char *mode, double bound, int
  * (the GEMMs write them in 16 bits, rope rotates them so): the attention forward and
  * backward must give the bits they give from fp32 buffers holding the same (widened)
  * values, which they round to those 16 bits themselves; rope_forward on a marked buffer
- * must store the rounding of the fp32 rotation of the widened values, bit for bit. */
+ * must store the rounding of the fp32 rotation of the widened values, bit for bit, and
+ * rope_backward_qkv into a marked [dq | dk | dv] likewise (from marked or fp32 sources). */
 static void check_attention_marked(moe_precision p, const char *mode, int B, int T, int H, int Hd)
 {
     const size_t n = (size_t)B * T * H * Hd, nl = (size_t)B * H * T;
@@ -1101,9 +1102,33 @@ static void check_attention_marked(moe_precision p, const char *mode, int B, int
     gpu->release(dout16);
     gpu->release(dout_w);
     gpu->release(out_w);
-    /* rope on the marked q against the rounding of rope on the fp32 copy */
     float *cs = gpu->alloc(sizeof(float) * (size_t)T * Hd), *sn = cs + (size_t)T * Hd / 2;
     gpu->rope_tables(cs, sn, T, Hd, 10000.0);
+    /* [dq | dk | dv] (marked, as the model marks it) from marked dq, dk, dv and from fp32
+     * ones (the T4's): the rounding of the fp32 op on fp32 copies of the same values */
+    uint16_t *p16 = malloc(sizeof(uint16_t) * 3 * n);
+    float *p32 = malloc(sizeof(float) * 3 * n);
+    float *qkv32 = gpu->alloc(sizeof(float) * 3 * n), *qkv16 = gpu->alloc(sizeof(float) * 3 * n);
+    int badq = gpu->mark_operand(qkv16, 3 * n) != MOE_OK;
+    gpu->rope_backward_qkv(qkv32, d32[0], d32[1], d32[2], cs, sn, B, T, H, Hd);
+    to_host(p32, qkv32, 3 * n);
+    for (int k = 0; k < 2; k++) {
+        float *const *in = k ? d32 : d16;
+        gpu->rope_backward_qkv(qkv16, in[0], in[1], in[2], cs, sn, B, T, H, Hd);
+        gpu->copy(p16, qkv16, sizeof(uint16_t) * 3 * n, MOE_COPY_D2H);
+        if (gpu->sync() != MOE_OK)
+            badq++;
+        for (size_t i = 0; i < 3 * n; i++)
+            badq += p16[i] != (p == MOE_PREC_BF16 ? moe_bf16_round(p32[i]) : moe_fp16_round(p32[i]));
+    }
+    snprintf(what, sizeof what, "rope_backward_qkv 16-bit T=%d Hd=%d: rounded fp32", T, Hd);
+    report(what, mode, badq, 0.0);
+    gpu->mark_operand(qkv16, 0);
+    gpu->release(qkv16);
+    gpu->release(qkv32);
+    free(p16);
+    free(p32);
+    /* rope on the marked q against the rounding of rope on the fp32 copy */
     gpu->rope_forward(d32[0], cs, sn, B, T, H, Hd);
     gpu->rope_forward(d16[0], cs, sn, B, T, H, Hd);
     to_host(got, d32[0], n);

@@ -492,6 +492,24 @@ static void test_rope(void **state)
     const real got_b[2] = {z[(T + 3) * LD + Hd + 1], z[(T + 3) * LD + Hd + 1 + HALF]};
     assert_true(close_to("rot e_i", got_a, want_a, 2, 1e-7, 1e-6));
     assert_true(close_to("rot e_i+half", got_b, want_b, 2, 1e-7, 1e-6));
+
+    /* rope_backward_qkv: each row of [dq | dk | dv] is dq's and dk's rows rotated back as
+     * rope_backward rotates them, then dv's row as it is */
+    real *g[3], *r[3], *qkv = malloc(3 * n * sizeof(real));
+    for (int a = 0; a < 3; a++) {
+        g[a] = alloc_fill(n, 20 + a);
+        r[a] = copy_of(g[a], n);
+    }
+    rope_backward(r[0], cos_t, sin_t, B, T, H, Hd);
+    rope_backward(r[1], cos_t, sin_t, B, T, H, Hd);
+    rope_backward_qkv(qkv, g[0], g[1], g[2], cos_t, sin_t, B, T, H, Hd);
+    for (int row = 0; row < B * T; row++)
+        for (int a = 0; a < 3; a++)
+            assert_memory_equal(qkv + (size_t)row * 3 * LD + a * LD, r[a] + (size_t)row * LD,
+                                LD * sizeof(real));
+    for (int a = 0; a < 3; a++)
+        free(g[a]), free(r[a]);
+    free(qkv);
     free(x), free(y), free(want);
 }
 
