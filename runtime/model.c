@@ -136,8 +136,7 @@ static moe_status build_view(moe_model *m, real *arena, moe_view *v)
         lv->wv = tensor_ptr(m, arena, "layers.%d.attn.wv", l);
         lv->wo = tensor_ptr(m, arena, "layers.%d.attn.wo", l);
         if (lv->wk != lv->wq + (size_t)m->D * m->D || lv->wv != lv->wk + (size_t)m->D * m->D)
-            MOE_FAIL(MOE_ERR_INVALID, "layer %d: wq, wk, wv are not laid out one after another",
-                     l);
+            MOE_FAIL(MOE_ERR_INVALID, "layer %d: wq, wk, wv are not laid out one after another", l);
         lv->ffn_norm = tensor_ptr(m, arena, "layers.%d.ffn_norm", l);
         lv->w1 = tensor_ptr(m, arena, "layers.%d.ffn.w1", l);
         lv->w3 = tensor_ptr(m, arena, "layers.%d.ffn.w3", l);

@@ -101,20 +101,24 @@ static void rope_launch_v(real *y, size_t ldy, const rope_sources &src, int part
                           real dir, int x16, int y16, int bf16)
 {
     if (x16 && y16)
-        rope_launch<V, 1, 1>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, bf16);
+        rope_launch<V, 1, 1>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir,
+                             bf16);
     else if (x16)
-        rope_launch<V, 1, 0>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, bf16);
+        rope_launch<V, 1, 0>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir,
+                             bf16);
     else if (y16)
-        rope_launch<V, 0, 1>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, bf16);
+        rope_launch<V, 0, 1>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir,
+                             bf16);
     else
-        rope_launch<V, 0, 0>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, bf16);
+        rope_launch<V, 0, 0>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir,
+                             bf16);
 }
 
 /* parts sources (src) of B*T rows into the rows of y (ldy apart), each at its column
  * part * H * Hd; x16 / y16: whether the sources / y hold 16-bit values. */
 static void rope_rotate(real *y, size_t ldy, const rope_sources &src, int parts, int copy_last,
-                        const real *cos_t, const real *sin_t, int B, int T, int H, int Hd,
-                        real dir, int x16, int y16, int bf16)
+                        const real *cos_t, const real *sin_t, int B, int T, int H, int Hd, real dir,
+                        int x16, int y16, int bf16)
 {
     const int rows = B * T, half = Hd / 2;
     if (rows <= 0 || H <= 0 || half <= 0)
@@ -123,11 +127,11 @@ static void rope_rotate(real *y, size_t ldy, const rope_sources &src, int parts,
     for (int p = 0; p < parts; p++)
         v4 = v4 && moe_aligned16(src.x[p]);
     if (v4)
-        rope_launch_v<4>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, x16,
-                         y16, bf16);
+        rope_launch_v<4>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, x16, y16,
+                         bf16);
     else
-        rope_launch_v<1>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, x16,
-                         y16, bf16);
+        rope_launch_v<1>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, x16, y16,
+                         bf16);
 }
 
 static void rope_in_place(real *x, const real *cos_t, const real *sin_t, int B, int T, int H,

@@ -1119,7 +1119,8 @@ static void check_attention_marked(moe_precision p, const char *mode, int B, int
         if (gpu->sync() != MOE_OK)
             badq++;
         for (size_t i = 0; i < 3 * n; i++)
-            badq += p16[i] != (p == MOE_PREC_BF16 ? moe_bf16_round(p32[i]) : moe_fp16_round(p32[i]));
+            badq +=
+                p16[i] != (p == MOE_PREC_BF16 ? moe_bf16_round(p32[i]) : moe_fp16_round(p32[i]));
     }
     snprintf(what, sizeof what, "rope_backward_qkv 16-bit T=%d Hd=%d: rounded fp32", T, Hd);
     report(what, mode, badq, 0.0);
