@@ -30,6 +30,7 @@ extern "C" {
     X(rmsnorm_backward)                                                                            \
     X(matmul_forward)                                                                              \
     X(matmul_forward_add)                                                                          \
+    X(matmul_forward_batch)                                                                        \
     X(matmul_backward)                                                                             \
     X(grouped_matmul_forward)                                                                      \
     X(grouped_matmul_backward)                                                                     \

@@ -41,6 +41,13 @@ void matmul_forward(real *out, const real *x, const real *w, int N, int I, int O
     }
 }
 
+void matmul_forward_batch(real *out, size_t out_stride, const real *x, const real *w, int count,
+                          int N, int I, int O)
+{
+    for (int c = 0; c < count; c++)
+        matmul_forward(out + c * out_stride, x, w + (size_t)c * O * I, N, I, O);
+}
+
 void matmul_forward_add(real *out, const real *base, const real *x, const real *w, int N, int I,
                         int O)
 {

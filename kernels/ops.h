@@ -61,6 +61,10 @@ void rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x, 
 
 /* ---- linear: out (N,O) = x (N,I) W^T, W (O,I) -------------------------------------- */
 void matmul_forward(real *out, const real *x, const real *w, int N, int I, int O);
+/* count products of one input: out + c * out_stride (N,O) = x W_c^T with W_c = w + c*O*I
+ * (weights one after another: the q, k, v projections), c < count. */
+void matmul_forward_batch(real *out, size_t out_stride, const real *x, const real *w, int count,
+                          int N, int I, int O);
 /* out (N,O) = base (N,O) + x W^T (a residual added as the product is written; base may be
  * out): the sum of the fp32 product and base, rounded once. */
 void matmul_forward_add(real *out, const real *base, const real *x, const real *w, int N, int I,

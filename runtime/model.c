@@ -229,9 +229,9 @@ static void carve_chunk(moe_model *m, moe_chunk *ch, carve *c, carve *h)
         int dense = l < m->cfg.dense_layers;
         a.h1 = TAKE(c, real, N * D);
         a.rstd1 = TAKE(c, real, N);
-        a.q = TAKE(c, real, N * D);
-        a.k = TAKE(c, real, N * D);
-        a.v = TAKE(c, real, N * D);
+        a.q = TAKE(c, real, 3 * N * D); /* q, k, v one after another: one batched GEMM */
+        a.k = a.q ? a.q + N * D : NULL;
+        a.v = a.q ? a.q + 2 * N * D : NULL;
         a.att = TAKE(c, real, N * D);
         a.att_lse = TAKE(c, real, (size_t)m->Bc * m->H * m->T);
         a.xmid = TAKE(c, real, N * D);
@@ -730,9 +730,7 @@ static void attention_block_forward(moe_model *m, int l)
     moe_layer_acts *a = &m->acts[l];
     const int N = m->Nc, D = m->D;
     m->be->rmsnorm_forward(a->h1, a->rstd1, m->x[l], w->attn_norm, N, D, (real)m->cfg.norm_eps);
-    m->be->matmul_forward(a->q, a->h1, w->wq, N, D, D);
-    m->be->matmul_forward(a->k, a->h1, w->wk, N, D, D);
-    m->be->matmul_forward(a->v, a->h1, w->wv, N, D, D);
+    m->be->matmul_forward_batch(a->q, (size_t)N * D, a->h1, w->wq, 3, N, D, D); /* q, k, v */
     m->be->rope_forward(a->q, m->rope_cos, m->rope_sin, m->Bc, m->T, m->H, m->Hd);
     m->be->rope_forward(a->k, m->rope_cos, m->rope_sin, m->Bc, m->T, m->H, m->Hd);
     m->be->attention_forward(a->att, a->att_lse, a->q, a->k, a->v, m->Bc, m->T, m->H, m->Hd);

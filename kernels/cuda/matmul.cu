@@ -339,7 +339,7 @@ typedef struct {
     int operand_type;     /* cudaDataType_t of A and B */
     int exact;            /* n and k are the real sizes, not buckets */
     int out16;            /* 0: C is fp32; else C's cudaDataType_t (16-bit, a marked output) */
-    int batch;            /* 1, or 2: a strided batch (the second A, B, C at sa, sb, sc) */
+    int batch;            /* 1, or more: a strided batch (GEMM i's A, B, C at i sa, sb, sc) */
     long long sa, sb, sc; /* elements of A's, B's (operand type) and C's (its type) */
 } gemm_key;
 
@@ -537,8 +537,8 @@ static void *lane_workspace(int lane, size_t *nbytes)
     return lane ? side_ws[lane - 1] : ws;
 }
 
-/* A strided batch of GEMMs: count 1 (one GEMM), or 2 with the second's A, B, C the
- * first's plus sa, sb (elements of the operand type) and sc (elements of C's type). */
+/* A strided batch of GEMMs: count 1 (one GEMM), or more, GEMM i's A, B, C the first's
+ * plus i sa, i sb (elements of the operand type) and i sc (elements of C's type). */
 typedef struct {
     int count;
     long long sa, sb, sc;
@@ -555,7 +555,7 @@ static int batch_alignment(const void *p, long long stride, size_t elem)
 
 /* The kernel profile's name of a cuBLASLt GEMM: "cublasLt GEMM", or with
  * MOE_PROFILE_GEMM_SHAPES=1 in the environment its shape (column-major m n k, the
- * transposes, the output type, beta 1 as "+=", a batch of 2 as "x2"; a size that is not a
+ * transposes, the output type, beta 1 as "+=", a batch of n as "xn"; a size that is not a
  * multiple of 128, as the experts' rows are, shown "~" rounded to 256, so that a call's
  * experts share a line). The names are kept in a table for the profile's keys. */
 static const char *gemm_prof_name(int ta, int tb, int m, int n, int k, int out16, int accumulate,
@@ -569,15 +569,17 @@ static const char *gemm_prof_name(int ta, int tb, int m, int n, int k, int out16
     }
     if (!shapes)
         return "cublasLt GEMM";
-    char dim[3][16], name[96];
+    char dim[3][16], name[96], times[16] = "";
     const int v[3] = {m, n, k};
     for (int i = 0; i < 3; i++)
         if (v[i] % 128 == 0)
             snprintf(dim[i], sizeof dim[i], "%d", v[i]);
         else
             snprintf(dim[i], sizeof dim[i], "~%d", (v[i] + 128) / 256 * 256);
+    if (batch > 1)
+        snprintf(times, sizeof times, " x%d", batch);
     snprintf(name, sizeof name, "GEMM %s %s %s %c%c %s%s%s", dim[0], dim[1], dim[2], ta ? 'T' : 'N',
-             tb ? 'T' : 'N', out16 ? "16" : "32", accumulate ? " +=" : "", batch > 1 ? " x2" : "");
+             tb ? 'T' : 'N', out16 ? "16" : "32", accumulate ? " +=" : "", times);
     for (int i = 0; i < used; i++)
         if (strcmp(names[i], name) == 0)
             return names[i];
@@ -743,6 +745,28 @@ extern "C" void cuda_matmul_forward_add(real *out, const real *base, const real 
                                         int N, int I, int O)
 {
     linear_forward(out, base, rounded_operand(x, (size_t)N * I, 0), weight_operand(w), N, I, O);
+}
+
+/* One strided batch of count GEMMs (the weights' operands O*I apart in the shadow, the
+ * outputs out_stride apart: in 16-bit elements where they are marked); one call per
+ * product where the outputs are not all marked or all unmarked. */
+extern "C" void cuda_matmul_forward_batch(real *out, size_t out_stride, const real *x,
+                                          const real *w, int count, int N, int I, int O)
+{
+    const size_t NO = (size_t)N * O;
+    const int out16 = output16(out, NO, 0);
+    int same = count > 1;
+    for (int c = 1; c < count && same; c++)
+        same = output16(out + c * out_stride, NO, 0) == out16;
+    if (!same) {
+        for (int c = 0; c < count; c++)
+            cuda_matmul_forward(out + c * out_stride, x, w + (size_t)c * O * I, N, I, O);
+        return;
+    }
+    const gemm_batch bt = {count, (long long)O * I, 0,
+                           (long long)(out16 ? 2 * out_stride : out_stride)};
+    gemm_on(0, 1, 0, O, N, I, weight_operand(w), I, rounded_operand(x, (size_t)N * I, 0), I, out,
+            NULL, O, 0, out16, bt);
 }
 
 extern "C" void cuda_matmul_backward(real *dx, real *dw, const real *dout, const real *x,

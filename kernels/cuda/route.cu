@@ -167,12 +167,13 @@ extern "C" void cuda_moe_permute(real *out, const real *x, const int32_t *row_to
         v4, o16, in16);
 }
 
-/* dx[token] = base[token] + dout[row] ..., rows of a token in row order. */
+/* dx[token] = base[token] + dout[row] ..., rows of a token in row order; any row of dout
+ * may be read (any_item: moe_runs_kernel loads ahead of the keys). */
 struct permute_grad {
     real *dx;
     const real *base, *dout;
     int D;
-    static constexpr bool vec4 = true, vec2 = false, weighted = false;
+    static constexpr bool vec4 = true, vec2 = false, weighted = false, any_item = true;
     bool aligned16() const
     {
         return moe_aligned16(dx) && moe_aligned16(dout) && (!base || moe_aligned16(base));

@@ -362,6 +362,23 @@ static void test_matmul(int N, int I, int O, const char *name)
     gpu_done();
     check_f("out", HOSTF(dout, NO), out, NO, O, GEMM_K(I));
 
+    begin("matmul_forward_batch", name);
+    { /* three products of x, the weights w, w + 1, w + 2 (O x I apart), outputs NO + 8 apart */
+        const size_t S = NO + 8;
+        float *wb = frand(3 * OI, -0.5, 0.5), *ref = fnan(3 * S);
+        float *dref = DEVF(ref, 3 * S);
+        cpu->matmul_forward_batch(ref, S, x, wb, 3, N, I, O);
+        gpu->matmul_forward_batch(dref, S, dx_, DEVF(wb, 3 * OI), 3, N, I, O);
+        gpu_done();
+        float *got = HOSTF(dref, 3 * S);
+        for (int c = 0; c < 3; c++) {
+            float *one = fnan(NO);
+            cpu->matmul_forward(one, x, wb + c * OI, N, I, O);
+            check_f("out", got + c * S, one, NO, O, GEMM_K(I));
+        }
+        check_f("gaps untouched", got + NO, ref + NO, 8, 8, EXACT);
+    }
+
     begin("matmul_forward_add", name);
     { /* out = base + x W^T: into a buffer of NaN, and in place over base */
         float *base = frand(NO, -1, 1), *ref = fnan(NO);

@@ -632,6 +632,23 @@ static void check_outputs16(moe_precision p, const char *mode, double bound, con
     to_host(got + no, da, 2 * no);
     report("swiglu from 16-bit a, b", mode, rel_err(got, ref, no), 1e-5);
     report("swiglu_backward from 16-bit", mode, rel_err(got + no, ref + no, 2 * no), 1e-5);
+    /* the q, k, v projections' batch: three marked outputs one after another (x2 the
+     * products' gap: a stride of 2 no), the arena's start as (3, O, I); each against the
+     * CPU's product */
+    float *qkv = gpu->alloc(sizeof(float) * 5 * no);
+    for (int c = 0; c < 3; c++)
+        st += gpu->mark_operand(qkv + 2 * c * no, no) != MOE_OK;
+    gpu->matmul_forward_batch(qkv, 2 * no, dx_, dw_, 3, N, I, O);
+    double err = 0;
+    for (int c = 0; c < 3; c++) {
+        moe_backend_cpu.matmul_forward(ref, x, w + (size_t)c * O * I, N, I, O);
+        read_marked(p, got, qkv + 2 * c * no, no);
+        const double e = rel_err(got, ref, no);
+        err = e > err ? e : err;
+        gpu->mark_operand(qkv + 2 * c * no, 0);
+    }
+    report("marked out: matmul_forward_batch of 3", mode, err, bound);
+    gpu->release(qkv);
     report("marked out: marks taken", mode, st, 0.0);
     gpu->mark_operand(ab, 0);
     gpu->mark_operand(ab + no, 0);
