@@ -208,17 +208,26 @@ static real *dfill(size_t n, double scale, int positive)
     return d;
 }
 
-/* The same values in bf16 (the optimizer's 16-bit moments). */
-static void *dfill16(size_t n, double scale, int positive)
+/* The same values in 16 bits (bf16 where bf16, else fp16), the pattern read from its
+ * element `from` on (so that buffers differ). */
+static void *dfill16_as(size_t n, double scale, int positive, int bf16, size_t from)
 {
     uint16_t *h = malloc(sizeof(uint16_t) * PATTERN);
     if (!h)
         die("out of host memory");
-    for (size_t i = 0; i < PATTERN; i++)
-        h[i] = moe_bf16_round((float)((positive ? pat_pos : pat_normal)[i] * scale));
+    for (size_t i = 0; i < PATTERN; i++) {
+        const float v = (float)((positive ? pat_pos : pat_normal)[(i + from) % PATTERN] * scale);
+        h[i] = bf16 ? moe_bf16_round(v) : moe_fp16_round(v);
+    }
     void *d = dtile(h, sizeof(uint16_t), n);
     free(h);
     return d;
+}
+
+/* In bf16 (the optimizer's 16-bit moments). */
+static void *dfill16(size_t n, double scale, int positive)
+{
+    return dfill16_as(n, scale, positive, 1, 0);
 }
 
 static void *dupload(const void *h, size_t nbytes)
@@ -976,6 +985,51 @@ static void bench_rope(int bwd)
 static void bench_rope_fwd(void) { bench_rope(0); }
 static void bench_rope_bwd(void) { bench_rope(1); }
 
+static void run_rope_qkv(void)
+{
+    gpu->rope_backward_qkv(bf.dx, bf.dq, bf.dk, bf.dv, bf.cos_t, bf.sin_t, opt.B, opt.T, opt.H,
+                           Hd_);
+}
+
+/* As the model runs them in a 16-bit precision (every buffer marked, 2 bytes an element):
+ * rope16 rotates q in place (the forward), rope_qkv writes [dq | dk | dv] from dq, dk, dv
+ * (the backward: dq and dk rotated back, dv copied). */
+static void bench_rope16(int qkv)
+{
+    const char *name = qkv ? "rope_qkv" : "rope16";
+    if (opt.prec == MOE_PREC_FP32) {
+        printf("%-18s (fp32 precision: no 16-bit buffers; see rope%s)\n", name, qkv ? "_bwd" : "");
+        return;
+    }
+    const ceiling *c = copy_ceiling();
+    const size_t n = (size_t)N_ * opt.H * Hd_, tab = (size_t)opt.T * (Hd_ / 2);
+    const int b16 = opt.prec == MOE_PREC_BF16;
+    bf.w = dfill((size_t)opt.D, 0.02, 0); /* a parameter arena for set_precision */
+    use_precision(bf.w, (size_t)opt.D, (size_t)opt.D);
+    bf.cos_t = dreal(tab);
+    bf.sin_t = dreal(tab);
+    gpu->rope_tables(bf.cos_t, bf.sin_t, opt.T, Hd_, 10000.0);
+    real **src[] = {&bf.q, &bf.dq, &bf.dk, &bf.dv};
+    for (int i = qkv ? 1 : 0; i < (qkv ? 4 : 1); i++) {
+        *src[i] = dfill16_as(n, 1.0, 0, b16, 7919u * i);
+        mark(*src[i], n);
+    }
+    if (qkv) {
+        bf.dx = dmem(sizeof(uint16_t) * 3 * n);
+        mark(bf.dx, 3 * n);
+    }
+    double ms = time_gpu(qkv ? run_rope_qkv : run_rope);
+    const double bytes = 2.0 * 2.0 * (qkv ? 3.0 : 1.0) * (double)n + 4.0 * 2.0 * (double)tab;
+    char shape[80];
+    snprintf(shape, sizeof shape, "B=%d T=%d H=%d Hd=%d %s%s", opt.B, opt.T, opt.H, Hd_,
+             prec_name(opt.prec), qkv ? " (dq, dk, dv)" : " (one of q, k)");
+    report(name, shape, ms, bytes, RATE_GBS, c);
+    free_all();
+}
+
+static void bench_rope16_fwd(void) { bench_rope16(0); }
+static void bench_rope16_qkv(void) { bench_rope16(1); }
+
 static void run_swiglu(void) { gpu->swiglu_forward(bf.h, bf.a, bf.b, bf.n); }
 static void run_swiglu_bwd(void) { gpu->swiglu_backward(bf.da, bf.db, bf.dh, bf.a, bf.b, bf.n); }
 
@@ -1023,15 +1077,7 @@ static void bench_swiglu16(int bwd)
     for (int i = 0; i < nb; i++) {
         if (bufs[i] == &bf.h && bwd)
             continue; /* the backward reads dh, not h */
-        uint16_t *h = malloc(sizeof(uint16_t) * PATTERN);
-        if (!h)
-            die("out of host memory");
-        for (size_t k = 0; k < PATTERN; k++) /* each buffer its own values */
-            h[k] = opt.prec == MOE_PREC_BF16
-                       ? moe_bf16_round((float)pat_normal[(k + 7919u * i) % PATTERN])
-                       : moe_fp16_round((float)pat_normal[(k + 7919u * i) % PATTERN]);
-        *bufs[i] = dtile(h, sizeof(uint16_t), n);
-        free(h);
+        *bufs[i] = dfill16_as(n, 1.0, 0, opt.prec == MOE_PREC_BF16, 7919u * i); /* its own */
         mark(*bufs[i], n);
     }
     double ms = time_gpu(bwd ? run_swiglu_bwd : run_swiglu);
@@ -1071,15 +1117,8 @@ static void bench_cross_entropy(void)
     const int h16 = opt.prec != MOE_PREC_FP32;
     bf.w = dfill((size_t)opt.D, 0.02, 0); /* a parameter arena for set_precision */
     use_precision(bf.w, (size_t)opt.D, (size_t)opt.D);
-    if (h16) {
-        uint16_t *h = malloc(sizeof(uint16_t) * PATTERN);
-        if (!h)
-            die("out of host memory");
-        for (size_t i = 0; i < PATTERN; i++) /* logits of a few units, as a trained head's */
-            h[i] = opt.prec == MOE_PREC_BF16 ? moe_bf16_round((float)(2.0 * pat_normal[i]))
-                                             : moe_fp16_round((float)(2.0 * pat_normal[i]));
-        bf.logits = dtile(h, sizeof(uint16_t), n);
-        free(h);
+    if (h16) { /* logits of a few units, as a trained head's */
+        bf.logits = dfill16_as(n, 2.0, 0, opt.prec == MOE_PREC_BF16, 0);
         bf.dx = dmem(sizeof(uint16_t) * n);
         mark(bf.logits, n);
         mark(bf.dx, n);
@@ -1238,6 +1277,8 @@ static const bench_op single_ops[] = {
     {"rmsnorm_bwd", bench_rmsnorm_bwd},
     {"rope", bench_rope_fwd},
     {"rope_bwd", bench_rope_bwd},
+    {"rope16", bench_rope16_fwd},
+    {"rope_qkv", bench_rope16_qkv},
     {"swiglu", bench_swiglu_fwd},
     {"swiglu_bwd", bench_swiglu_bwd},
     {"swiglu16", bench_swiglu16_fwd},

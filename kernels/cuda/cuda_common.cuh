@@ -20,7 +20,6 @@
 #include <cuda_runtime.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 extern "C" {
 #include "util/status.h"
@@ -353,14 +352,14 @@ void moe_cuda_sort_run(const moe_cuda_sort *s, const int32_t *keys);
  * "for item in order: dst[key][j] += value(item, j)" of the CPU reference. Deterministic,
  * no atomics. V = 4: a thread takes 4 columns by the op's float4 forms (load4, value4,
  * store4; the caller checked W and the pointers), the same additions per column. The run
- * is walked AHEAD items at a time, their values loaded before any is added (a
+ * is walked MOE_RUNS_AHEAD items at a time, their values loaded before any is added (a
  * run's items are contiguous in the order, so an item of another key ends it): a token
  * that recurs hundreds of times in a batch (the synthetic corpus's motifs) made its
  * thread wait one load latency per item. Where the op says any item's value may be read
  * (any_item = true: the embedding's backward), the values of every item of the group are
  * loaded before its keys are compared, so a group waits for two loads (order, then
- * keys and values), not three. moe_cuda_runs_ahead(): 8, or 16 / 32 by
- * MOE_RUNS_AHEAD (the longest run's thread is the kernel's critical path). */
+ * keys and values), not three (the embedding's backward at the bench shape: 176 -> 106 us
+ * on an H200; 16 or 32 items at a time were slower: 253, 356 us). */
 template <class Op, class = void> struct moe_any_item : std::false_type {
 };
 template <class Op>
@@ -368,7 +367,8 @@ struct moe_any_item<Op, std::void_t<decltype(Op::any_item)>>
     : std::integral_constant<bool, Op::any_item> {
 };
 
-template <class Op, int V, int AHEAD>
+#define MOE_RUNS_AHEAD 8
+template <class Op, int V>
 __global__ void moe_runs_kernel(Op op, const int *order, const int32_t *keys, int n, int W)
 {
     typedef typename std::conditional<V == 4, float4, float>::type vec;
@@ -384,17 +384,17 @@ __global__ void moe_runs_kernel(Op op, const int *order, const int32_t *keys, in
             v = op.load4(key, j);
         else
             v = op.load(key, j);
-        for (int q = p, more = 1; more; q += AHEAD) {
-            int item[AHEAD];
-            bool in[AHEAD];
-            vec a[AHEAD];
+        for (int q = p, more = 1; more; q += MOE_RUNS_AHEAD) {
+            int item[MOE_RUNS_AHEAD];
+            bool in[MOE_RUNS_AHEAD];
+            vec a[MOE_RUNS_AHEAD];
 #pragma unroll
-            for (int u = 0; u < AHEAD; u++) {
+            for (int u = 0; u < MOE_RUNS_AHEAD; u++) {
                 item[u] = q + u < n ? order[q + u] : 0;
                 in[u] = q + u < n && keys[item[u]] == key;
             }
 #pragma unroll
-            for (int u = 0; u < AHEAD; u++)
+            for (int u = 0; u < MOE_RUNS_AHEAD; u++)
                 if (moe_any_item<Op>::value ? q + u < n : in[u]) {
                     if constexpr (V == 4)
                         a[u] = op.value4(item[u], j);
@@ -402,7 +402,7 @@ __global__ void moe_runs_kernel(Op op, const int *order, const int32_t *keys, in
                         a[u] = op.value(item[u], j);
                 }
 #pragma unroll
-            for (int u = 0; u < AHEAD; u++)
+            for (int u = 0; u < MOE_RUNS_AHEAD; u++)
                 if (in[u]) {
                     if constexpr (V == 4)
                         v = make_float4(__fadd_rn(v.x, a[u].x), __fadd_rn(v.y, a[u].y),
@@ -410,7 +410,7 @@ __global__ void moe_runs_kernel(Op op, const int *order, const int32_t *keys, in
                     else
                         v = __fadd_rn(v, a[u]);
                 }
-            more = in[AHEAD - 1];
+            more = in[MOE_RUNS_AHEAD - 1];
         }
         if constexpr (V == 4)
             op.store4(key, j, v);
@@ -443,19 +443,6 @@ static __device__ __forceinline__ float4 moe_base_value4(const real *base, size_
     return base ? *(const float4 *)(base + i) : make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-/* Items a thread of moe_runs_kernel loads at a time: MOE_RUNS_AHEAD (8, 16 or 32), read
- * once; 8 when unset or another value. */
-static inline int moe_cuda_runs_ahead(void)
-{
-    static int ahead = 0;
-    if (!ahead) {
-        const char *e = getenv("MOE_RUNS_AHEAD");
-        const int v = e ? atoi(e) : 8;
-        ahead = v == 16 || v == 32 ? v : 8;
-    }
-    return ahead;
-}
-
 /* Sorts items 0..n-1 by keys (non-negative) and runs op over every (run, column < W): 4
  * columns a thread where the op has its float4 forms and W and its pointers allow. */
 template <class Op> static void moe_cuda_runs(const Op &op, const int32_t *keys, int n, int W)
@@ -469,22 +456,14 @@ template <class Op> static void moe_cuda_runs(const Op &op, const int32_t *keys,
         return;
     moe_cuda_sort_take(&s, &c, n, 0);
     moe_cuda_sort_run(&s, keys);
-    const int ahead = moe_cuda_runs_ahead();
     if constexpr (Op::vec4)
         if (W % 4 == 0 && op.aligned16()) {
-            const unsigned blocks = moe_cuda_blocks((size_t)n * (W / 4), MOE_CUDA_THREADS);
-            if (ahead == 32)
-                MOE_CUDA_LAUNCH((moe_runs_kernel<Op, 4, 32>), blocks, MOE_CUDA_THREADS, 0, op,
-                                s.order, keys, n, W);
-            else if (ahead == 16)
-                MOE_CUDA_LAUNCH((moe_runs_kernel<Op, 4, 16>), blocks, MOE_CUDA_THREADS, 0, op,
-                                s.order, keys, n, W);
-            else
-                MOE_CUDA_LAUNCH((moe_runs_kernel<Op, 4, 8>), blocks, MOE_CUDA_THREADS, 0, op,
-                                s.order, keys, n, W);
+            MOE_CUDA_LAUNCH((moe_runs_kernel<Op, 4>),
+                            moe_cuda_blocks((size_t)n * (W / 4), MOE_CUDA_THREADS),
+                            MOE_CUDA_THREADS, 0, op, s.order, keys, n, W);
             return;
         }
-    MOE_CUDA_LAUNCH((moe_runs_kernel<Op, 1, 8>), moe_cuda_blocks((size_t)n * W, MOE_CUDA_THREADS),
+    MOE_CUDA_LAUNCH((moe_runs_kernel<Op, 1>), moe_cuda_blocks((size_t)n * W, MOE_CUDA_THREADS),
                     MOE_CUDA_THREADS, 0, op, s.order, keys, n, W);
 }
 

@@ -41,45 +41,88 @@ typedef struct {
  * (x, cos_t and sin_t 16-byte aligned, Hd/2 % 4 == 0), V = 1 one float each (moe_fvec,
  * cuda_common.cuh). Source blockIdx.y (src.x) goes to column blockIdx.y * H * Hd of y's rows
  * (ldy apart); the last source is copied as it is when copy_last (dv into [dq | dk | dv]).
- * Block (tx, ty): ty rows of x (B*T rows of H heads of Hd) per block, tx threads over the
- * H * (Hd/2)/V groups of a row, so the only divisions are 32-bit ones per group.
+ * Block (tx, ty): R ty rows of x (B*T rows of H heads of Hd) per block, R of them a thread
+ * (their loads issued before any store), tx threads over the H * (Hd/2)/V groups of a
+ * row, so the only divisions are 32-bit ones per group.
  * X16, Y16: x, y hold 16-bit values (bf16 when bf16, else fp16); y may be x (in place). */
-template <int V, int X16, int Y16>
+template <int V, int X16, int Y16, int R>
 static __global__ void rope_rotate_kernel(real *y, size_t ldy, rope_sources src, int copy_last,
                                           const real *cos_t, const real *sin_t, int rows, int T,
                                           int H, int Hd, real dir, int bf16)
 {
     const int half = Hd / 2, groups = half / V;
-    const int row = blockIdx.x * blockDim.y + threadIdx.y;
-    if (row >= rows)
+    const int row0 = blockIdx.x * blockDim.y * R + threadIdx.y;
+    if (row0 >= rows)
         return;
     const real *x = src.x[blockIdx.y];
     const int copy = copy_last && blockIdx.y == gridDim.y - 1;
-    const int t = row % T;
-    const real *ct = cos_t + (size_t)t * half, *st = sin_t + (size_t)t * half;
-    const size_t y0 = (size_t)row * ldy + (size_t)blockIdx.y * H * Hd;
     for (int j = threadIdx.x; j < H * groups; j += blockDim.x) {
         const int head = j / groups, i = (j - head * groups) * V;
-        const size_t e1 = ((size_t)row * H + head) * Hd + i, e2 = e1 + half;
-        const size_t f1 = y0 + (size_t)head * Hd + i, f2 = f1 + half;
-        moe_fvec<V> a = moe_ld_v<V, X16>(x, e1, bf16), b = moe_ld_v<V, X16>(x, e2, bf16);
-        if (!copy) {
-            const moe_fvec<V> c = moe_load_v<V>(ct + i), s = moe_load_v<V>(st + i);
+        moe_fvec<V> a[R], b[R], c[R], s[R];
+        int row[R];
 #pragma unroll
-            for (int k = 0; k < V; k++) {
-                const real sn = dir * s.v[k], ak = a.v[k], bk = b.v[k];
-                a.v[k] = __fsub_rn(__fmul_rn(ak, c.v[k]), __fmul_rn(bk, sn));
-                b.v[k] = __fadd_rn(__fmul_rn(bk, c.v[k]), __fmul_rn(ak, sn));
+        for (int r = 0; r < R; r++) {
+            row[r] = row0 + r * blockDim.y;
+            if (row[r] < rows) {
+                const size_t e1 = ((size_t)row[r] * H + head) * Hd + i;
+                a[r] = moe_ld_v<V, X16>(x, e1, bf16);
+                b[r] = moe_ld_v<V, X16>(x, e1 + half, bf16);
+                if (!copy) {
+                    const size_t tab = (size_t)(row[r] % T) * half + i;
+                    c[r] = moe_load_v<V>(cos_t + tab);
+                    s[r] = moe_load_v<V>(sin_t + tab);
+                }
             }
         }
-        if constexpr (Y16) {
-            moe_store16_v<V>((uint16_t *)y + f1, a, bf16);
-            moe_store16_v<V>((uint16_t *)y + f2, b, bf16);
-        } else {
-            moe_store_v<V>(y + f1, a);
-            moe_store_v<V>(y + f2, b);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (row[r] >= rows)
+                continue;
+            if (!copy) {
+#pragma unroll
+                for (int k = 0; k < V; k++) {
+                    const real sn = dir * s[r].v[k], ak = a[r].v[k], bk = b[r].v[k];
+                    a[r].v[k] = __fsub_rn(__fmul_rn(ak, c[r].v[k]), __fmul_rn(bk, sn));
+                    b[r].v[k] = __fadd_rn(__fmul_rn(bk, c[r].v[k]), __fmul_rn(ak, sn));
+                }
+            }
+            const size_t f1 =
+                (size_t)row[r] * ldy + (size_t)blockIdx.y * H * Hd + (size_t)head * Hd + i;
+            if constexpr (Y16) {
+                moe_store16_v<V>((uint16_t *)y + f1, a[r], bf16);
+                moe_store16_v<V>((uint16_t *)y + f1 + half, b[r], bf16);
+            } else {
+                moe_store_v<V>(y + f1, a[r]);
+                moe_store_v<V>(y + f1 + half, b[r]);
+            }
         }
     }
+}
+
+/* Rows a thread of rope_rotate_kernel takes: MOE_ROPE_ROWS (1, 2 or 4), read once; 1 when
+ * unset. */
+static int rope_rows(void)
+{
+    static int r = 0;
+    if (!r) {
+        const char *e = getenv("MOE_ROPE_ROWS");
+        const int v = e ? atoi(e) : 1;
+        r = v == 2 || v == 4 ? v : 1;
+    }
+    return r;
+}
+
+template <int V, int X16, int Y16, int R>
+static void rope_launch_r(real *y, size_t ldy, const rope_sources &src, int parts, int copy_last,
+                          const real *cos_t, const real *sin_t, int rows, int T, int H, int Hd,
+                          real dir, int bf16)
+{
+    const int per_row = H * (Hd / 2 / V); /* groups of a row */
+    const int tx = per_row >= MOE_CUDA_THREADS ? MOE_CUDA_THREADS : (per_row + 31) / 32 * 32;
+    const int ty = MOE_CUDA_THREADS / tx;
+    MOE_CUDA_LAUNCH((rope_rotate_kernel<V, X16, Y16, R>),
+                    dim3((rows + ty * R - 1) / (ty * R), parts), dim3(tx, ty), 0, y, ldy, src,
+                    copy_last, cos_t, sin_t, rows, T, H, Hd, dir, bf16);
 }
 
 template <int V, int X16, int Y16>
@@ -87,12 +130,16 @@ static void rope_launch(real *y, size_t ldy, const rope_sources &src, int parts,
                         const real *cos_t, const real *sin_t, int rows, int T, int H, int Hd,
                         real dir, int bf16)
 {
-    const int per_row = H * (Hd / 2 / V); /* groups of a row */
-    const int tx = per_row >= MOE_CUDA_THREADS ? MOE_CUDA_THREADS : (per_row + 31) / 32 * 32;
-    const int ty = MOE_CUDA_THREADS / tx;
-    MOE_CUDA_LAUNCH((rope_rotate_kernel<V, X16, Y16>), dim3((rows + ty - 1) / ty, parts),
-                    dim3(tx, ty), 0, y, ldy, src, copy_last, cos_t, sin_t, rows, T, H, Hd, dir,
-                    bf16);
+    const int r = rope_rows();
+    if (r == 4)
+        rope_launch_r<V, X16, Y16, 4>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd,
+                                      dir, bf16);
+    else if (r == 2)
+        rope_launch_r<V, X16, Y16, 2>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd,
+                                      dir, bf16);
+    else
+        rope_launch_r<V, X16, Y16, 1>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd,
+                                      dir, bf16);
 }
 
 template <int V>
