@@ -13,8 +13,9 @@ void embedding_forward(real *out, const int32_t *tokens, const real *table, int 
 
 /* Sequential over n: several tokens may share a row of dtable, and a fixed order keeps
  * the result independent of the thread count. */
-void embedding_backward(real *dtable, const real *dout, const int32_t *tokens, int N, int D)
+void embedding_backward(real *dtable, const real *dout, const int32_t *tokens, int N, int D, int V)
 {
+    (void)V;
     for (int n = 0; n < N; n++) {
         real *drow = dtable + (size_t)tokens[n] * D;
         const real *g = dout + (size_t)n * D;

@@ -44,8 +44,9 @@ extern "C" {
 /* ---- embedding ---------------------------------------------------------------- */
 /* out (N,D) = table[tokens[n]] ; table (V,D). */
 void embedding_forward(real *out, const int32_t *tokens, const real *table, int N, int D);
-/* dtable (V,D) += scatter of dout (N,D) by tokens. */
-void embedding_backward(real *dtable, const real *dout, const int32_t *tokens, int N, int D);
+/* dtable (V,D) += scatter of dout (N,D) by tokens, each in [0, V) (the data reader checks
+ * them; V bounds the device's sort of the tokens). */
+void embedding_backward(real *dtable, const real *dout, const int32_t *tokens, int N, int D, int V);
 
 /* ---- elementwise ---------------------------------------------------------------- */
 /* y[i] += x[i] for i < n. */

@@ -1416,7 +1416,7 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
     grad_ready(m, 0);
     for (int i = 0; i < m->C; i++) {
         use_chunk(m, i);
-        m->be->embedding_backward(m->g.embedding, m->dres, m->tokens, Nc, D);
+        m->be->embedding_backward(m->g.embedding, m->dres, m->tokens, Nc, D, m->V);
     }
     m->expert_grads_fresh = 0;
     grad_ready(m, -1);

@@ -182,6 +182,7 @@ void moe_cuda_sort_take(moe_cuda_sort *s, moe_cuda_carve *c, int n, int V)
     tiles = (n + tile - 1) / tile;
     s->n = n;
     s->V = V;
+    s->passes = V > 0 ? 1 : RADIX_PASSES;
     s->tile = tile;
     s->tiles = tiles < 1 ? 1 : (int)tiles;
     s->order = MOE_CUDA_TAKE(c, int, n);
@@ -193,6 +194,17 @@ void moe_cuda_sort_take(moe_cuda_sort *s, moe_cuda_carve *c, int n, int V)
     s->scan = MOE_CUDA_TAKE(c, int, moe_cuda_scan_ints(buckets));
 }
 
+void moe_cuda_sort_limit(moe_cuda_sort *s, int limit)
+{
+    if (s->V > 0 || limit <= 0)
+        return;
+    int bits = 0;
+    while (bits < 31 && (limit - 1) >> bits)
+        bits++;
+    const int passes = (bits + RADIX_BITS - 1) / RADIX_BITS;
+    s->passes = passes <= 2 ? 2 : RADIX_PASSES; /* even: the passes end in s->order */
+}
+
 void moe_cuda_sort_run(const moe_cuda_sort *s, const int32_t *keys)
 {
     const int buckets = s->V > 0 ? s->V : RADIX;
@@ -202,9 +214,8 @@ void moe_cuda_sort_run(const moe_cuda_sort *s, const int32_t *keys)
                 cudaMemsetAsync(s->start, 0, sizeof(int) * (size_t)(s->V + 1), moe_cuda_stream()));
         return;
     }
-    const int passes = s->V > 0 ? 1 : RADIX_PASSES;
     const int *in = NULL;
-    for (int p = 0; p < passes; p++) {
+    for (int p = 0; p < s->passes; p++) {
         const int shift = s->V > 0 ? -1 : p * RADIX_BITS;
         /* an even number of radix passes ends in order */
         int *out = s->V > 0 || p % 2 == 1 ? s->order : s->tmp;

@@ -328,11 +328,13 @@ void moe_cuda_scan(int *out, const int *in, int n, int *scratch);
  * one key in increasing index.
  *   V > 0: keys are in [0, V); an item whose key is outside (negative: "none") is left
  *          out; start (V+1) gives each key's range in order, start[V] the items kept.
- *   V = 0: any non-negative key (LSD radix sort, 4 passes of 8 bits); start is NULL.
+ *   V = 0: any non-negative key (LSD radix sort, 4 passes of 8 bits, or 2 for keys below
+ *   2^16: moe_cuda_sort_limit); start is NULL.
  * Buffers come from a carve: moe_cuda_sort_take sizes/hands them out (call it in both
  * passes of the carve), moe_cuda_sort_run sorts. */
 typedef struct {
     int n, V, tiles, tile;
+    int passes; /* 1 when V > 0; radix passes (4, or fewer: moe_cuda_sort_limit) */
     int *order; /* (n) the result */
     int *start; /* (V+1) when V > 0 */
     int *tmp;   /* (n) radix ping-pong */
@@ -343,6 +345,13 @@ typedef struct {
 } moe_cuda_sort;
 
 void moe_cuda_sort_take(moe_cuda_sort *s, moe_cuda_carve *c, int n, int V);
+/* A V = 0 sort's keys are below limit (> 0; 0: any): the radix passes its bits need (an
+ * even number, at least 2). */
+void moe_cuda_sort_limit(moe_cuda_sort *s, int limit);
+
+/* route.cu: the embedding's backward (dtable[token] += dout rows in order; tokens < V). */
+void moe_cuda_embedding_grad(real *dtable, const real *dout, const int32_t *tokens, int N, int D,
+                             int V);
 void moe_cuda_sort_run(const moe_cuda_sort *s, const int32_t *keys);
 
 /* Accumulation over the runs of equal keys of a sorted order (V = 0 sort): for every run
@@ -445,7 +454,8 @@ static __device__ __forceinline__ float4 moe_base_value4(const real *base, size_
 
 /* Sorts items 0..n-1 by keys (non-negative) and runs op over every (run, column < W): 4
  * columns a thread where the op has its float4 forms and W and its pointers allow. */
-template <class Op> static void moe_cuda_runs(const Op &op, const int32_t *keys, int n, int W)
+template <class Op>
+static void moe_cuda_runs(const Op &op, const int32_t *keys, int n, int W, int key_limit = 0)
 {
     if (n <= 0 || W <= 0)
         return;
@@ -455,6 +465,7 @@ template <class Op> static void moe_cuda_runs(const Op &op, const int32_t *keys,
     if (!moe_cuda_carve_alloc(&c))
         return;
     moe_cuda_sort_take(&s, &c, n, 0);
+    moe_cuda_sort_limit(&s, key_limit);
     moe_cuda_sort_run(&s, keys);
     if constexpr (Op::vec4)
         if (W % 4 == 0 && op.aligned16()) {

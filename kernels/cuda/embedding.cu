@@ -11,8 +11,9 @@ extern "C" void cuda_embedding_forward(real *out, const int32_t *tokens, const r
 }
 
 extern "C" void cuda_embedding_backward(real *dtable, const real *dout, const int32_t *tokens,
-                                        int N, int D)
+                                        int N, int D, int V)
 {
-    /* added to the table's gradient; no inverse: sorted */
-    cuda_moe_permute_backward(dtable, dtable, dout, tokens, N, D, NULL, 0, 0);
+    /* added to the table's gradient; no inverse: sorted (tokens below V: the radix sort's
+     * passes for V's bits) */
+    moe_cuda_embedding_grad(dtable, dout, tokens, N, D, V);
 }

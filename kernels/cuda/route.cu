@@ -193,6 +193,15 @@ struct permute_grad {
     }
 };
 
+/* The embedding's backward: dtable[token] += dout[n] ..., n in order (the table's rows
+ * are their own base), the tokens (below V) sorted by the radix passes V's bits need. */
+void moe_cuda_embedding_grad(real *dtable, const real *dout, const int32_t *tokens, int N, int D,
+                             int V)
+{
+    permute_grad op = {dtable, dtable, dout, D};
+    moe_cuda_runs(op, tokens, N, D, V);
+}
+
 extern "C" void cuda_moe_permute_backward(real *dx, const real *base, const real *dout,
                                           const int32_t *row_token, int M, int D,
                                           const int32_t *slot_row, int N, int K)

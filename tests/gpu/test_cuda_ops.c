@@ -303,8 +303,8 @@ static void test_embedding(int N, int D, int V, const char *name)
     begin("embedding_backward", name);
     float *dtable = frand(VD, -1, 1), *g = frand(ND, -1, 1);
     float *ddtable = DEVF(dtable, VD);
-    cpu->embedding_backward(dtable, g, tok, N, D);
-    gpu->embedding_backward(ddtable, DEVF(g, ND), dtok, N, D);
+    cpu->embedding_backward(dtable, g, tok, N, D, V);
+    gpu->embedding_backward(ddtable, DEVF(g, ND), dtok, N, D, V);
     gpu_done();
     check_f("dtable", HOSTF(ddtable, VD), dtable, VD, D, TIGHT);
     free_all();
@@ -1398,6 +1398,10 @@ int main(void)
     test_embedding(512, 64, 256, "tiny");
     test_embedding(3000, 33, 5, "many repeats");
     test_embedding(3000, 36, 5, "many repeats, float4");
+    /* the sort's radix passes by V: 2 up to 2^16 (V = 256, 65536), 4 above (65537) */
+    test_embedding(3000, 8, 256, "V=256");
+    test_embedding(5000, 8, 65536, "V=65536");
+    test_embedding(5000, 8, 65537, "V=65537");
 
     test_rmsnorm(7, 13, "N=7 D=13");
     test_rmsnorm(1, 64, "one token");

@@ -158,7 +158,7 @@ static void test_embedding_backward(void **state)
                  N,
                  D};
     real *g0 = buf_rand(&pl, V * D, 0.1, 1), *g = buf_copy(&pl, g0, V * D);
-    embedding_backward(g, e.R, tokens, N, D);
+    embedding_backward(g, e.R, tokens, N, D, V);
     assert_true(check_fd("dtable", e.table, added(&pl, g, g0, V * D), V * D, D, emb_loss, &e));
     pool_free(&pl);
 }
