@@ -535,6 +535,8 @@ int64_t moe_data_tokens(const moe_data *d)
     return d->source == SOURCE_SYNTHETIC ? INT64_MAX : d->total_tokens;
 }
 
+int moe_data_is_synthetic(const moe_data *d) { return d->source == SOURCE_SYNTHETIC; }
+
 void moe_data_destroy(moe_data *d)
 {
     if (d == NULL)

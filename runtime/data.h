@@ -33,6 +33,9 @@ moe_status moe_data_batch(moe_data *d, int32_t *tokens, int64_t first_seq, int B
 /* Number of tokens available (synthetic: INT64_MAX). */
 int64_t moe_data_tokens(const moe_data *d);
 
+/* Whether d is the synthetic corpus (made on demand: reading it cannot fail). */
+int moe_data_is_synthetic(const moe_data *d);
+
 /* Destroying NULL does nothing. */
 void moe_data_destroy(moe_data *d);
 

@@ -413,7 +413,7 @@ static void prefetch_next(moe_trainer *tr, const moe_step_result *res)
 {
     const int micro = tr->cfg.micro_batch;
     tr->next_first = -1;
-    if (tr->step + 1 >= tr->cfg.steps && moe_data_tokens(tr->data) != INT64_MAX)
+    if (tr->step + 1 >= tr->cfg.steps && !moe_data_is_synthetic(tr->data))
         return;
     moe_model *m = tr->model;
     const double t = moe_model_phase_begin(m);

@@ -131,6 +131,7 @@ static void test_synthetic_deterministic(void **state)
     assert_int_equal(moe_data_create(&d1, &cfg), MOE_OK);
     assert_int_equal(moe_data_create(&d2, &cfg), MOE_OK);
     assert_true(moe_data_tokens(d1) == INT64_MAX);
+    assert_true(moe_data_is_synthetic(d1));
 
     static int32_t a[B * ROW], b[B * ROW], one[ROW];
     assert_int_equal(moe_data_batch(d1, a, 1000, B), MOE_OK); /* sequences 1000..1015 */
@@ -612,6 +613,7 @@ static void test_shards_exact(void **state)
     moe_data *d = NULL;
     assert_int_equal(moe_data_create(&d, &cfg), MOE_OK);
     assert_int_equal(moe_data_tokens(d), TOTAL);
+    assert_false(moe_data_is_synthetic(d));
     assert_true(moe_data_entropy_floor(d) == -1.0);
     moe_synth_info info;
     capture cap;
