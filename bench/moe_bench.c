@@ -917,6 +917,54 @@ static void bench_attention(int bwd)
 static void bench_attention_fwd(void) { bench_attention(0); }
 static void bench_attention_bwd(void) { bench_attention(1); }
 
+static void run_attention_bwd_qkv(void)
+{
+    gpu->attention_backward_qkv(bf.dx, bf.dq, bf.dk, bf.dv, bf.dout, bf.out, bf.lse, bf.q, bf.k,
+                                bf.v, bf.cos_t, bf.sin_t, opt.B, opt.T, opt.H, Hd_);
+}
+
+/* The backward as the model runs it in a 16-bit precision: q, k, v, out, dout and the
+ * gradients marked (16-bit), into [dq | dk | dv] with dq and dk rotated back (on an H200
+ * the kernels write it; MOE_ATTENTION_ROPE=0: attention_backward, then rope_qkv). */
+static void bench_attention_bwd_qkv(void)
+{
+    if (opt.prec == MOE_PREC_FP32 || !gpu->attention_operands16(Hd_)) {
+        printf("%-18s (needs a 16-bit precision and the 16-bit attention operands)\n",
+               "attention_bwd_qkv");
+        return;
+    }
+    const int N = N_, D = opt.D;
+    const double flops = 10.0 * Hd_ * attention_pairs();
+    const ceiling *c = gemm_ceiling_flops(flops, N, D);
+    const size_t n = (size_t)N * D, tab = (size_t)opt.T * (Hd_ / 2);
+    const int b16 = opt.prec == MOE_PREC_BF16;
+    bf.w = dfill((size_t)D, 0.02, 0); /* a parameter arena for set_precision */
+    use_precision(bf.w, (size_t)D, (size_t)D);
+    real **in[] = {&bf.q, &bf.k, &bf.v, &bf.dout};
+    for (int i = 0; i < 4; i++) {
+        *in[i] = dfill16_as(n, 1.0, 0, b16, 7919u * (i + 1));
+        mark(*in[i], n);
+    }
+    real **outs[] = {&bf.out, &bf.dq, &bf.dk, &bf.dv};
+    for (int i = 0; i < 4; i++) {
+        *outs[i] = dmem(sizeof(uint16_t) * n);
+        mark(*outs[i], n);
+    }
+    bf.lse = dreal((size_t)opt.B * opt.H * opt.T);
+    bf.dx = dmem(sizeof(uint16_t) * 3 * n);
+    mark(bf.dx, 3 * n);
+    bf.cos_t = dreal(tab);
+    bf.sin_t = dreal(tab);
+    gpu->rope_tables(bf.cos_t, bf.sin_t, opt.T, Hd_, 10000.0);
+    run_attention(); /* out and lse for the backward */
+    double ms = time_gpu(run_attention_bwd_qkv);
+    char shape[80];
+    snprintf(shape, sizeof shape, "B=%d T=%d H=%d Hd=%d causal %s, marked", opt.B, opt.T, opt.H,
+             Hd_, prec_name(opt.prec));
+    report("attention_bwd_qkv", shape, ms, flops, RATE_TFS, c);
+    free_all();
+}
+
 static void run_rmsnorm(void)
 {
     gpu->rmsnorm_forward(bf.out, bf.rstd, bf.x, bf.w, N_, opt.D, (real)1e-5);
@@ -1273,6 +1321,7 @@ static const bench_op single_ops[] = {
     {"experts_ffn_bwd", bench_experts_ffn_bwd},
     {"attention", bench_attention_fwd},
     {"attention_bwd", bench_attention_bwd},
+    {"attention_bwd_qkv", bench_attention_bwd_qkv},
     {"rmsnorm", bench_rmsnorm_fwd},
     {"rmsnorm_bwd", bench_rmsnorm_bwd},
     {"rope", bench_rope_fwd},

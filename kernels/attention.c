@@ -173,3 +173,12 @@ void attention_backward(real *dq, real *dk, real *dv, const real *dout, const re
             attention_backward_dkv(dk ? dk + base : NULL, dv ? dv + base : NULL, &s);
     }
 }
+
+void attention_backward_qkv(real *dqkv, real *dq, real *dk, real *dv, const real *dout,
+                            const real *out, const real *lse, const real *q, const real *k,
+                            const real *v, const real *cos_t, const real *sin_t, int B, int T,
+                            int H, int Hd)
+{
+    attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, T, H, Hd);
+    rope_backward_qkv(dqkv, dq, dk, dv, cos_t, sin_t, B, T, H, Hd);
+}

@@ -44,6 +44,7 @@ extern "C" {
     X(rope_backward_qkv)                                                                           \
     X(attention_forward)                                                                           \
     X(attention_backward)                                                                          \
+    X(attention_backward_qkv)                                                                      \
     X(router_forward)                                                                              \
     X(router_topk_backward)                                                                        \
     X(softmax_backward)                                                                            \

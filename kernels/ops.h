@@ -135,6 +135,14 @@ void attention_forward(real *out, real *lse, const real *q, const real *k, const
 void attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *out,
                         const real *lse, const real *q, const real *k, const real *v, int B, int T,
                         int H, int Hd);
+/* attention_backward into dq, dk, dv, then rope_backward_qkv of them into dqkv (B*T,
+ * 3*H*Hd): the projections' one GEMM operand. dqkv's values are the two ops'; dq, dk, dv
+ * are the op's scratch, their contents afterwards unspecified (a backend may write dqkv
+ * straight from the attention's sums, as the CUDA one does on sm_90 for Hd = 64). */
+void attention_backward_qkv(real *dqkv, real *dq, real *dk, real *dv, const real *dout,
+                            const real *out, const real *lse, const real *q, const real *k,
+                            const real *v, const real *cos_t, const real *sin_t, int B, int T,
+                            int H, int Hd);
 
 /* ---- router ------------------------------------------------------------------------- */
 /* From fp32 logits (N,E): probs (N,E) = softmax, lse (N) = logsumexp(logits), and the

@@ -355,8 +355,9 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
  * Where the attention takes q, k, v so, also its output att (written in 16 bits by the
  * attention, read by the output projection's GEMMs and the backward's row sums) and the
  * gradients datt (written by a GEMM), dq, dk, dv (written by the attention's backward,
- * read by rope_backward_qkv). Always: [dq | dk | dv] (dqkv, written by rope_backward_qkv
- * for the q, k, v projections' GEMM). on = 0 removes the marks. */
+ * read by rope_backward_qkv). Always: [dq | dk | dv] (dqkv, written by
+ * attention_backward_qkv for the q, k, v projections' GEMM; on an H200 straight from the
+ * attention's kernels, dq, dk and dv then unused). on = 0 removes the marks. */
 static moe_status mark_operands(moe_model *m, int on)
 {
     const size_t N = (size_t)m->Nc, Mx = (size_t)m->Mmax;
@@ -1331,11 +1332,9 @@ static moe_status layer_backward_end(moe_model *m, int l, int64_t step_sequences
 
     /* attention branch: xmid = x[l] + attn(norm(x[l])) */
     m->be->matmul_backward(m->datt, g->wo, m->dres, a->att, w->wo, N, D, D, MOE_WRITE_DX);
-    m->be->attention_backward(m->dq, m->dk, m->dv, m->datt, a->att, a->att_lse, a->q, a->k, a->v,
-                              m->Bc, m->T, m->H, m->Hd);
     /* the q, k, v projections' backward as one GEMM over [dq | dk | dv] and [wq; wk; wv] */
-    m->be->rope_backward_qkv(m->dqkv, m->dq, m->dk, m->dv, m->rope_cos, m->rope_sin, m->Bc, m->T,
-                             m->H, m->Hd);
+    m->be->attention_backward_qkv(m->dqkv, m->dq, m->dk, m->dv, m->datt, a->att, a->att_lse, a->q,
+                                  a->k, a->v, m->rope_cos, m->rope_sin, m->Bc, m->T, m->H, m->Hd);
     m->be->matmul_backward(m->dh, g->wq, m->dqkv, a->h1, w->wq, N, D, 3 * D, MOE_WRITE_DX);
     m->be->rmsnorm_backward(m->dres, g->attn_norm, m->dh, m->x[l], w->attn_norm, a->rstd1, N, D);
     return MOE_OK;

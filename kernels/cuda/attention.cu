@@ -36,9 +36,18 @@ static int att_marks(const real *q, const real *k, const real *v, const real *ou
                      const real *dq, const real *dk, const real *dv, size_t n);
 static int flash_forward(real *out, real *lse, const real *q, const real *k, const real *v, int B,
                          int T, int H, int Hd, int m16);
+/* attention_backward_qkv's request to the wgmma kernels (attention_wgmma.cu, fw_rope):
+ * write [dq | dk | dv] (dqkv, 16-bit) with dq and dk rotated back, instead of dq, dk, dv;
+ * *fused set where they did. */
+typedef struct {
+    uint16_t *dqkv;
+    const real *cos_t, *sin_t;
+    int *fused;
+} att_rope_out;
+
 static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                           const float *dsum, const real *q, const real *k, const real *v, int B,
-                          int T, int H, int Hd, uint16_t *c16, int m16);
+                          int T, int H, int Hd, uint16_t *c16, int m16, const att_rope_out *ro);
 static size_t flash_backward_copies(int B, int T, int H, int Hd, int m16);
 
 #define ATT_WARPS 8 /* queries (forward, dq) or keys (dk, dv) per block */
@@ -298,9 +307,9 @@ static __global__ void attention_dkv_kernel(real *dk, real *dv, const real *dout
     }
 }
 
-extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real *dout,
-                                        const real *out, const real *lse, const real *q,
-                                        const real *k, const real *v, int B, int T, int H, int Hd)
+static void attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *out,
+                               const real *lse, const real *q, const real *k, const real *v, int B,
+                               int T, int H, int Hd, const att_rope_out *ro)
 {
     if (B <= 0 || T <= 0 || H <= 0 || Hd <= 0 || (!dq && !dk && !dv) || !head_dim_ok(Hd))
         return;
@@ -325,7 +334,7 @@ extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real
                             dout, out, B, T, H, Hd, bf16);
         },
         (m16 & ATT_DOUT16) != 0, (m16 & ATT_OUT16) != 0);
-    if (flash_backward(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, m16))
+    if (flash_backward(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, m16, ro))
         return;
     const dim3 grid((T + ATT_WARPS - 1) / ATT_WARPS, H, B);
     const size_t tile = (size_t)ATT_TILE * (Hd + 1), rowsmem = (size_t)ATT_WARPS * Hd;
@@ -338,6 +347,51 @@ extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real
                         sizeof(float) * (2 * tile + 2 * ATT_TILE + 2 * rowsmem), dk, dv, dout, lse,
                         dsum, q, k, v, T, H, Hd, scale);
 }
+
+extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real *dout,
+                                        const real *out, const real *lse, const real *q,
+                                        const real *k, const real *v, int B, int T, int H, int Hd)
+{
+    attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, T, H, Hd, NULL);
+}
+
+static long n_qkv_fused;
+
+/* MOE_ATTENTION_ROPE=0: attention_backward_qkv as its two ops always (a benchmark knob),
+ * read once. */
+static int att_rope_fused(void)
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("MOE_ATTENTION_ROPE");
+        on = !(e && strcmp(e, "0") == 0);
+    }
+    return on;
+}
+
+/* Where the wgmma kernels run (head dim 64) on marked q, k, v, dq, dk, dv and a marked
+ * dqkv, they write dqkv themselves (fw_rope: the same bits); else the two ops. */
+extern "C" void cuda_attention_backward_qkv(real *dqkv, real *dq, real *dk, real *dv,
+                                            const real *dout, const real *out, const real *lse,
+                                            const real *q, const real *k, const real *v,
+                                            const real *cos_t, const real *sin_t, int B, int T,
+                                            int H, int Hd)
+{
+    const size_t n = (size_t)B * T * H * Hd;
+    int fused = 0, bf16 = 0;
+    const int all = ATT_QKV16 | ATT_DQ16 | ATT_DK16 | ATT_DV16;
+    const int m16 = dq && dk && dv ? att_marks(q, k, v, out, dout, dq, dk, dv, n) : 0;
+    const att_rope_out ro = {(uint16_t *)dqkv, cos_t, sin_t, &fused};
+    const int ask = m16 >= 0 && (m16 & all) == all && Hd == 64 && att_rope_fused() &&
+                    cuda_operand_in_place(dqkv, 3 * n, &bf16) && moe_aligned16(dqkv);
+    attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, T, H, Hd, ask ? &ro : NULL);
+    if (!fused)
+        cuda_rope_backward_qkv(dqkv, dq, dk, dv, cos_t, sin_t, B, T, H, Hd);
+    n_qkv_fused += fused;
+}
+
+/* Calls of attention_backward_qkv whose kernels wrote dqkv themselves (for tests). */
+extern "C" long moe_cuda_attention_qkv_fused(void) { return n_qkv_fused; }
 
 /* ---- tensor-core path: bf16 / fp16 (FlashAttention-2 style) --------------------------- */
 /* Taken when the backend's precision (cuda_gemm_precision, matmul.cu) is bf16 or fp16, Hd
@@ -1290,7 +1344,8 @@ extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real 
                                              const float *dsum, const uint16_t *q,
                                              const uint16_t *k, const uint16_t *v, int B, int T,
                                              int H, int dq16, int dk16, int dv16, int dq_wg,
-                                             int dkv_wg, int dkv_stages);
+                                             int dkv_wg, int dkv_stages, uint16_t *dqkv,
+                                             const real *cos_t, const real *sin_t);
 #endif
 static int fw_family(void)
 {
@@ -1303,6 +1358,9 @@ static int fw_family(void)
     return 0;
 #endif
 }
+
+/* Whether the attention runs on the wgmma kernels here (for tests). */
+extern "C" int moe_cuda_attention_wgmma(void) { return fw_family(); }
 
 #if MOE_HAVE_SM90A
 /* Warpgroups a block of a wgmma kernel: the environment's name = 1 or 2, else dflt (a
@@ -1339,16 +1397,19 @@ static void fw_forward(int bf16, real *out, real *lse, const uint16_t *q, const 
 /* The wgmma backward (fw_env_wg: the warpgroups a block of dq and of dk/dv). */
 static void fw_backward(int bf16, real *dq, real *dk, real *dv, const uint16_t *dout,
                         const real *lse, const float *dsum, const uint16_t *q, const uint16_t *k,
-                        const uint16_t *v, int B, int T, int H, int m16)
+                        const uint16_t *v, int B, int T, int H, int m16, const att_rope_out *ro)
 {
 #if MOE_HAVE_SM90A
-    cuda_wgmma_attention_backward(bf16, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H,
-                                  (m16 & ATT_DQ16) != 0, (m16 & ATT_DK16) != 0,
-                                  (m16 & ATT_DV16) != 0, fw_env_wg("MOE_ATTENTION_DQ_WG", 1),
-                                  fw_env_wg("MOE_ATTENTION_DKV_WG", 1), fw_env_stages());
+    if (cuda_wgmma_attention_backward(
+            bf16, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, (m16 & ATT_DQ16) != 0,
+            (m16 & ATT_DK16) != 0, (m16 & ATT_DV16) != 0, fw_env_wg("MOE_ATTENTION_DQ_WG", 1),
+            fw_env_wg("MOE_ATTENTION_DKV_WG", 1), fw_env_stages(), ro ? ro->dqkv : NULL,
+            ro ? ro->cos_t : NULL, ro ? ro->sin_t : NULL) &&
+        ro)
+        *ro->fused = 1;
 #else
     (void)bf16, (void)dq, (void)dk, (void)dv, (void)dout, (void)lse, (void)dsum, (void)q, (void)k,
-        (void)v, (void)B, (void)T, (void)H, (void)m16;
+        (void)v, (void)B, (void)T, (void)H, (void)m16, (void)ro;
     MOE_CUDA_FAIL("attention backward: the wgmma kernels are not built in");
 #endif
 }
@@ -1405,7 +1466,8 @@ static void flash_forward_run(real *out, real *lse, const real *q, const real *k
 template <class T16, int HD, int FM>
 static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                                const float *dsum, const real *q, const real *k, const real *v,
-                               int B, int T, int H, int Hd, uint16_t *c16, int m16)
+                               int B, int T, int H, int Hd, uint16_t *c16, int m16,
+                               const att_rope_out *ro)
 {
     const float scale = (float)(1.0 / sqrt((double)Hd));
     const float sl2 = (float)(1.4426950408889634 / sqrt((double)Hd));
@@ -1438,7 +1500,7 @@ static void flash_backward_run(real *dq, real *dk, real *dv, const real *dout, c
         if (HD == 64 && Hd == 64 && fw_family()) {
             fw_backward(std::is_same<T16, __nv_bfloat16>::value, dq, dk, dv, (const uint16_t *)g16,
                         lse, dsum, (const uint16_t *)q16, (const uint16_t *)k16,
-                        (const uint16_t *)v16, B, T, H, m16);
+                        (const uint16_t *)v16, B, T, H, m16, ro);
             return;
         }
         if (dq)
@@ -1482,17 +1544,17 @@ static void flash_forward_pick(moe_precision p, int HD, int fm, real *out, real 
 static void flash_backward_pick(moe_precision p, int HD, int fm, real *dq, real *dk, real *dv,
                                 const real *dout, const real *lse, const float *dsum, const real *q,
                                 const real *k, const real *v, int B, int T, int H, int Hd,
-                                uint16_t *c16, int m16)
+                                uint16_t *c16, int m16, const att_rope_out *ro)
 {
     typedef __nv_bfloat16 bf;
     if (p == MOE_PREC_BF16)
         (HD == 64 ? (fm ? flash_backward_run<bf, 64, 1> : flash_backward_run<bf, 64, 0>)
                   : (fm ? flash_backward_run<bf, 128, 1> : flash_backward_run<bf, 128, 0>))(
-            dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, m16);
+            dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, m16, ro);
     else
         (HD == 64 ? (fm ? flash_backward_run<__half, 64, 1> : flash_backward_run<__half, 64, 0>)
                   : (fm ? flash_backward_run<__half, 128, 1> : flash_backward_run<__half, 128, 0>))(
-            dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, m16);
+            dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, m16, ro);
 }
 
 /* The ATT_*16 flags of the buffers given (NULL: not marked; n elements each), or -1 (a
@@ -1560,7 +1622,7 @@ static size_t flash_backward_copies(int B, int T, int H, int Hd, int m16)
 
 static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const real *lse,
                           const float *dsum, const real *q, const real *k, const real *v, int B,
-                          int T, int H, int Hd, uint16_t *c16, int m16)
+                          int T, int H, int Hd, uint16_t *c16, int m16, const att_rope_out *ro)
 {
     const int HD = Hd <= 64 ? 64 : 128, fm = fm_backward_used();
     const void *ptrs[7] = {dq, dk, dv, dout, q, k, v};
@@ -1574,6 +1636,6 @@ static int flash_backward(real *dq, real *dk, real *dv, const real *dout, const 
     }
     if (p == MOE_PREC_FP32 || no_room)
         return 0;
-    flash_backward_pick(p, HD, fm, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, m16);
+    flash_backward_pick(p, HD, fm, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, m16, ro);
     return 1;
 }

@@ -256,18 +256,32 @@ static __device__ __forceinline__ float moe_warp_max(float v)
 }
 
 /* V consecutive floats: V = 4 moves them as one float4 (the address 16-byte aligned),
- * V = 1 as one float (kernels vectorized where their rows allow it, scalar elsewhere). */
+ * V = 8 as two float4 (or 16 bytes of 16-bit values), V = 1 as one float (kernels
+ * vectorized where their rows allow it, scalar elsewhere). */
 template <int V> struct moe_fvec {
     float v[V];
 };
 
 /* V values from element `at` of a buffer of fp32 values, or 16-bit ones when IN16 (V = 4:
- * at % 4 == 0, one float4 or 8 bytes; moe_ld, moe_ld4). */
+ * at % 4 == 0, one float4 or 8 bytes; V = 8: at % 8 == 0, 16-byte aligned, two float4 or
+ * 16 bytes; moe_ld, moe_ld4). */
 template <int V, int IN16>
 static __device__ __forceinline__ moe_fvec<V> moe_ld_v(const void *p, size_t at, int bf16)
 {
     moe_fvec<V> r;
-    if constexpr (V == 4) {
+    if constexpr (V == 8) { /* 16 bytes of 16-bit values, or two float4 */
+        float4 t0, t1;
+        if constexpr (IN16) {
+            const uint4 u = ((const uint4 *)p)[at / 8];
+            t0 = moe_widen16x4(make_uint2(u.x, u.y), bf16);
+            t1 = moe_widen16x4(make_uint2(u.z, u.w), bf16);
+        } else {
+            t0 = ((const float4 *)p)[at / 4];
+            t1 = ((const float4 *)p)[at / 4 + 1];
+        }
+        r.v[0] = t0.x, r.v[1] = t0.y, r.v[2] = t0.z, r.v[3] = t0.w;
+        r.v[4] = t1.x, r.v[5] = t1.y, r.v[6] = t1.z, r.v[7] = t1.w;
+    } else if constexpr (V == 4) {
         const float4 t = moe_ld4<IN16>(p, at, bf16);
         r.v[0] = t.x, r.v[1] = t.y, r.v[2] = t.z, r.v[3] = t.w;
     } else {
@@ -283,21 +297,31 @@ template <int V> static __device__ __forceinline__ moe_fvec<V> moe_load_v(const 
 
 template <int V> static __device__ __forceinline__ void moe_store_v(real *p, const moe_fvec<V> &r)
 {
-    if constexpr (V == 4)
+    if constexpr (V == 8) {
+        ((float4 *)p)[0] = make_float4(r.v[0], r.v[1], r.v[2], r.v[3]);
+        ((float4 *)p)[1] = make_float4(r.v[4], r.v[5], r.v[6], r.v[7]);
+    } else if constexpr (V == 4) {
         *(float4 *)p = make_float4(r.v[0], r.v[1], r.v[2], r.v[3]);
-    else
+    } else {
         *p = r.v[0];
+    }
 }
 
-/* The same V values rounded to 16 bits (moe_round16) at p (8-byte aligned when V = 4):
+/* The same V values rounded to 16 bits (moe_round16) at p (8-byte aligned when V = 4,
+ * 16-byte when V = 8):
  * the store of a writer whose output is marked as holding its GEMM operand. */
 template <int V>
 static __device__ __forceinline__ void moe_store16_v(uint16_t *p, const moe_fvec<V> &r, int bf16)
 {
-    if constexpr (V == 4)
+    if constexpr (V == 8) {
+        const uint2 lo = moe_round16x4(make_float4(r.v[0], r.v[1], r.v[2], r.v[3]), bf16);
+        const uint2 hi = moe_round16x4(make_float4(r.v[4], r.v[5], r.v[6], r.v[7]), bf16);
+        *(uint4 *)p = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    } else if constexpr (V == 4) {
         *(uint2 *)p = moe_round16x4(make_float4(r.v[0], r.v[1], r.v[2], r.v[3]), bf16);
-    else
+    } else {
         *p = moe_round16(r.v[0], bf16);
+    }
 }
 
 /* Sum over a block of MOE_CUDA_THREADS threads in a fixed order (so the bits do not depend

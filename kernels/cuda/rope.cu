@@ -5,6 +5,8 @@
  * bit-identical to it. A buffer marked as 16-bit (q and k, which the
  * GEMMs wrote so: backend.h attention_operands16) is rotated in 16 bits: each value
  * widened, rotated as the fp32 one, rounded back (bf16 or fp16). */
+#include <string.h>
+
 #include "kernels/cuda/cuda_common.cuh"
 
 static_assert(sizeof(real) == sizeof(float), "the float4 form reads real as float");
@@ -38,13 +40,13 @@ typedef struct {
 
 /* y1 = x1 c - x2 s', y2 = x2 c + x1 s' with s' = dir * s, for V consecutive pairs
  * (i .. i+V-1, i + Hd/2 .. i + Hd/2 + V-1) of one head: V = 4 reads them with float4
- * (x, cos_t and sin_t 16-byte aligned, Hd/2 % 4 == 0), V = 1 one float each (moe_fvec,
- * cuda_common.cuh). Source blockIdx.y (src.x) goes to column blockIdx.y * H * Hd of y's rows
- * (ldy apart); the last source is copied as it is when copy_last (dv into [dq | dk | dv]).
- * Block (tx, ty): R ty rows of x (B*T rows of H heads of Hd) per block, R of them a thread
- * (their loads issued before any store), tx threads over the H * (Hd/2)/V groups of a
- * row, so the only divisions are 32-bit ones per group.
- * X16, Y16: x, y hold 16-bit values (bf16 when bf16, else fp16); y may be x (in place). */
+ * (x, cos_t and sin_t 16-byte aligned, Hd/2 % 4 == 0), V = 8 16 bytes of 16-bit x and y
+ * (Hd/2 % 8 == 0), V = 1 one float each (moe_fvec, cuda_common.cuh). Source blockIdx.y (src.x) goes
+ * to column blockIdx.y * H * Hd of y's rows (ldy apart); the last source is copied as it is when
+ * copy_last (dv into [dq | dk | dv]). Block (tx, ty): R ty rows of x (B*T rows of H heads of Hd)
+ * per block, R of them a thread (their loads issued before any store), tx threads over the H *
+ * (Hd/2)/V groups of a row, so the only divisions are 32-bit ones per group. X16, Y16: x, y hold
+ * 16-bit values (bf16 when bf16, else fp16); y may be x (in place). */
 template <int V, int X16, int Y16, int R>
 static __global__ void rope_rotate_kernel(real *y, size_t ldy, rope_sources src, int copy_last,
                                           const real *cos_t, const real *sin_t, int rows, int T,
@@ -112,6 +114,18 @@ static int rope_rows(void)
     return r;
 }
 
+/* Whether 16-bit rotations take 8 pairs a thread (16-byte accesses): unless MOE_ROPE_VEC=4
+ * (then 4, 8 bytes; a benchmark knob), read once. */
+static int rope_vec8(void)
+{
+    static int v = -1;
+    if (v < 0) {
+        const char *e = getenv("MOE_ROPE_VEC");
+        v = !(e && strcmp(e, "4") == 0);
+    }
+    return v;
+}
+
 template <int V, int X16, int Y16, int R>
 static void rope_launch_r(real *y, size_t ldy, const rope_sources &src, int parts, int copy_last,
                           const real *cos_t, const real *sin_t, int rows, int T, int H, int Hd,
@@ -173,7 +187,12 @@ static void rope_rotate(real *y, size_t ldy, const rope_sources &src, int parts,
     int v4 = half % 4 == 0 && moe_aligned16(y) && moe_aligned16(cos_t) && moe_aligned16(sin_t);
     for (int p = 0; p < parts; p++)
         v4 = v4 && moe_aligned16(src.x[p]);
-    if (v4)
+    /* 16-bit in and out: 8 pairs a thread, 16-byte accesses (the rows' starts stay
+     * 16-byte aligned: ldy and H * Hd multiples of 8) */
+    if (v4 && x16 && y16 && half % 8 == 0 && ldy % 8 == 0 && rope_vec8())
+        rope_launch<8, 1, 1>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir,
+                             bf16);
+    else if (v4)
         rope_launch_v<4>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd, dir, x16, y16,
                          bf16);
     else

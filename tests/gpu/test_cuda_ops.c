@@ -614,6 +614,24 @@ static void test_attention(int B, int T, int H, int Hd, double amp, const char *
             check_f("dk", HOSTF(dgk, n), gk, n, (size_t)H * Hd, ATTN);
         check_f("dv", HOSTF(dgv, n), gv, n, (size_t)H * Hd, ATTN);
     }
+    if (Hd % 2 == 0) {
+        begin("attention_backward_qkv", name);
+        const size_t nt = (size_t)T * (Hd / 2);
+        float *c = fnan(nt), *s = fnan(nt);
+        cpu->rope_tables(c, s, T, Hd, 10000.0);
+        float *y = fnan(3 * n), *dy = DEVF(y, 3 * n), *rc = DEVF(c, nt), *rs = DEVF(s, nt);
+        float *sc[3], *dsc[3]; /* the op's scratch */
+        for (int a = 0; a < 3; a++) {
+            sc[a] = frand(n, -1, 1);
+            dsc[a] = DEVF(fnan(n), n);
+        }
+        cpu->attention_backward_qkv(y, sc[0], sc[1], sc[2], g, out, lse, q, k, v, c, s, B, T, H,
+                                    Hd);
+        gpu->attention_backward_qkv(dy, dsc[0], dsc[1], dsc[2], dg, rout, rlse, dq_, dk_, dv_, rc,
+                                    rs, B, T, H, Hd);
+        gpu_done();
+        check_f("dqkv", HOSTF(dy, 3 * n), y, 3 * n, 3 * (size_t)H * Hd, ATTN);
+    }
     free_all();
 }
 

@@ -488,6 +488,10 @@ static void check_combine16(moe_precision p, const char *mode, int N, int D)
 /* Strided batches of 2 run so far by the one-by-one grouped GEMMs; calls of cuBLAS's
  * grouped form and GEMMs run one by one (matmul.cu). */
 long moe_cuda_batched_pairs(void);
+/* attention_backward_qkv calls whose kernels wrote [dq | dk | dv] themselves, and whether
+ * the attention runs on the wgmma kernels here (attention.cu). */
+long moe_cuda_attention_qkv_fused(void);
+int moe_cuda_attention_wgmma(void);
 void moe_cuda_grouped_counts(long *grouped_calls, long *single_gemms);
 
 /* The experts' gate and up projections as one op (grouped_matmul_forward_pair and its
@@ -1107,6 +1111,44 @@ static void check_attention_marked(moe_precision p, const char *mode, int B, int
         bad16 += round16_mismatches(p, gr[a], g16[a], n);
     snprintf(what, sizeof what, "attention 16-bit dq,dk,dv T=%d Hd=%d: rounded fp32", T, Hd);
     report(what, mode, bad16, 0.0);
+    /* attention_backward_qkv into a marked [dq | dk | dv] with marked scratch (the model's
+     * buffers): the bits of rope_backward_qkv of the marked dq, dk, dv above; on an H200
+     * (the wgmma kernels, Hd = 64) the kernels write it themselves, which must happen */
+    {
+        float *ct = gpu->alloc(sizeof(float) * (size_t)T * Hd), *sn = ct + (size_t)T * Hd / 2;
+        gpu->rope_tables(ct, sn, T, Hd, 10000.0);
+        float *qa = gpu->alloc(sizeof(float) * 3 * n), *qb = gpu->alloc(sizeof(float) * 3 * n);
+        int badf = gpu->mark_operand(qa, 3 * n) != MOE_OK || gpu->mark_operand(qb, 3 * n) != MOE_OK;
+        gpu->rope_backward_qkv(qb, g16[0], g16[1], g16[2], ct, sn, B, T, H, Hd);
+        const long f0 = moe_cuda_attention_qkv_fused();
+        gpu->attention_backward_qkv(qa, g16[0], g16[1], g16[2], dout16, o16, l[1], d16[0], d16[1],
+                                    d16[2], ct, sn, B, T, H, Hd);
+        const long fused = moe_cuda_attention_qkv_fused() - f0;
+        uint16_t *ha = malloc(sizeof(uint16_t) * 3 * n), *hb = malloc(sizeof(uint16_t) * 3 * n);
+        gpu->copy(ha, qa, sizeof(uint16_t) * 3 * n, MOE_COPY_D2H);
+        gpu->copy(hb, qb, sizeof(uint16_t) * 3 * n, MOE_COPY_D2H);
+        if (gpu->sync() != MOE_OK)
+            badf++;
+        for (size_t i = 0; i < 3 * n; i++)
+            badf += ha[i] != hb[i];
+        const char *env = getenv("MOE_ATTENTION_ROPE");
+        const long expect =
+            moe_cuda_attention_wgmma() && Hd == 64 && !(env && strcmp(env, "0") == 0);
+        if (fused != expect) {
+            printf("  attention_backward_qkv: %ld fused calls, expected %ld\n", fused, expect);
+            badf++;
+        }
+        snprintf(what, sizeof what, "attention_backward_qkv 16-bit T=%d Hd=%d: %s", T, Hd,
+                 expect ? "fused, same bits" : "same bits");
+        report(what, mode, badf, 0.0);
+        gpu->mark_operand(qa, 0);
+        gpu->mark_operand(qb, 0);
+        gpu->release(qa);
+        gpu->release(qb);
+        gpu->release(ct);
+        free(ha);
+        free(hb);
+    }
     gpu->mark_operand(o16, 0);
     gpu->mark_operand(dout16, 0);
     for (int a = 0; a < 3; a++) {

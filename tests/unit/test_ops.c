@@ -513,6 +513,38 @@ static void test_rope(void **state)
     free(x), free(y), free(want);
 }
 
+/* attention_backward_qkv: [dq | dk | dv] row by row is attention_backward's dq and dk
+ * rotated back by rope_backward, then its dv as it is (dq, dk, dv: the op's scratch) */
+static void test_attention_backward_qkv(void **state)
+{
+    (void)state;
+    enum { B = 2, T = 7, H = 2, Hd = 8, LD = H * Hd };
+    const size_t n = (size_t)B * T * LD;
+    real cos_t[T * Hd / 2], sin_t[T * Hd / 2];
+    rope_tables(cos_t, sin_t, T, Hd, 10000.0);
+    real *q = alloc_fill(n, 30), *k = alloc_fill(n, 31), *v = alloc_fill(n, 32);
+    real *dout = alloc_fill(n, 33), *att = malloc(n * sizeof(real));
+    real *lse = malloc((size_t)B * H * T * sizeof(real));
+    attention_forward(att, lse, q, k, v, B, T, H, Hd);
+    real *r[3], *s[3], *qkv = malloc(3 * n * sizeof(real));
+    for (int a = 0; a < 3; a++) {
+        r[a] = malloc(n * sizeof(real));
+        s[a] = alloc_fill(n, 40 + a); /* scratch with values in it */
+    }
+    attention_backward(r[0], r[1], r[2], dout, att, lse, q, k, v, B, T, H, Hd);
+    rope_backward(r[0], cos_t, sin_t, B, T, H, Hd);
+    rope_backward(r[1], cos_t, sin_t, B, T, H, Hd);
+    attention_backward_qkv(qkv, s[0], s[1], s[2], dout, att, lse, q, k, v, cos_t, sin_t, B, T, H,
+                           Hd);
+    for (int row = 0; row < B * T; row++)
+        for (int a = 0; a < 3; a++)
+            assert_memory_equal(qkv + (size_t)row * 3 * LD + a * LD, r[a] + (size_t)row * LD,
+                                LD * sizeof(real));
+    for (int a = 0; a < 3; a++)
+        free(r[a]), free(s[a]);
+    free(q), free(k), free(v), free(dout), free(att), free(lse), free(qkv);
+}
+
 /* ---- loss and optimizer ----------------------------------------------------------- */
 
 static void test_cross_entropy_forward(void **state)
@@ -1017,6 +1049,7 @@ int main(void)
         cmocka_unit_test(test_attention_causal),
         cmocka_unit_test(test_attention_t1),
         cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_attention_backward_qkv),
         cmocka_unit_test(test_cross_entropy_forward),
         cmocka_unit_test(test_cross_entropy_backward),
         cmocka_unit_test(test_adamw_update),

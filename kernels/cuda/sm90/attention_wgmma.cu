@@ -220,6 +220,56 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
 #endif
 }
 
+/* attention_backward_qkv's outputs (y non-NULL): dq, dk and dv go straight into the rows
+ * of [dq | dk | dv] (y, ldy elements apart, 16-bit), dq and dk rotated back by rope as
+ * rope_backward_qkv does (cos_t, sin_t: (T, 32) tables). Each value is first rounded to
+ * 16 bits as the separate store writes it, widened, rotated with the same roundings (no
+ * contraction) and rounded again: the bits of the separate kernels. */
+typedef struct {
+    uint16_t *y;
+    size_t ldy;
+    const real *cos_t, *sin_t;
+} fw_rope;
+
+/* y from ybase (a head's first column of a sequence's first row) for the lane's 2 rows
+ * (row0 + lane / 4, + 8) below T: mul * acc rounded, rotated back (the pairs i, i + 32 of
+ * the head, which the accumulator layout gives one lane: n and n + 4), rounded. */
+template <class T16>
+static __device__ __forceinline__ void fw_store_rope(const fw_rope &rp, size_t ybase, int row0,
+                                                     int T, float mul, const float (&acc)[8][4],
+                                                     int lane)
+{
+    constexpr int BF = std::is_same<T16, __nv_bfloat16>::value;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row0 + (lane >> 2) + 8 * r;
+        if (row >= T)
+            continue;
+        uint16_t *out = rp.y + ybase + (size_t)row * rp.ldy;
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            const int c = 8 * n + 2 * (lane & 3);
+            const unsigned pa = fm_pack<T16>(mul * acc[n][2 * r], mul * acc[n][2 * r + 1]);
+            const unsigned pb = fm_pack<T16>(mul * acc[n + 4][2 * r], mul * acc[n + 4][2 * r + 1]);
+            const float2 cs = *(const float2 *)(rp.cos_t + (size_t)row * 32 + c);
+            const float2 sn = *(const float2 *)(rp.sin_t + (size_t)row * 32 + c);
+            const float a[2] = {moe_widen16((uint16_t)(pa & 0xffffu), BF),
+                                moe_widen16((uint16_t)(pa >> 16), BF)};
+            const float b[2] = {moe_widen16((uint16_t)(pb & 0xffffu), BF),
+                                moe_widen16((uint16_t)(pb >> 16), BF)};
+            const float co[2] = {cs.x, cs.y}, si[2] = {-sn.x, -sn.y}; /* the inverse: -sin */
+            uint16_t ya[2], yb[2];
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                ya[e] = moe_round16(__fsub_rn(__fmul_rn(a[e], co[e]), __fmul_rn(b[e], si[e])), BF);
+                yb[e] = moe_round16(__fadd_rn(__fmul_rn(b[e], co[e]), __fmul_rn(a[e], si[e])), BF);
+            }
+            *(unsigned *)(out + c) = ya[0] | (unsigned)ya[1] << 16;
+            *(unsigned *)(out + c + 32) = yb[0] | (unsigned)yb[1] << 16;
+        }
+    }
+}
+
 /* dq = scale * sum_{j <= i} ds_ij k_j, as attention.cu's fm_dq_kernel: a block of NWG
  * warpgroups takes 64 NWG queries and walks the key tiles up to its last query;
  * per tile S = Q K^T and dP = dO V^T (A and B both from shared memory), dS = P (dP - D)
@@ -229,7 +279,7 @@ template <class T16, int NWG>
 static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     fw_dq_kernel(real *dq, const uint16_t *dout, const real *lse, const float *dsum,
                  const uint16_t *q, const uint16_t *k, const uint16_t *v, int T, int H, float scale,
-                 float sl2, int dq16)
+                 float sl2, int dq16, fw_rope rp)
 {
 #if FW_SKIP
     __trap();
@@ -322,8 +372,12 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     for (int u = 1; u < nt; u++)
         step(u, fw_yes(), fw_yes());
     step(nt, fw_no(), fw_yes());
-    fm_store_rows<T16, 64>(dq, base, ld, first, T, 64, scale,
-                           *reinterpret_cast<const float(*)[8][4]>(&acc), lane, dq16);
+    if (rp.y) /* part 0 of [dq | dk | dv] */
+        fw_store_rope<T16>(rp, (size_t)b * T * rp.ldy + (size_t)h * 64, first, T, scale,
+                           *reinterpret_cast<const float(*)[8][4]>(&acc), lane);
+    else
+        fm_store_rows<T16, 64>(dq, base, ld, first, T, 64, scale,
+                               *reinterpret_cast<const float(*)[8][4]>(&acc), lane, dq16);
 #endif
 }
 
@@ -338,7 +392,7 @@ template <class T16, int NWG, int S>
 static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     fw_dkv_kernel(real *dk, real *dv, const uint16_t *dout, const real *lse, const float *dsum,
                   const uint16_t *q, const uint16_t *k, const uint16_t *v, int T, int H,
-                  float scale, float sl2, int dk16, int dv16)
+                  float scale, float sl2, int dk16, int dv16, fw_rope rp)
 {
 #if FW_SKIP
     __trap();
@@ -418,10 +472,18 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
             fw_keep_a(da);
         }
     }
-    fm_store_rows<T16, 64>(dv, base, ld, first, T, 64, 1.f,
-                           *reinterpret_cast<const float(*)[8][4]>(&dva), lane, dv16);
-    fm_store_rows<T16, 64>(dk, base, ld, first, T, 64, scale,
-                           *reinterpret_cast<const float(*)[8][4]>(&dka), lane, dk16);
+    if (rp.y) { /* parts 1 (dk, rotated back) and 2 (dv, as it is) of [dq | dk | dv] */
+        const size_t yb = (size_t)b * T * rp.ldy + (size_t)h * 64, D = (size_t)H * 64;
+        fm_store_rows<T16, 64>((real *)rp.y, yb + 2 * D, rp.ldy, first, T, 64, 1.f,
+                               *reinterpret_cast<const float(*)[8][4]>(&dva), lane, 1);
+        fw_store_rope<T16>(rp, yb + D, first, T, scale,
+                           *reinterpret_cast<const float(*)[8][4]>(&dka), lane);
+    } else {
+        fm_store_rows<T16, 64>(dv, base, ld, first, T, 64, 1.f,
+                               *reinterpret_cast<const float(*)[8][4]>(&dva), lane, dv16);
+        fm_store_rows<T16, 64>(dk, base, ld, first, T, 64, scale,
+                               *reinterpret_cast<const float(*)[8][4]>(&dka), lane, dk16);
+    }
 #endif
 }
 
@@ -477,27 +539,29 @@ extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real 
                                              const float *dsum, const uint16_t *q,
                                              const uint16_t *k, const uint16_t *v, int B, int T,
                                              int H, int dq16, int dk16, int dv16, int dq_wg,
-                                             int dkv_wg, int dkv_stages)
+                                             int dkv_wg, int dkv_stages, uint16_t *dqkv,
+                                             const real *cos_t, const real *sin_t)
 {
+    const fw_rope rp = {dqkv, (size_t)3 * H * 64, cos_t, sin_t};
     const float scale = 0.125f, sl2 = (float)(1.4426950408889634 / 8.0); /* 1 / sqrt(64) */
     static int ready[2][3][3]; /* [bf16][0: dq, 1, 2: dk/dv of 2, 3 stages][nwg] */
     if (dq) {
         const int nwg = dq_wg == 1 ? 1 : 2;
         void (*fw_dq)(real *, const uint16_t *, const real *, const float *, const uint16_t *,
-                      const uint16_t *, const uint16_t *, int, int, float, float, int) =
+                      const uint16_t *, const uint16_t *, int, int, float, float, int, fw_rope) =
             FW_PICK(fw_dq_kernel, bf16, nwg);
         const size_t smem = FW_DQ_SMEM(nwg);
         if (!fw_smem((const void *)fw_dq, smem, &ready[bf16][0][nwg]))
             return 0;
         const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
         MOE_CUDA_LAUNCH(fw_dq, grid, 128 * nwg, smem, dq, dout, lse, dsum, q, k, v, T, H, scale,
-                        sl2, dq16);
+                        sl2, dq16, rp);
     }
     if (dk || dv) {
         const int nwg = dkv_wg == 1 ? 1 : 2, ns = dkv_stages == 3 ? 3 : 2;
         void (*fw_dkv)(real *, real *, const uint16_t *, const real *, const float *,
                        const uint16_t *, const uint16_t *, const uint16_t *, int, int, float, float,
-                       int, int) =
+                       int, int, fw_rope) =
             ns == 3
                 ? (nwg == 1
                        ? (bf16 ? fw_dkv_kernel<__nv_bfloat16, 1, 3> : fw_dkv_kernel<__half, 1, 3>)
@@ -510,7 +574,7 @@ extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real 
             return 0;
         const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
         MOE_CUDA_LAUNCH(fw_dkv, grid, 128 * nwg, smem, dk, dv, dout, lse, dsum, q, k, v, T, H,
-                        scale, sl2, dk16, dv16);
+                        scale, sl2, dk16, dv16, rp);
     }
     return 1;
 }
