@@ -157,7 +157,7 @@ static void sync_or_die(const char *what)
 
 /* Buffers marked as holding their GEMM operand (backend.h mark_operand), as the model
  * marks its SwiGLU outputs; unmarked by free_all. */
-#define MAX_MARKS 8
+#define MAX_MARKS 16
 static void *marked[MAX_MARKS];
 static int n_marked;
 

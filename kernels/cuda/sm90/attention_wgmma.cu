@@ -231,13 +231,32 @@ typedef struct {
     const real *cos_t, *sin_t;
 } fw_rope;
 
+/* The rope tables' values for the lane's 2 rows (row0 + lane / 4, + 8; none past T) and
+ * its columns 8 n + 2 (lane % 4) + {0, 1}, n < 4: loaded where the products still run, so
+ * that the store does not wait for them. */
+static __device__ __forceinline__ void fw_rope_load(const fw_rope &rp, int row0, int T, int lane,
+                                                    float2 (&cs)[2][4], float2 (&sn)[2][4])
+{
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row0 + (lane >> 2) + 8 * r;
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            const size_t at = (size_t)row * 32 + 8 * n + 2 * (lane & 3);
+            cs[r][n] = row < T ? *(const float2 *)(rp.cos_t + at) : make_float2(0.f, 0.f);
+            sn[r][n] = row < T ? *(const float2 *)(rp.sin_t + at) : make_float2(0.f, 0.f);
+        }
+    }
+}
+
 /* y from ybase (a head's first column of a sequence's first row) for the lane's 2 rows
  * (row0 + lane / 4, + 8) below T: mul * acc rounded, rotated back (the pairs i, i + 32 of
- * the head, which the accumulator layout gives one lane: n and n + 4), rounded. */
-template <class T16>
-static __device__ __forceinline__ void fw_store_rope(const fw_rope &rp, size_t ybase, int row0,
-                                                     int T, float mul, const float (&acc)[8][4],
-                                                     int lane)
+ * the head, which the accumulator layout gives one lane: n and n + 4) with the tables'
+ * values (PRE: cs, sn from fw_rope_load; else loaded here), rounded. */
+template <class T16, bool PRE>
+static __device__ __forceinline__ void
+fw_store_rope(const fw_rope &rp, size_t ybase, int row0, int T, float mul, const float (&acc)[8][4],
+              int lane, const float2 (&cs)[2][4], const float2 (&sn)[2][4])
 {
     constexpr int BF = std::is_same<T16, __nv_bfloat16>::value;
 #pragma unroll
@@ -251,13 +270,14 @@ static __device__ __forceinline__ void fw_store_rope(const fw_rope &rp, size_t y
             const int c = 8 * n + 2 * (lane & 3);
             const unsigned pa = fm_pack<T16>(mul * acc[n][2 * r], mul * acc[n][2 * r + 1]);
             const unsigned pb = fm_pack<T16>(mul * acc[n + 4][2 * r], mul * acc[n + 4][2 * r + 1]);
-            const float2 cs = *(const float2 *)(rp.cos_t + (size_t)row * 32 + c);
-            const float2 sn = *(const float2 *)(rp.sin_t + (size_t)row * 32 + c);
             const float a[2] = {moe_widen16((uint16_t)(pa & 0xffffu), BF),
                                 moe_widen16((uint16_t)(pa >> 16), BF)};
             const float b[2] = {moe_widen16((uint16_t)(pb & 0xffffu), BF),
                                 moe_widen16((uint16_t)(pb >> 16), BF)};
-            const float co[2] = {cs.x, cs.y}, si[2] = {-sn.x, -sn.y}; /* the inverse: -sin */
+            const size_t at = (size_t)row * 32 + c;
+            const float2 tc = PRE ? cs[r][n] : *(const float2 *)(rp.cos_t + at);
+            const float2 ts = PRE ? sn[r][n] : *(const float2 *)(rp.sin_t + at);
+            const float co[2] = {tc.x, tc.y}, si[2] = {-ts.x, -ts.y}; /* the inverse: -sin */
             uint16_t ya[2], yb[2];
 #pragma unroll
             for (int e = 0; e < 2; e++) {
@@ -310,7 +330,8 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     float lse2[2], Di[2];
     fm_row_stats(lse2, Di, lse, dsum, bh, T, row);
     float acc[32];
-    unsigned da[4][4]; /* tile u - 1's dS: A of its dS K */
+    float2 tcs[2][4], tsn[2][4]; /* the rope tables' values for the store (rp.y) */
+    unsigned da[4][4];           /* tile u - 1's dS: A of its dS K */
 #pragma unroll
     for (int i = 0; i < 32; i++)
         acc[i] = 0.f;
@@ -342,6 +363,9 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
             fw_products_rs<T16>(acc, da, KV + 2 * ((u - 1) % S) * FW_TILE); /* dQ += dS K */
             fw_commit();
         }
+        if constexpr (!HS) /* the last step: the store's tables, while dS K runs */
+            if (rp.y)
+                fw_rope_load(rp, first, T, lane, tcs, tsn);
         if constexpr (HS) {
             if constexpr (HP)
                 fw_wait<1>();
@@ -373,8 +397,8 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
         step(u, fw_yes(), fw_yes());
     step(nt, fw_no(), fw_yes());
     if (rp.y) /* part 0 of [dq | dk | dv] */
-        fw_store_rope<T16>(rp, (size_t)b * T * rp.ldy + (size_t)h * 64, first, T, scale,
-                           *reinterpret_cast<const float(*)[8][4]>(&acc), lane);
+        fw_store_rope<T16, true>(rp, (size_t)b * T * rp.ldy + (size_t)h * 64, first, T, scale,
+                                 *reinterpret_cast<const float(*)[8][4]>(&acc), lane, tcs, tsn);
     else
         fm_store_rows<T16, 64>(dq, base, ld, first, T, 64, scale,
                                *reinterpret_cast<const float(*)[8][4]>(&acc), lane, dq16);
@@ -476,8 +500,11 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
         const size_t yb = (size_t)b * T * rp.ldy + (size_t)h * 64, D = (size_t)H * 64;
         fm_store_rows<T16, 64>((real *)rp.y, yb + 2 * D, rp.ldy, first, T, 64, 1.f,
                                *reinterpret_cast<const float(*)[8][4]>(&dva), lane, 1);
-        fw_store_rope<T16>(rp, yb + D, first, T, scale,
-                           *reinterpret_cast<const float(*)[8][4]>(&dka), lane);
+        /* the tables read by the store: loaded during the last products, or before dv's
+         * store, they spill (168 registers a thread) */
+        float2 tcs[2][4], tsn[2][4];
+        fw_store_rope<T16, false>(rp, yb + D, first, T, scale,
+                                  *reinterpret_cast<const float(*)[8][4]>(&dka), lane, tcs, tsn);
     } else {
         fm_store_rows<T16, 64>(dv, base, ld, first, T, 64, 1.f,
                                *reinterpret_cast<const float(*)[8][4]>(&dva), lane, dv16);
