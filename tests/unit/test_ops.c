@@ -448,6 +448,15 @@ static void test_attention_t1(void **state)
 
 /* ---- rope ----------------------------------------------------------------------- */
 
+/* Row `row` of [dq | dk | dv] (rows of 3 ld) is r[0]'s row, then r[1]'s, then r[2]'s. */
+static void assert_qkv_rows(const real *qkv, real *const r[3], int rows, int ld)
+{
+    for (int row = 0; row < rows; row++)
+        for (int a = 0; a < 3; a++)
+            assert_memory_equal(qkv + (size_t)row * 3 * ld + (size_t)a * ld,
+                                r[a] + (size_t)row * ld, (size_t)ld * sizeof(real));
+}
+
 static void test_rope(void **state)
 {
     (void)state;
@@ -503,10 +512,7 @@ static void test_rope(void **state)
     rope_backward(r[0], cos_t, sin_t, B, T, H, Hd);
     rope_backward(r[1], cos_t, sin_t, B, T, H, Hd);
     rope_backward_qkv(qkv, g[0], g[1], g[2], cos_t, sin_t, B, T, H, Hd);
-    for (int row = 0; row < B * T; row++)
-        for (int a = 0; a < 3; a++)
-            assert_memory_equal(qkv + (size_t)row * 3 * LD + a * LD, r[a] + (size_t)row * LD,
-                                LD * sizeof(real));
+    assert_qkv_rows(qkv, r, B * T, LD);
     for (int a = 0; a < 3; a++)
         free(g[a]), free(r[a]);
     free(qkv);
@@ -536,10 +542,7 @@ static void test_attention_backward_qkv(void **state)
     rope_backward(r[1], cos_t, sin_t, B, T, H, Hd);
     attention_backward_qkv(qkv, s[0], s[1], s[2], dout, att, lse, q, k, v, cos_t, sin_t, B, T, H,
                            Hd);
-    for (int row = 0; row < B * T; row++)
-        for (int a = 0; a < 3; a++)
-            assert_memory_equal(qkv + (size_t)row * 3 * LD + a * LD, r[a] + (size_t)row * LD,
-                                LD * sizeof(real));
+    assert_qkv_rows(qkv, r, B * T, LD);
     for (int a = 0; a < 3; a++)
         free(r[a]), free(s[a]);
     free(q), free(k), free(v), free(dout), free(att), free(lse), free(qkv);
