@@ -314,9 +314,17 @@ static void attention_backward(real *dq, real *dk, real *dv, const real *dout, c
     if (B <= 0 || T <= 0 || H <= 0 || Hd <= 0 || (!dq && !dk && !dv) || !head_dim_ok(Hd))
         return;
     const size_t rows = (size_t)B * H * T, dsum_bytes = (sizeof(float) * rows + 255) / 256 * 256;
-    const int m16 = att_marks(q, k, v, out, dout, dq, dk, dv, (size_t)B * T * H * Hd);
+    const size_t n = (size_t)B * T * H * Hd;
+    const int m16 = att_marks(q, k, v, out, dout, dq, dk, dv, n);
     if (m16 < 0)
         return;
+    /* the wgmma kernels write [dq | dk | dv] for Hd = 64 from marked q, k, v, dq, dk, dv into
+     * a marked, aligned dqkv; else the request is dropped (the caller runs rope's op) */
+    const int all16 = ATT_QKV16 | ATT_DQ16 | ATT_DK16 | ATT_DV16;
+    int dqkv_bf16 = 0;
+    if (ro && !((m16 & all16) == all16 && Hd == 64 && moe_aligned16(ro->dqkv) &&
+                cuda_operand_in_place(ro->dqkv, 3 * n, &dqkv_bf16)))
+        ro = NULL;
     const size_t copies = flash_backward_copies(B, T, H, Hd, m16); /* after dsum */
     char *scratch = (char *)moe_cuda_scratch(dsum_bytes + sizeof(uint16_t) * copies);
     if (!scratch)
@@ -357,34 +365,22 @@ extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real
 
 static long n_qkv_fused;
 
-/* MOE_ATTENTION_ROPE=0: attention_backward_qkv as its two ops always (a benchmark knob),
- * read once. */
-static int att_rope_fused(void)
-{
-    static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("MOE_ATTENTION_ROPE");
-        on = !(e && strcmp(e, "0") == 0);
-    }
-    return on;
-}
-
 /* Where the wgmma kernels run (head dim 64) on marked q, k, v, dq, dk, dv and a marked
- * dqkv, they write dqkv themselves (fw_rope: the same bits); else the two ops. */
+ * dqkv, they write dqkv themselves (fw_rope: the same bits; attention_backward decides);
+ * else the two ops. MOE_ATTENTION_ROPE=0: the two ops always (a benchmark knob). */
 extern "C" void cuda_attention_backward_qkv(real *dqkv, real *dq, real *dk, real *dv,
                                             const real *dout, const real *out, const real *lse,
                                             const real *q, const real *k, const real *v,
                                             const real *cos_t, const real *sin_t, int B, int T,
                                             int H, int Hd)
 {
-    const size_t n = (size_t)B * T * H * Hd;
-    int fused = 0, bf16 = 0;
-    const int all = ATT_QKV16 | ATT_DQ16 | ATT_DK16 | ATT_DV16;
-    const int m16 = dq && dk && dv ? att_marks(q, k, v, out, dout, dq, dk, dv, n) : 0;
+    static int off = -1;
+    if (off < 0)
+        off = moe_cuda_env_is("MOE_ATTENTION_ROPE", "0");
+    int fused = 0;
     const att_rope_out ro = {(uint16_t *)dqkv, cos_t, sin_t, &fused};
-    const int ask = m16 >= 0 && (m16 & all) == all && Hd == 64 && att_rope_fused() &&
-                    cuda_operand_in_place(dqkv, 3 * n, &bf16) && moe_aligned16(dqkv);
-    attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, T, H, Hd, ask ? &ro : NULL);
+    attention_backward(dq, dk, dv, dout, out, lse, q, k, v, B, T, H, Hd,
+                       off || !dq || !dk || !dv ? NULL : &ro);
     if (!fused)
         cuda_rope_backward_qkv(dqkv, dq, dk, dv, cos_t, sin_t, B, T, H, Hd);
     n_qkv_fused += fused;

@@ -20,6 +20,8 @@
 #include <cuda_runtime.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 extern "C" {
 #include "util/status.h"
@@ -253,6 +255,13 @@ static __device__ __forceinline__ float moe_warp_max(float v)
     for (int o = 16; o > 0; o >>= 1)
         v = fmaxf(v, __shfl_xor_sync(MOE_CUDA_FULL_MASK, v, o));
     return v;
+}
+
+/* Whether the environment variable name holds exactly value (the benchmark knobs). */
+static inline int moe_cuda_env_is(const char *name, const char *value)
+{
+    const char *e = getenv(name);
+    return e && strcmp(e, value) == 0;
 }
 
 /* V consecutive floats: V = 4 moves them as one float4 (the address 16-byte aligned),

@@ -5,8 +5,6 @@
  * bit-identical to it. A buffer marked as 16-bit (q and k, which the
  * GEMMs wrote so: backend.h attention_operands16) is rotated in 16 bits: each value
  * widened, rotated as the fp32 one, rounded back (bf16 or fp16). */
-#include <string.h>
-
 #include "kernels/cuda/cuda_common.cuh"
 
 static_assert(sizeof(real) == sizeof(float), "the float4 form reads real as float");
@@ -119,10 +117,8 @@ static int rope_rows(void)
 static int rope_vec8(void)
 {
     static int v = -1;
-    if (v < 0) {
-        const char *e = getenv("MOE_ROPE_VEC");
-        v = !(e && strcmp(e, "4") == 0);
-    }
+    if (v < 0)
+        v = !moe_cuda_env_is("MOE_ROPE_VEC", "4");
     return v;
 }
 

@@ -249,14 +249,33 @@ static __device__ __forceinline__ void fw_rope_load(const fw_rope &rp, int row0,
     }
 }
 
+/* Rows [r0, r0 + 64) of the rope tables (cos, then sin: 64 x 32 floats each, 16 KB in
+ * all) into shared memory at dst by cp.async of 16 bytes, zero past T; NT threads, in the
+ * caller's group. */
+template <int NT>
+static __device__ __forceinline__ void fw_stage_tables(unsigned dst, const fw_rope &rp, int r0,
+                                                       int T)
+{
+    for (int e = threadIdx.x; e < 2 * 64 * 8; e += NT) {
+        const int t = e >> 9, r = (e >> 3) & 63, c = e & 7, row = r0 + r, in = row < T;
+        const real *tab = t ? rp.sin_t : rp.cos_t;
+        const real *s = in ? tab + (size_t)row * 32 + 4 * c : tab; /* 0 bytes read */
+        const unsigned d = dst + (unsigned)(t * 64 * 32 * 4 + r * 128 + c * 16);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(s),
+                     "r"(in ? 16 : 0));
+    }
+}
+
 /* y from ybase (a head's first column of a sequence's first row) for the lane's 2 rows
  * (row0 + lane / 4, + 8) below T: mul * acc rounded, rotated back (the pairs i, i + 32 of
  * the head, which the accumulator layout gives one lane: n and n + 4) with the tables'
- * values (PRE: cs, sn from fw_rope_load; else loaded here), rounded. */
+ * values (PRE: cs, sn from fw_rope_load; else loaded here from ct, st: tables whose row
+ * 0 is row trow0, in shared or global memory), rounded. */
 template <class T16, bool PRE>
 static __device__ __forceinline__ void
 fw_store_rope(const fw_rope &rp, size_t ybase, int row0, int T, float mul, const float (&acc)[8][4],
-              int lane, const float2 (&cs)[2][4], const float2 (&sn)[2][4])
+              int lane, const float2 (&cs)[2][4], const float2 (&sn)[2][4], const float *ct,
+              const float *st, int trow0)
 {
     constexpr int BF = std::is_same<T16, __nv_bfloat16>::value;
 #pragma unroll
@@ -274,9 +293,9 @@ fw_store_rope(const fw_rope &rp, size_t ybase, int row0, int T, float mul, const
                                 moe_widen16((uint16_t)(pa >> 16), BF)};
             const float b[2] = {moe_widen16((uint16_t)(pb & 0xffffu), BF),
                                 moe_widen16((uint16_t)(pb >> 16), BF)};
-            const size_t at = (size_t)row * 32 + c;
-            const float2 tc = PRE ? cs[r][n] : *(const float2 *)(rp.cos_t + at);
-            const float2 ts = PRE ? sn[r][n] : *(const float2 *)(rp.sin_t + at);
+            const size_t at = (size_t)(row - trow0) * 32 + c;
+            const float2 tc = PRE ? cs[r][n] : *(const float2 *)(ct + at);
+            const float2 ts = PRE ? sn[r][n] : *(const float2 *)(st + at);
             const float co[2] = {tc.x, tc.y}, si[2] = {-ts.x, -ts.y}; /* the inverse: -sin */
             uint16_t ya[2], yb[2];
 #pragma unroll
@@ -398,7 +417,8 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     step(nt, fw_no(), fw_yes());
     if (rp.y) /* part 0 of [dq | dk | dv] */
         fw_store_rope<T16, true>(rp, (size_t)b * T * rp.ldy + (size_t)h * 64, first, T, scale,
-                                 *reinterpret_cast<const float(*)[8][4]>(&acc), lane, tcs, tsn);
+                                 *reinterpret_cast<const float(*)[8][4]>(&acc), lane, tcs, tsn,
+                                 NULL, NULL, 0);
     else
         fm_store_rows<T16, 64>(dq, base, ld, first, T, 64, scale,
                                *reinterpret_cast<const float(*)[8][4]>(&acc), lane, dq16);
@@ -461,6 +481,9 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
         fm_wait_group<S - 2>(); /* tile u has landed */
         fw_proxy_fence();
         __syncthreads(); /* and every thread is done with tile u - 1, whose buffer: */
+        if constexpr (NWG == 1)
+            if (rp.y && u == nt - 1) /* the store's tables, into the buffer no tile fills */
+                fw_stage_tables<NT>(QG + 2 * (nt % S) * FW_TILE, rp, j0, T);
         stage(u + S - 1);
         const int i0 = j0 + 64 * u;
         const unsigned Qt = QG + 2 * (u % S) * FW_TILE, Gt = Qt + FW_TILE;
@@ -500,11 +523,23 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
         const size_t yb = (size_t)b * T * rp.ldy + (size_t)h * 64, D = (size_t)H * 64;
         fm_store_rows<T16, 64>((real *)rp.y, yb + 2 * D, rp.ldy, first, T, 64, 1.f,
                                *reinterpret_cast<const float(*)[8][4]>(&dva), lane, 1);
-        /* the tables read by the store: loaded during the last products, or before dv's
-         * store, they spill (168 registers a thread) */
+        /* the tables read by the store: into registers during the last products, or before
+         * dv's store, they spill (168 registers a thread); a block of one warpgroup has them
+         * in shared memory (copied during its last tile), else they are read from global */
         float2 tcs[2][4], tsn[2][4];
-        fw_store_rope<T16, false>(rp, yb + D, first, T, scale,
-                                  *reinterpret_cast<const float(*)[8][4]>(&dka), lane, tcs, tsn);
+        if constexpr (NWG == 1) {
+            fm_wait_all();
+            __syncthreads();
+            const float *tab = (const float *)(fw_sm + (QG + 2 * (nt % S) * FW_TILE -
+                                                        (unsigned)__cvta_generic_to_shared(fw_sm)));
+            fw_store_rope<T16, false>(rp, yb + D, first, T, scale,
+                                      *reinterpret_cast<const float(*)[8][4]>(&dka), lane, tcs,
+                                      tsn, tab, tab + 64 * 32, j0);
+        } else {
+            fw_store_rope<T16, false>(rp, yb + D, first, T, scale,
+                                      *reinterpret_cast<const float(*)[8][4]>(&dka), lane, tcs,
+                                      tsn, rp.cos_t, rp.sin_t, 0);
+        }
     } else {
         fm_store_rows<T16, 64>(dv, base, ld, first, T, 64, 1.f,
                                *reinterpret_cast<const float(*)[8][4]>(&dva), lane, dv16);
