@@ -533,12 +533,12 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
             const float *tab = (const float *)(fw_sm + (QG + 2 * (nt % S) * FW_TILE -
                                                         (unsigned)__cvta_generic_to_shared(fw_sm)));
             fw_store_rope<T16, false>(rp, yb + D, first, T, scale,
-                                      *reinterpret_cast<const float(*)[8][4]>(&dka), lane, tcs,
-                                      tsn, tab, tab + 64 * 32, j0);
+                                      *reinterpret_cast<const float(*)[8][4]>(&dka), lane, tcs, tsn,
+                                      tab, tab + 64 * 32, j0);
         } else {
             fw_store_rope<T16, false>(rp, yb + D, first, T, scale,
-                                      *reinterpret_cast<const float(*)[8][4]>(&dka), lane, tcs,
-                                      tsn, rp.cos_t, rp.sin_t, 0);
+                                      *reinterpret_cast<const float(*)[8][4]>(&dka), lane, tcs, tsn,
+                                      rp.cos_t, rp.sin_t, 0);
         }
     } else {
         fm_store_rows<T16, 64>(dv, base, ld, first, T, 64, 1.f,
