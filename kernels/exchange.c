@@ -15,15 +15,17 @@ void moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows, int
     memset(counts, 0, sizeof(int) * (size_t)MOE_PACK_COUNTS(P, El));
     for (int p = 0; p < P; p++) {
         for (int t = 0; t < N; t++) {
-            char *row = rows + (size_t)n * row_bytes;
-            real *wt = (real *)(row + tb);
-            int32_t *lid = (int32_t *)(wt + K);
+            char *row = rows ? rows + (size_t)n * row_bytes : NULL; /* NULL: counts only */
+            real *wt = row ? (real *)(row + tb) : NULL;
+            int32_t *lid = row ? (int32_t *)(wt + K) : NULL;
             int hits = 0;
             for (int k = 0; k < K; k++) {
                 int a = t * K + k, e = idx[a];
                 int here = slot_row[a] >= 0 && expert_rank[e] == p;
-                wt[k] = here ? w[a] : 0;
-                lid[k] = here ? expert_local[e] : -1;
+                if (row) {
+                    wt[k] = here ? w[a] : 0;
+                    lid[k] = here ? expert_local[e] : -1;
+                }
                 hits += here;
                 if (here)
                     send_experts[(size_t)p * El + expert_local[e]]++;
@@ -32,10 +34,10 @@ void moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows, int
                 token_rows[(size_t)t * P + p] = hits ? n : -1;
             if (!hits)
                 continue;
-            const real *xt = x + (size_t)t * D;
-            if (x16 == MOE_ROW_FP32)
+            const real *xt = row ? x + (size_t)t * D : NULL;
+            if (row && x16 == MOE_ROW_FP32)
                 memcpy(row, xt, sizeof(real) * (size_t)D);
-            else
+            else if (row)
                 for (int j = 0; j < D; j++)
                     ((uint16_t *)row)[j] =
                         x16 == MOE_ROW_BF16 ? moe_bf16_round(xt[j]) : moe_fp16_round(xt[j]);

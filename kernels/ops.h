@@ -255,6 +255,8 @@ void routing_stats_count(int64_t *tokens, int64_t *load, int64_t *coact, int64_t
  *   [2P]              rows in all
  *   [2P+1, 2P+1+P*El) kept assignments per destination and local expert there (the
  *                     destination's routing-plan offsets)
+ * rows NULL: the counts, send_token and token_rows alone (x, w, row_bytes and x16 not
+ * read; at ep 1 the experts may take the tokens themselves).
  * The cpu writes them before returning. A GPU backend does not wait: counts must be host
  * memory from its alloc_host, and they land with the queue (read them after a
  * queue_wait on a later mark, or sync), so the host can queue more work before it needs

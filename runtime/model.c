@@ -829,6 +829,36 @@ static moe_status exchange_finish(moe_model *m)
     return st;
 }
 
+/* MOE_EP1_EXCHANGE_ROWS=1: at ep 1 the exchange buffers anyway, forward and backward (a
+ * benchmark knob), read once. */
+static int ep1_exchange_rows(void)
+{
+    static int on = -1;
+    if (on < 0)
+        on = getenv("MOE_EP1_EXCHANGE_ROWS") != NULL;
+    return on;
+}
+
+/* Whether the experts take the tokens themselves in the forward: at ep 1 with one chunk
+ * and no capacity every token is one row, in token order, every expert is local under its
+ * own id (derive_placement) and no slot is dropped, so the experts' routing plan is the
+ * source's, their rows' weights are the router's w and their input rows are h2 itself.
+ * No dispatch rows are packed (token, weights, local ids) or unpacked: moe_pack_dispatch
+ * only counts (rows NULL), the experts' plan is made where the source's would be, and
+ * the permutation reads h2 (at the bench shape on an H200, 2 passes of 39-41 us a layer).
+ * The same rows, weights and plan, so the same bits. */
+static int experts_take_tokens(const moe_model *m)
+{
+    return !ep1_exchange_rows() && m->ep == 1 && m->C == 1 && m->capacity < 0;
+}
+
+/* The weights of the experts' rows' slots (R, K): the router's where the experts take the
+ * tokens, else the unpacked ones. */
+static const real *experts_slot_w(const moe_model *m, const moe_layer_acts *a)
+{
+    return experts_take_tokens(m) ? a->w : a->lw;
+}
+
 /* Source side, queued without waiting: applies the capacity, then builds one row per
  * (token, EP rank holding at least one of its kept experts), grouped by rank. A token
  * whose experts share a rank is sent there once, with the local expert and weight of
@@ -839,12 +869,18 @@ static void moe_dispatch_pack(moe_model *m, int l)
     moe_layer_acts *a = &m->acts[l];
     moe_chunk *ch = &m->chunk[m->cur];
     const int N = m->Nc, K = m->K;
-    m->be->moe_route_plan(NULL, m->src_row_token, m->src_row_slot, a->slot_row, m->route_scratch,
-                          a->idx, a->w, N, m->E, K, N, m->capacity);
-    m->be->moe_pack_dispatch(m->send_buf, a->send_token, a->token_rows, ch->pack_counts, a->h2,
-                             a->idx, a->w, a->slot_row, m->expert_rank_dev + (size_t)l * m->E,
-                             m->expert_local_dev + (size_t)l * m->E, N, m->D, K, m->ep, m->El,
-                             m->dispatch_bytes, m->row_x16);
+    const int direct = experts_take_tokens(m);
+    if (direct) /* the experts' plan (moe_experts_forward's call with R = N), the source's */
+        m->be->moe_route_plan(NULL, a->row_token, a->row_slot, a->lslot_row, m->route_scratch,
+                              a->idx, a->w, N, m->El, K, N, -1);
+    else
+        m->be->moe_route_plan(NULL, m->src_row_token, m->src_row_slot, a->slot_row,
+                              m->route_scratch, a->idx, a->w, N, m->E, K, N, m->capacity);
+    m->be->moe_pack_dispatch(
+        direct ? NULL : m->send_buf, a->send_token, a->token_rows, ch->pack_counts, a->h2, a->idx,
+        a->w, direct ? a->lslot_row : a->slot_row, m->expert_rank_dev + (size_t)l * m->E,
+        m->expert_local_dev + (size_t)l * m->E, N, m->D, K, m->ep, m->El, m->dispatch_bytes,
+        m->row_x16);
     ch->mark = m->be->queue_mark();
 }
 
@@ -928,16 +964,18 @@ static void moe_experts_forward(moe_model *m, int l, real *out)
     moe_layer_acts *a = &m->acts[l];
     const int R = a->n_recv, D = m->D, K = m->K, F = m->F;
     /* offsets and n_rows came with the counts (moe_dispatch_send): nothing returns here */
-    m->be->moe_route_plan(NULL, a->row_token, a->row_slot, a->lslot_row, m->route_scratch, a->lidx,
-                          a->lw, R, m->El, K, R > 0 ? R : 1, -1);
+    const int direct = experts_take_tokens(m); /* the plan made with the source's */
+    if (!direct)
+        m->be->moe_route_plan(NULL, a->row_token, a->row_slot, a->lslot_row, m->route_scratch,
+                              a->lidx, a->lw, R, m->El, K, R > 0 ? R : 1, -1);
     const int M = a->n_rows;
-    m->be->moe_permute(a->xperm, a->xrecv, a->row_token, M, D);
+    m->be->moe_permute(a->xperm, direct ? a->h2 : a->xrecv, a->row_token, M, D);
     m->be->grouped_matmul_forward_pair(a->ea, a->eb, a->xperm, w->ew1, w->ew3, a->offsets, m->El, D,
                                        F);
     m->be->swiglu_forward(a->eh, a->ea, a->eb, (size_t)M * F);
     m->be->grouped_matmul_forward(a->eout, a->eh, w->ew2, a->offsets, m->El, F, D);
-    m->be->moe_combine_forward(out, NULL, a->eout, a->lw, a->row_token, a->row_slot, M, D, K,
-                               a->lslot_row, R);
+    m->be->moe_combine_forward(out, NULL, a->eout, experts_slot_w(m, a), a->row_token, a->row_slot,
+                               M, D, K, a->lslot_row, R);
 }
 
 /* Stage (a): attention, the FFN norm, and the dense FFN or the MoE router and the
@@ -986,8 +1024,9 @@ static moe_status layer_forward_experts(moe_model *m, int l)
         return MOE_OK;
     moe_comm_set_context(m->comm, "forward dispatch", l);
     MOE_CHECK(exchange_finish(m));
-    m->be->moe_unpack_dispatch(a->xrecv, a->lw, a->lidx, exchange_rows(m), a->n_recv, m->D, m->K,
-                               m->dispatch_bytes, m->row_x16);
+    if (!experts_take_tokens(m)) /* else nothing was packed */
+        m->be->moe_unpack_dispatch(a->xrecv, a->lw, a->lidx, exchange_rows(m), a->n_recv, m->D,
+                                   m->K, m->dispatch_bytes, m->row_x16);
     moe_experts_forward(m, l, (real *)m->send_buf);
     return MOE_OK;
 }
@@ -1229,11 +1268,9 @@ static void router_backward_layer(moe_model *m, int l, int64_t step_sequences)
  * scatter (at the bench shape on an H200, 3 passes of 46-69 us a layer). */
 static int rows_are_tokens(const moe_model *m, int l)
 {
-    static int off = -1; /* MOE_EP1_EXCHANGE_ROWS=1: the buffers anyway (a benchmark knob) */
-    if (off < 0)
-        off = getenv("MOE_EP1_EXCHANGE_ROWS") != NULL;
     const moe_layer_acts *a = &m->acts[l];
-    return !off && m->ep == 1 && m->C == 1 && a->n_send == m->Nc && a->n_recv == m->Nc;
+    return !ep1_exchange_rows() && m->ep == 1 && m->C == 1 && a->n_send == m->Nc &&
+           a->n_recv == m->Nc;
 }
 
 /* Experts' side of backward: from dy (R, D), the gradient of each received row's
@@ -1250,8 +1287,8 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
     const int first = m->expert_grads_fresh && m->cur == 0 ? MOE_WRITE_DW : 0;
     real *dlw = out ? m->dlw : m->dw;
     m->be->zero(dlw, sizeof(real) * (size_t)R * K); /* deout: written by the op */
-    m->be->moe_combine_backward(m->deout, dlw, dy, a->eout, a->lw, a->row_token, a->row_slot, M, D,
-                                K);
+    m->be->moe_combine_backward(m->deout, dlw, dy, a->eout, experts_slot_w(m, a), a->row_token,
+                                a->row_slot, M, D, K);
     /* deh and dxperm are written by their first GEMM (every row has its expert) */
     m->be->grouped_matmul_backward(m->deh, g->ew2, m->deout, a->eh, w->ew2, a->offsets, m->El, F, D,
                                    first | MOE_WRITE_DX);

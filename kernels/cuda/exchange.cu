@@ -131,6 +131,15 @@ static __global__ void dispatch_fill_kernel(char *rows, int32_t *send_token, con
     }
 }
 
+/* send_token[r] = the token of row r (dispatch_fill_kernel's, where no rows are
+ * written). */
+static __global__ void send_token_kernel(int32_t *send_token, const int *rowsrc, const int *n_rows,
+                                         int N)
+{
+    const int n = *n_rows;
+    MOE_CUDA_GRID_STRIDE(r, (size_t)n) send_token[r] = rowsrc[r] % N;
+}
+
 extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows,
                                        int *counts, const real *x, const int32_t *idx,
                                        const real *w, const int32_t *slot_row,
@@ -166,6 +175,12 @@ extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int32_t 
     MOE_CUDA_LAUNCH(dispatch_counts_kernel, blocks, MOE_CUDA_THREADS, 0, res, rowsrc, token_rows,
                     rowidx, assign, N, P);
     /* the row count stays on the device: the fill covers the most rows there can be */
+    if (!rows) { /* the counts and the rows' tokens only */
+        MOE_CUDA_LAUNCH(send_token_kernel, blocks, MOE_CUDA_THREADS, 0, send_token, rowsrc,
+                        res + 2 * P, N);
+        moe_cuda_fetch_async(counts, res, sizeof(int) * n_counts);
+        return;
+    }
     int bf16 = 0;
     const bool in16 = cuda_operand_in_place(x, (size_t)N * D, &bf16);
     const bool v4 = D % 4 == 0 && row_bytes % 8 == 0 && moe_aligned16(rows) && moe_aligned16(x);

@@ -849,52 +849,6 @@ static int grouped_ready(void)
 
 static int prec_slot(void) { return prec == MOE_PREC_BF16 ? 1 : prec == MOE_PREC_FP16 ? 2 : 0; }
 
-/* The lanes' work when the problems run one by one: order[0 .. launches) holds each
- * launch's first problem in the batch's order. Unless MOE_GEMM_ORDER=rr (read once: the
- * problems in turn over the lanes, a benchmark knob), the launches are sorted by their
- * multiply-adds, largest first (ties in the batch's order), and each goes to the lane with
- * the least work so far (the longest-first rule): the experts' rows spread from a few
- * hundred to several thousand, and a lane that ends with a large one leaves the others
- * idle. lane_of[j]: launch order[j]'s lane. The problems write disjoint outputs, so
- * neither the order nor the lane changes a bit. */
-static void lane_order(const grouped_batch *g, int *order, int *lane_of, int launches, int use)
-{
-    static int rr = -1;
-    if (rr < 0) {
-        const char *e = getenv("MOE_GEMM_ORDER");
-        rr = e && strcmp(e, "rr") == 0;
-    }
-    if (rr || use <= 1) {
-        for (int j = 0; j < launches; j++)
-            lane_of[j] = j % use;
-        return;
-    }
-    double work[GROUPED_MAX], load[1 + SIDE_LANES] = {0};
-    for (int j = 0; j < launches; j++) {
-        const int i = order[j];
-        work[j] = (double)g->m[i] * g->nn[i] * g->k[i] * (g->pair[i] ? 2 : 1);
-    }
-    for (int j = 1; j < launches; j++) { /* insertion sort, descending, stable */
-        const int oi = order[j];
-        const double wj = work[j];
-        int t = j;
-        for (; t > 0 && work[t - 1] < wj; t--) {
-            work[t] = work[t - 1];
-            order[t] = order[t - 1];
-        }
-        work[t] = wj;
-        order[t] = oi;
-    }
-    for (int j = 0; j < launches; j++) {
-        int best = 0;
-        for (int l = 1; l < use; l++)
-            if (load[l] < load[best])
-                best = l;
-        lane_of[j] = best;
-        load[best] += work[j];
-    }
-}
-
 /* Runs the batch's problems (one by one when cuBLAS refuses the grouped form for this
  * precision: remembered, and counted), then empties it. */
 static void grouped_flush(grouped_batch *g)
@@ -931,23 +885,20 @@ static void grouped_flush(grouped_batch *g)
         }
         grouped_refused[prec_slot()] = 1; /* this precision: one GEMM per group from now */
     }
-    /* one by one, over the lanes: the side streams start after what the backend's stream
-     * holds (fork) and the backend's stream goes on after all of them (join) */
-    int order[GROUPED_MAX], lane_of[GROUPED_MAX];
+    /* one by one, over the lanes in turn: the side streams start after what the backend's
+     * stream holds (fork) and the backend's stream goes on after all of them (join) */
     int launches = 0; /* GEMM calls: a pair is one */
     for (int i = 0; i < n; i += g->pair[i] ? 2 : 1)
-        order[launches++] = i;
+        launches++;
     const int use = launches < lanes ? launches : lanes;
-    lane_order(g, order, lane_of, launches, use);
     if (use > 1) {
         MOE_CUDA_PROF_BEGIN("cuBLASLt GEMMs on several streams"); /* the inner ones nest */
         MOE_CUDA_OK(cudaEventRecord(fork_ev, moe_cuda_stream()));
         for (int l = 1; l < use; l++)
             MOE_CUDA_OK(cudaStreamWaitEvent(side_stream[l - 1], fork_ev, 0));
     }
-    for (int j = 0; j < launches; j++) {
-        const int i = order[j];
-        gemm_on(lane_of[j], g->ta[i] == CUBLAS_OP_T, g->tb[i] == CUBLAS_OP_T, g->m[i], g->nn[i],
+    for (int i = 0, j = 0; i < n; i += g->pair[i] ? 2 : 1, j++) {
+        gemm_on(j % use, g->ta[i] == CUBLAS_OP_T, g->tb[i] == CUBLAS_OP_T, g->m[i], g->nn[i],
                 g->k[i], g->ptr.p[i], g->lda[i], g->ptr.p[GROUPED_MAX + i], g->ldb[i],
                 (void *)g->ptr.p[2 * GROUPED_MAX + i], NULL, g->ldc[i], g->beta[i] != 0.0f,
                 g->out16[i], g->pair[i] ? g->stride[i] : single);

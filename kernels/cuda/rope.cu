@@ -99,17 +99,19 @@ static __global__ void rope_rotate_kernel(real *y, size_t ldy, rope_sources src,
     }
 }
 
-/* Rows a thread of rope_rotate_kernel takes: MOE_ROPE_ROWS (1, 2 or 4), read once; 2 when
- * unset (moe-bench rope_qkv on an H200, bf16: 80.3 / 72.7 / 84.1 us with 1 / 2 / 4). */
-static int rope_rows(void)
+/* Rows a thread of rope_rotate_kernel takes: MOE_ROPE_ROWS (1, 2 or 4), read once; when
+ * unset 1 for the 16-byte form (V = 8: moe-bench rope_qkv on an H200, bf16, 65.3 / 73.2 /
+ * 98.7 us with 1 / 2 / 4, rope16 21.8 / 21.5 / 27.1 us), else 2 (V = 4: rope_qkv 80.3 /
+ * 72.7 / 84.1 us). */
+static int rope_rows(int V)
 {
-    static int r = 0;
-    if (!r) {
+    static int r = -1;
+    if (r < 0) {
         const char *e = getenv("MOE_ROPE_ROWS");
-        const int v = e ? atoi(e) : 2;
-        r = v == 1 || v == 4 ? v : 2;
+        const int v = e ? atoi(e) : 0;
+        r = v == 1 || v == 2 || v == 4 ? v : 0;
     }
-    return r;
+    return r ? r : V == 8 ? 1 : 2;
 }
 
 /* Whether 16-bit rotations take 8 pairs a thread (16-byte accesses): unless MOE_ROPE_VEC=4
@@ -140,7 +142,7 @@ static void rope_launch(real *y, size_t ldy, const rope_sources &src, int parts,
                         const real *cos_t, const real *sin_t, int rows, int T, int H, int Hd,
                         real dir, int bf16)
 {
-    const int r = rope_rows();
+    const int r = rope_rows(V);
     if (r == 4)
         rope_launch_r<V, X16, Y16, 4>(y, ldy, src, parts, copy_last, cos_t, sin_t, rows, T, H, Hd,
                                       dir, bf16);

@@ -1,8 +1,10 @@
 # At ep 1 the backward skips the exchange buffers where the dispatch's rows are the tokens
-# (runtime/model.c, rows_are_tokens); MOE_EP1_EXCHANGE_ROWS=1 keeps the path through them.
-# Without shared experts both make the same additions: the same losses and gradient norms
-# bit for bit, dropless and with capacity drops (top-3 at factor 1: some tokens keep no
-# slot, so the path changes from layer to layer). With a shared expert the direct path
+# (runtime/model.c, rows_are_tokens), and without capacity the forward too: the experts
+# take the tokens, their plan and weights without packed rows (experts_take_tokens);
+# MOE_EP1_EXCHANGE_ROWS=1 keeps the path through them both ways. Without shared experts
+# both make the same additions: the same losses and gradient norms bit for bit, dropless
+# (both shortcuts) and with capacity drops (top-3 at factor 1: some tokens keep no slot,
+# so the backward's path changes from layer to layer; the forward packs rows). With a shared expert the direct path
 # adds the routed rows onto the shared expert's gradient one by one (as ep > 1 does) where
 # the other adds their sum: a different rounding, so the runs must differ, by little.
 source "$(dirname "$0")/../lib.sh"

@@ -964,6 +964,24 @@ static void test_exchange(int N, int E, int K, int P, int D, int capacity, const
         check_i("row lidx", (const int32_t *)(a + D + K), (const int32_t *)(b + D + K), K);
     }
 
+    /* rows NULL (the experts take the tokens at ep 1): the counts, send_token and
+     * token_rows alone, the same as above */
+    begin("moe_pack_dispatch counts only", name);
+    int32_t *st0 = ipoison(max_rows), *dst0 = DEVI(st0, max_rows);
+    int32_t *trows0 = ipoison((size_t)N * P), *dtrows0 = DEVI(trows0, (size_t)N * P);
+    int *gcounts0 = gpu->alloc_host(sizeof(int) * nc);
+    for (int i = 0; i < nc; i++)
+        gcounts0[i] = POISON_INT;
+    gpu->moe_pack_dispatch(NULL, dst0, dtrows0, gcounts0, NULL, DEVI(idx, NK), NULL,
+                           DEVI(slot_row, NK), DEVI(erank, E), DEVI(elocal, E), N, D, K, P, per, 0,
+                           MOE_ROW_BF16);
+    if (gpu->queue_wait(gpu->queue_mark(), NULL, NULL) != MOE_OK)
+        fail_now("queue_wait after moe_pack_dispatch (counts only)");
+    check_i("counts", gcounts0, counts, nc);
+    gpu->release_host(gcounts0);
+    check_i("send_token", HOSTI(dst0, n), st, n);
+    check_i("token_rows", HOSTI(dtrows0, (size_t)N * P), trows, (size_t)N * P);
+
     begin("moe_unpack_dispatch", name);
     float *ux = fnan((size_t)n * D), *uw = fnan((size_t)n * K);
     int32_t *ul = ipoison((size_t)n * K);

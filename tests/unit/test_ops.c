@@ -157,6 +157,19 @@ static void test_pack_dispatch(void **state)
     assert_int_equal(l4[0], -1);
     assert_int_equal(l4[1], 0);
 
+    /* rows NULL: the same counts, tokens and inverse, nothing else read or written */
+    int counts0[MOE_PACK_COUNTS(P, El)];
+    int32_t send0[PN * P], trows0[PN * P];
+    for (int i = 0; i < PN * P; i++)
+        send0[i] = trows0[i] = -7;
+    memset(counts0, 0x5a, sizeof counts0);
+    moe_pack_dispatch(NULL, send0, trows0, counts0, NULL, plan_idx, NULL, slot_row, erank, elocal,
+                      PN, D, PK, P, El, 0, MOE_ROW_BF16);
+    assert_memory_equal(counts0, want, sizeof want);
+    assert_memory_equal(send0, want_token, sizeof want_token);
+    assert_int_equal(send0[6], -7);
+    assert_memory_equal(trows0, want_rows, sizeof want_rows);
+
     /* the 16-bit token forms: the same rows, the token rounded, weights and ids as above,
      * and unpacking gives the rounded values back exactly */
     for (int x16 = MOE_ROW_BF16; x16 <= MOE_ROW_FP16; x16++) {
