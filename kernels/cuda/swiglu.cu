@@ -78,6 +78,30 @@ static __global__ void swiglu_forward4_kernel(float4 *h, uint2 *h16, const void 
     }
 }
 
+/* 16-bit in and out, over n8 groups of 8 elements (16-byte accesses): a, b marked
+ * (AB16, as above) and h16 the marked output. The same functions per element as the forms
+ * above, so the same bits. */
+template <int AB16>
+static __global__ void swiglu_forward8_kernel(uint16_t *h16, const void *a, const void *b,
+                                              size_t n8)
+{
+    const int bf16 = AB16 == 2;
+    MOE_CUDA_GRID_STRIDE(i, n8)
+    {
+        const moe_fvec<8> x = moe_ld_v<8, 1>(a, 8 * i, bf16), y = moe_ld_v<8, 1>(b, 8 * i, bf16);
+        moe_fvec<8> v;
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            v.v[k] = swiglu_h<float>(x.v[k], y.v[k]);
+        moe_store16_v<8>(h16 + 8 * i, v, bf16);
+    }
+}
+
+/* Whether SwiGLU on 16-bit inputs and outputs takes 8 elements a thread (16-byte
+ * accesses): unless MOE_SWIGLU_VEC=4 (then the 4-element form; a benchmark knob, read
+ * each call: the tests switch it). */
+static bool swiglu_vec8(void) { return !moe_cuda_env_is("MOE_SWIGLU_VEC", "4"); }
+
 /* The 16-bit form of a marked output of n elements (NULL: write fp32). */
 static uint16_t *in_place16(real *p, size_t n, int *bf16)
 {
@@ -115,7 +139,18 @@ extern "C" void cuda_swiglu_forward(real *h, const real *a, const real *b, size_
     int bf16 = 0;
     uint16_t *h16 = in_place16(h, n, &bf16);
     const int ab16 = inputs16(a, b, n, &bf16);
-    if (n % 4 == 0 && moe_aligned16(h) && moe_aligned16(a) && moe_aligned16(b)) {
+    const bool aligned = moe_aligned16(h) && moe_aligned16(a) && moe_aligned16(b);
+    if (!fp32 && ab16 && h16 && n % 8 == 0 && aligned && swiglu_vec8()) {
+        const unsigned blocks = moe_cuda_blocks(n / 8, MOE_CUDA_THREADS);
+        if (bf16)
+            MOE_CUDA_LAUNCH(swiglu_forward8_kernel<2>, blocks, MOE_CUDA_THREADS, 0, h16,
+                            (const void *)a, (const void *)b, n / 8);
+        else
+            MOE_CUDA_LAUNCH(swiglu_forward8_kernel<1>, blocks, MOE_CUDA_THREADS, 0, h16,
+                            (const void *)a, (const void *)b, n / 8);
+        return;
+    }
+    if (n % 4 == 0 && aligned) {
         const unsigned blocks = moe_cuda_blocks(n / 4, MOE_CUDA_THREADS);
         SWIGLU_LAUNCH(swiglu_forward4_kernel, fp32, ab16, bf16, blocks, (float4 *)h, (uint2 *)h16,
                       (const void *)a, (const void *)b, n / 4, bf16);
@@ -189,6 +224,29 @@ static __global__ void swiglu_backward4_kernel(float4 *da, float4 *db, uint2 *da
     }
 }
 
+/* The backward's 16-bit form over n8 groups of 8 elements: a, b, dh marked (AB16), da16
+ * and db16 the marked outputs (both wanted). */
+template <int AB16>
+static __global__ void swiglu_backward8_kernel(uint16_t *da16, uint16_t *db16, const void *dh,
+                                               const void *a, const void *b, size_t n8)
+{
+    const int bf16 = AB16 == 2;
+    MOE_CUDA_GRID_STRIDE(i, n8)
+    {
+        const moe_fvec<8> x = moe_ld_v<8, 1>(a, 8 * i, bf16), g = moe_ld_v<8, 1>(dh, 8 * i, bf16),
+                          y = moe_ld_v<8, 1>(b, 8 * i, bf16);
+        moe_fvec<8> va, vb;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const float s = sigmoid(x.v[k]);
+            va.v[k] = da_term<float>(g.v[k], x.v[k], s, y.v[k]);
+            vb.v[k] = db_term<float>(g.v[k], x.v[k], s);
+        }
+        moe_store16_v<8>(da16 + 8 * i, va, bf16);
+        moe_store16_v<8>(db16 + 8 * i, vb, bf16);
+    }
+}
+
 extern "C" void cuda_swiglu_backward(real *da, real *db, const real *dh, const real *a,
                                      const real *b, size_t n)
 {
@@ -200,8 +258,19 @@ extern "C" void cuda_swiglu_backward(real *da, real *db, const real *dh, const r
     const int ab16 = inputs16(a, da ? b : NULL, n, &bf16);
     if (ab16 != cuda_operand_in_place(dh, n, &bf16))
         MOE_CUDA_FAIL("swiglu_backward: dh must be marked as 16-bit exactly when a and b are");
-    if (n % 4 == 0 && moe_aligned16(da) && moe_aligned16(db) && moe_aligned16(dh) &&
-        moe_aligned16(a) && moe_aligned16(b)) {
+    const bool aligned = moe_aligned16(da) && moe_aligned16(db) && moe_aligned16(dh) &&
+                         moe_aligned16(a) && moe_aligned16(b);
+    if (!fp32 && ab16 && da16 && db16 && n % 8 == 0 && aligned && swiglu_vec8()) {
+        const unsigned blocks = moe_cuda_blocks(n / 8, MOE_CUDA_THREADS);
+        if (bf16)
+            MOE_CUDA_LAUNCH(swiglu_backward8_kernel<2>, blocks, MOE_CUDA_THREADS, 0, da16, db16,
+                            (const void *)dh, (const void *)a, (const void *)b, n / 8);
+        else
+            MOE_CUDA_LAUNCH(swiglu_backward8_kernel<1>, blocks, MOE_CUDA_THREADS, 0, da16, db16,
+                            (const void *)dh, (const void *)a, (const void *)b, n / 8);
+        return;
+    }
+    if (n % 4 == 0 && aligned) {
         const unsigned blocks = moe_cuda_blocks(n / 4, MOE_CUDA_THREADS);
         SWIGLU_LAUNCH(swiglu_backward4_kernel, fp32, ab16, bf16, blocks, (float4 *)da, (float4 *)db,
                       (uint2 *)da16, (uint2 *)db16, (const void *)dh, (const void *)a,

@@ -636,6 +636,35 @@ static void check_outputs16(moe_precision p, const char *mode, double bound, con
     to_host(got + no, da, 2 * no);
     report("swiglu from 16-bit a, b", mode, rel_err(got, ref, no), 1e-5);
     report("swiglu_backward from 16-bit", mode, rel_err(got + no, ref + no, 2 * no), 1e-5);
+    /* and into 16-bit outputs (the model's eh, dea, deb): the 8-element form (16-byte
+     * accesses) against the 4-element one (MOE_SWIGLU_VEC=4) bit for bit, and against the
+     * CPU within the output's rounding */
+    float *o16 = gpu->alloc(sizeof(float) * 3 * no);
+    uint16_t *bits = malloc(sizeof(uint16_t) * 6 * no);
+    for (int c = 0; c < 3; c++)
+        st += gpu->mark_operand(o16 + c * no, no) != MOE_OK;
+    for (int form = 0; form < 2; form++) {
+        if (form)
+            setenv("MOE_SWIGLU_VEC", "4", 1);
+        gpu->swiglu_forward(o16, ab, ab + no, no);
+        gpu->swiglu_backward(o16 + no, o16 + 2 * no, dh, ab, ab + no, no);
+        unsetenv("MOE_SWIGLU_VEC");
+        for (int c = 0; c < 3 && p != MOE_PREC_FP32; c++)
+            gpu->copy(bits + (size_t)(3 * form + c) * no, o16 + c * no, sizeof(uint16_t) * no,
+                      MOE_COPY_D2H);
+    }
+    if (p != MOE_PREC_FP32) {
+        report("swiglu 16-bit out: 8 = 4 a thread", mode,
+               memcmp(bits, bits + 3 * no, sizeof(uint16_t) * 3 * no) != 0, 0.0);
+        for (int c = 0; c < 3; c++)
+            read_marked(p, got + c * no, o16 + c * no, no);
+        report("swiglu 16-bit out vs cpu", mode, rel_err(got, ref, 3 * no),
+               p == MOE_PREC_BF16 ? 0x1p-8 : 0x1p-11); /* the unit roundoff */
+    }
+    for (int c = 0; c < 3; c++)
+        gpu->mark_operand(o16 + c * no, 0);
+    gpu->release(o16);
+    free(bits);
     /* the q, k, v projections' batch: three marked outputs one after another (x2 the
      * products' gap: a stride of 2 no), the arena's start as (3, O, I); each against the
      * CPU's product */
