@@ -1231,8 +1231,8 @@ static void run_adamw(void)
 {
     /* sums of squares 1 + 1 under a loss scale of 2, no clipping: gradients times 0.5; or
      * (sq_out) no norm read, the sums of squares written by the same pass */
-    gpu->adamw_update_multi(bf.x, bf.dout, bf.m1, bf.m2, bf.moments16, bf.n, bf.segs, bf.wd,
-                            bf.n_segs, (real)1e-4, (real)0.9, (real)0.95, (real)1e-8,
+    gpu->adamw_update_multi(bf.x, bf.dout, bf.m1, bf.m2, bf.moments16, bf.n, 0, bf.n, bf.segs,
+                            bf.wd, bf.n_segs, (real)1e-4, (real)0.9, (real)0.95, (real)1e-8,
                             bf.sq_out ? NULL : bf.norm_sq, 0.0, 2.0, 10, bf.sq_out, bf.n / 2);
 }
 

@@ -108,6 +108,16 @@ typedef struct moe_backend {
      * streams (communication) that only their owner can time out (moe_comm_watch). */
     long (*queue_mark)(void);
     moe_status (*queue_wait)(long mark, moe_status (*watch)(void *ctx), void *ctx);
+    /* A second queue, for work that may run beside the queue's later work (the trainer's
+     * AdamW over a layer whose gradients are final while the backward goes on):
+     * background(1) makes the ops queued from then on run there, after everything queued
+     * so far; background(0) queues on the queue again, which does not wait for them;
+     * background_join() makes the queue's later work (and so its marks, syncs and
+     * fetches) wait for everything queued in the background so far. Only
+     * adamw_update_multi may be queued there: it uses no scratch of the backend's.
+     * The cpu runs everything at once: both do nothing. */
+    void (*background)(int on);
+    void (*background_join)(void);
     /* the stream every op runs on (a cudaStream_t; NULL on the cpu), for NCCL */
     void *(*native_stream)(void);
     /* compute capability of the device, major*10 + minor (0 on the cpu) */

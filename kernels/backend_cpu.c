@@ -94,6 +94,8 @@ static moe_status cpu_reserve(size_t device_bytes, size_t host_bytes)
 }
 static long cpu_allocations(void) { return 0; }
 static void cpu_fetch(void *host, const void *src, size_t nbytes) { memcpy(host, src, nbytes); }
+static void cpu_background(int on) { (void)on; }
+static void cpu_background_join(void) {}
 
 static size_t cpu_mem_in_use(void)
 {
@@ -114,6 +116,8 @@ const moe_backend moe_backend_cpu = {.name = "cpu",
                                      .fetch = cpu_fetch,
                                      .queue_mark = cpu_mark,
                                      .queue_wait = cpu_wait,
+                                     .background = cpu_background,
+                                     .background_join = cpu_background_join,
                                      .native_stream = cpu_stream,
                                      .compute_capability = cpu_capability,
                                      .set_precision = cpu_set_precision,

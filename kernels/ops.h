@@ -475,11 +475,15 @@ MOE_HD static inline float moe_fp16_widen(uint16_t h)
  * or NULL): overwritten with the sums of squares, in double, of the gradients as read
  * (before the factor), [0] of elements [0, n_split) and [1] of [n_split, n), 0 when the
  * step is skipped; the same sums as sum_into up to the order of the additions, without a
- * pass of their own where the backend fuses them (the gradient norm when nothing clips). */
+ * pass of their own where the backend fuses them (the gradient norm when nothing clips).
+ * Only the elements [lo, hi) (lo <= hi <= n) are stepped, read and summed: the arena's
+ * update in pieces (the trainer updates a layer while the backward goes on), every
+ * element as the whole arena's pass steps it (the same bits, the same stochastic
+ * rounding); segments, n_split and the bf16 master weights' start stay the arena's. */
 void adamw_update_multi(real *p, const real *g, void *m, void *v, int moments16, size_t n,
-                        const int64_t *offsets, const real *wd, int n_segs, real lr, real beta1,
-                        real beta2, real eps, const double *norm_sq, double clip, double loss_scale,
-                        int t, double *sq_out, size_t n_split);
+                        size_t lo, size_t hi, const int64_t *offsets, const real *wd, int n_segs,
+                        real lr, real beta1, real beta2, real eps, const double *norm_sq,
+                        double clip, double loss_scale, int t, double *sq_out, size_t n_split);
 
 #ifdef __cplusplus
 }

@@ -72,22 +72,26 @@ void adamw_update(real *p, const real *g, real *m, real *v, size_t n, real lr, r
 }
 
 void adamw_update_multi(real *p, const real *g, void *m, void *v, int moments16, size_t n,
-                        const int64_t *offsets, const real *wd, int n_segs, real lr, real beta1,
-                        real beta2, real eps, const double *norm_sq, double clip, double loss_scale,
-                        int t, double *sq_out, size_t n_split)
+                        size_t lo, size_t hi, const int64_t *offsets, const real *wd, int n_segs,
+                        real lr, real beta1, real beta2, real eps, const double *norm_sq,
+                        double clip, double loss_scale, int t, double *sq_out, size_t n_split)
 {
     const double grad_scale =
         norm_sq ? moe_adamw_factor(norm_sq, clip, loss_scale) : (double)(float)(1.0 / loss_scale);
+    hi = hi < n ? hi : n;
+    lo = lo < hi ? lo : hi;
     if (sq_out) {
-        const size_t lo = n_split < n ? n_split : n;
-        sq_out[0] = grad_scale < 0 ? 0.0 : sum_squares(g, lo);
-        sq_out[1] = grad_scale < 0 ? 0.0 : sum_squares(g + lo, n - lo);
+        const size_t split = n_split < lo ? lo : n_split < hi ? n_split : hi;
+        sq_out[0] = grad_scale < 0 ? 0.0 : sum_squares(g + lo, split - lo);
+        sq_out[1] = grad_scale < 0 ? 0.0 : sum_squares(g + split, hi - split);
     }
     if (grad_scale < 0) /* a gradient is not finite: the step is skipped */
         return;
-    for (int s = 0; s < n_segs; s++) {
-        size_t lo = (size_t)offsets[s], len = (size_t)(offsets[s + 1] - offsets[s]);
-        adamw_range(p, g, m, v, moments16, lo, len, lr, beta1, beta2, eps, wd[s], (real)grad_scale,
-                    t);
+    for (int s = 0; s < n_segs; s++) { /* segment s's part of [lo, hi) */
+        const size_t a = (size_t)offsets[s] > lo ? (size_t)offsets[s] : lo;
+        const size_t b = (size_t)offsets[s + 1] < hi ? (size_t)offsets[s + 1] : hi;
+        if (a < b)
+            adamw_range(p, g, m, v, moments16, a, b - a, lr, beta1, beta2, eps, wd[s],
+                        (real)grad_scale, t);
     }
 }

@@ -81,9 +81,21 @@ void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *
 {
     opt->t++;
     opt->be->adamw_update_multi(model->params, model->grads, opt->m, opt->v, opt->moments16,
-                                opt->n_params, opt->seg_offsets, opt->seg_wd, opt->n_segs, (real)lr,
-                                (real)cfg->beta1, (real)cfg->beta2, (real)cfg->adam_eps, norm_sq,
-                                cfg->grad_clip, loss_scale, opt->t, sq_out, model->n_dense);
+                                opt->n_params, 0, opt->n_params, opt->seg_offsets, opt->seg_wd,
+                                opt->n_segs, (real)lr, (real)cfg->beta1, (real)cfg->beta2,
+                                (real)cfg->adam_eps, norm_sq, cfg->grad_clip, loss_scale, opt->t,
+                                sq_out, model->n_dense);
+}
+
+void moe_optimizer_next(moe_optimizer *opt) { opt->t++; }
+
+void moe_optimizer_piece(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
+                         double loss_scale, size_t lo, size_t hi, double *sq_out)
+{
+    opt->be->adamw_update_multi(model->params, model->grads, opt->m, opt->v, opt->moments16,
+                                opt->n_params, lo, hi, opt->seg_offsets, opt->seg_wd, opt->n_segs,
+                                (real)lr, (real)cfg->beta1, (real)cfg->beta2, (real)cfg->adam_eps,
+                                NULL, 0.0, loss_scale, opt->t, sq_out, model->n_dense);
 }
 
 void moe_optimizer_unstep(moe_optimizer *opt) { opt->t--; }

@@ -48,6 +48,14 @@ double moe_lr_at(const moe_config *cfg, int step);
  * moe_optimizer_unstep. */
 void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
                         const double *norm_sq, double loss_scale, double *sq_out);
+/* The same step in pieces (no clipping, no skip): moe_optimizer_next counts it (opt->t),
+ * then moe_optimizer_piece steps the elements [lo, hi) of the arena, writing the sums of
+ * squares of their gradients below n_dense and from it to sq_out (2 doubles in the
+ * backend's memory); pieces that cover the arena once give every element the bits the
+ * whole step gives it (ops.h adamw_update_multi). */
+void moe_optimizer_next(moe_optimizer *opt);
+void moe_optimizer_piece(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
+                         double loss_scale, size_t lo, size_t hi, double *sq_out);
 void moe_optimizer_unstep(moe_optimizer *opt);
 
 /* The moments as real values in host memory, whatever their precision (checkpoints):

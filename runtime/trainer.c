@@ -48,8 +48,37 @@ static moe_status build_buckets(moe_trainer *tr)
     return MOE_OK;
 }
 
+/* The update in pieces (norm_in_update: nothing clips, nothing skips): AdamW over bucket
+ * b's dense (part 0) or expert (part 1) parameters, queued on the backend's background
+ * queue, once a step; its sums of squares go to its own slot of norm_parts (an empty
+ * piece leaves its zeros). Every piece runs there, in the order queued: the update's
+ * partial sums are ordered (optim.cu), and the queue waits for all of them in apply. */
+static void update_piece(moe_trainer *tr, int b, int part)
+{
+    const moe_grad_bucket *k = &tr->buckets[b];
+    const size_t lo = part ? k->expert_lo : k->dense_lo, hi = part ? k->expert_hi : k->dense_hi;
+    const int slot = 2 * b + part;
+    if (tr->updated[slot])
+        return;
+    tr->updated[slot] = 1;
+    if (lo == hi)
+        return;
+    moe_model *m = tr->model;
+    if (!tr->step_counted) {
+        moe_optimizer_next(tr->opt);
+        tr->step_counted = 1;
+    }
+    m->be->background(1);
+    moe_optimizer_piece(tr->opt, m, &tr->cfg, moe_lr_at(&tr->cfg, tr->step), tr->loss_scale, lo, hi,
+                        tr->norm_parts + 2 * slot);
+    m->be->background(0);
+}
+
 /* Called by backward when a stage's gradients are final: on the last micro-batch of a
- * step, starts their reduction (dense over the world, experts over the EDP group). */
+ * step, starts their reduction (dense over the world, experts over the EDP group), and
+ * with update_early queues the update of those that need none (dense ones in a world of
+ * one, expert ones where no other rank holds the expert): the optimizer runs beside the
+ * rest of the backward instead of after it. */
 static void on_grad_ready(void *ctx, int stage)
 {
     moe_trainer *tr = ctx;
@@ -61,6 +90,12 @@ static void on_grad_ready(void *ctx, int stage)
                             MOE_COPY_H2D);
         moe_log("MOE_FAULT: injected a NaN into the gradients of layer %d at step %d", stage,
                 tr->step);
+    }
+    if (tr->last_micro && tr->update_early) {
+        if (tr->world == 1)
+            update_piece(tr, stage + 1, 0);
+        if (!tr->comm || moe_comm_size(tr->comm, MOE_GROUP_EDP) == 1)
+            update_piece(tr, stage + 1, 1);
     }
     if (!tr->reduce_now || tr->reduce_status != MOE_OK)
         return;
@@ -231,9 +266,15 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
                                                     cfg->experts));
         MOE_CHECK_GOTO(st, moe_model_attach_routing(tr->model, tr->routing));
     }
+    const size_t n_parts = 2 * ((size_t)cfg->n_layers + 2);
     tr->norm_sq = be->alloc(2 * sizeof(double));
-    tr->step_host = be->alloc_host(3 * sizeof(double));
-    if (!tr->norm_sq || !tr->step_host) {
+    tr->norm_parts = be->alloc(2 * n_parts * sizeof(double));
+    tr->updated = calloc(n_parts, 1);
+    tr->step_host = be->alloc_host((3 + 2 * n_parts) * sizeof(double));
+    /* MOE_UPDATE_IN_BACKWARD=0: every piece after the backward (a knob to measure it) */
+    const char *early = getenv("MOE_UPDATE_IN_BACKWARD");
+    tr->update_early = norm_in_update(tr) && !(early && strcmp(early, "0") == 0);
+    if (!tr->norm_sq || !tr->norm_parts || !tr->updated || !tr->step_host) {
         st = MOE_ERR_NOMEM;
         moe_log_at(__FILE__, __LINE__, "cannot allocate the gradient norm's sums");
         goto fail;
@@ -269,10 +310,12 @@ void moe_trainer_destroy(moe_trainer *tr)
     free(tr->tokens);
     free(tr->tokens_next);
     free(tr->buckets);
+    free(tr->updated);
     moe_routing_stats_destroy(tr->routing);
     moe_optimizer_destroy(tr->opt);
     if (tr->model) {
         tr->model->be->release(tr->norm_sq);
+        tr->model->be->release(tr->norm_parts);
         tr->model->be->release_host(tr->step_host);
     }
     moe_data_destroy(tr->data);
@@ -301,6 +344,11 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     MOE_CHECK(moe_fault_check(&tr->fault, tr->rank, tr->step));
     /* the dense gradients; the first backward writes the experts' (the larger part) */
     m->be->zero(m->grads, sizeof(real) * m->n_dense);
+    if (norm_in_update(tr)) { /* the update's pieces: none queued yet */
+        m->be->zero(tr->norm_parts, sizeof(double) * 4 * ((size_t)m->L + 2));
+        memset(tr->updated, 0, 2 * ((size_t)m->L + 2));
+        tr->step_counted = 0;
+    }
     moe_model_fresh_expert_grads(m);
     /* ce (on the backend, m->ce_acc, until apply), aux, z, dropped, a2a bytes, a2a saved:
      * summed over micro-batches here, over ranks in apply */
@@ -362,13 +410,24 @@ moe_status moe_trainer_losses(moe_trainer *tr, moe_step_result *res)
 {
     const moe_backend *be = tr->model->be;
     be->fetch(tr->step_host, tr->model->ce_acc, sizeof(double));
-    be->fetch(tr->step_host + 1, tr->norm_sq, 2 * sizeof(double));
+    const int parts = norm_in_update(tr), n_parts = 2 * (tr->model->L + 2);
+    if (parts)
+        be->fetch(tr->step_host + 3, tr->norm_parts, sizeof(double) * 2 * n_parts);
+    else
+        be->fetch(tr->step_host + 1, tr->norm_sq, 2 * sizeof(double));
     const long mark = be->queue_mark();
     be->zero(tr->model->ce_acc, sizeof(double));
     const double t_wait = moe_clock_seconds();
     MOE_CHECK(be->queue_wait(mark, moe_comm_watch, tr->comm));
     tr->model->host_wait_s += moe_clock_seconds() - t_wait;
     double *sums = tr->sums, *sq = tr->step_host + 1;
+    if (parts) { /* the pieces' sums, added in the order of the buckets */
+        sq[0] = sq[1] = 0.0;
+        for (int i = 0; i < n_parts; i++) {
+            sq[0] += tr->step_host[3 + 2 * i];
+            sq[1] += tr->step_host[3 + 2 * i + 1];
+        }
+    }
     sums[0] = tr->step_host[0];
     const int local_sq = norm_in_update(tr) && tr->comm;
     if (local_sq) {
@@ -437,8 +496,14 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
     res->loss_scale = tr->loss_scale;
     res->lr = moe_lr_at(&tr->cfg, tr->step);
     const int fused = norm_in_update(tr);
-    moe_optimizer_step(tr->opt, m, &tr->cfg, res->lr, fused ? NULL : tr->norm_sq, tr->loss_scale,
-                       fused ? tr->norm_sq : NULL);
+    if (fused) { /* the pieces not queued during the backward, then the wait for all */
+        for (int b = 0; b < m->L + 2; b++)
+            for (int part = 0; part < 2; part++)
+                update_piece(tr, b, part);
+        be->background_join();
+    } else {
+        moe_optimizer_step(tr->opt, m, &tr->cfg, res->lr, tr->norm_sq, tr->loss_scale, NULL);
+    }
     MOE_CHECK(be->refresh_shadow());
     moe_model_phase_end(m, tp, MOE_PHASE_OPTIMIZER);
     prefetch_next(tr, res);

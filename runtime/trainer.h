@@ -66,10 +66,16 @@ typedef struct {
     int reduce_now;           /* the last micro-batch of a step: reduce as stages finish */
     int last_micro;           /* the last micro-batch of a step is running */
     moe_status reduce_status;
-    double *norm_sq;   /* (2) backend memory: squares of the dense and expert gradients */
-    double *step_host; /* (3) pinned: the step's ce sum and norm_sq, fetched at its end */
-    double sums[8];    /* this rank's ce, aux, z, dropped, a2a bytes, a2a saved of the step,
-                        * and its share of the norm's two sums of squares (moe_trainer_losses) */
+    double *norm_sq;        /* (2) backend memory: squares of the dense and expert gradients */
+    double *norm_parts;     /* (4 (L + 2)) backend memory: each update piece's two sums of
+                             * squares (moe_trainer_apply), at 2 (2 bucket + part) */
+    unsigned char *updated; /* (2 (L + 2)) the pieces of this step's update queued */
+    int update_early;       /* update_in_backward: the update's pieces queued as stages end */
+    int step_counted;       /* this step's AdamW step counted (its first piece queued) */
+    double *step_host;      /* (3 + 4 (L + 2)) pinned: the step's ce sum, norm_sq and
+                             * norm_parts, fetched at its end */
+    double sums[8];         /* this rank's ce, aux, z, dropped, a2a bytes, a2a saved of the step,
+                             * and its share of the norm's two sums of squares (moe_trainer_losses) */
     moe_model *model;
     moe_data *data;
     moe_optimizer *opt;

@@ -28,7 +28,8 @@ expect_err() {
 
 mpi() { mpirun --oversubscribe --bind-to none -np "$@"; }
 
-# losses FILE.jsonl: its records without the timings (step_s, tok_per_s), keys sorted,
+# losses FILE.jsonl: its records without the timings (step_s, tok_per_s, and the
+# communication's *_ms of a run on several ranks), keys sorted,
 # one line a step in step order (the last record of a step that appears twice, as after
 # a resume): two runs' outputs compare with cmp, bit for bit.
 losses() { $PY - "$1" <<'PY'
@@ -37,6 +38,8 @@ rows = {}
 for line in open(sys.argv[1]):
     r = json.loads(line)
     for k in ("step_s", "tok_per_s"):
+        r.pop(k)
+    for k in [k for k in r if k.endswith("_ms")]:
         r.pop(k)
     rows[r["step"]] = json.dumps(r, sort_keys=True)
 for s in sorted(rows):

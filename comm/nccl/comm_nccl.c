@@ -153,9 +153,18 @@ moe_status moe_nccl_create(moe_nccl **out, MPI_Comm groups[3], void *stream, int
             moe_log_at(__FILE__, __LINE__, "cudaEventCreate failed");
             st = MOE_ERR_DEVICE;
         }
+    /* the greatest priority, as the backend's queue (unless MOE_QUEUE_PRIORITY=0): only
+     * its background queue (the optimizer's updates) yields to them */
+    int least = 0, greatest = 0;
+    const char *pe = getenv("MOE_QUEUE_PRIORITY");
+    if (st == MOE_OK && cudaDeviceGetStreamPriorityRange(&least, &greatest) != cudaSuccess) {
+        moe_log_at(__FILE__, __LINE__, "cannot read the stream priorities");
+        st = MOE_ERR_DEVICE;
+    }
+    const int prio = pe && atoi(pe) == 0 ? least : greatest;
     if (st == MOE_OK &&
-        (cudaStreamCreateWithFlags(&n->xstream, cudaStreamNonBlocking) != cudaSuccess ||
-         cudaStreamCreateWithFlags(&n->gstream, cudaStreamNonBlocking) != cudaSuccess)) {
+        (cudaStreamCreateWithPriority(&n->xstream, cudaStreamNonBlocking, prio) != cudaSuccess ||
+         cudaStreamCreateWithPriority(&n->gstream, cudaStreamNonBlocking, prio) != cudaSuccess)) {
         moe_log_at(__FILE__, __LINE__, "cannot create the communication streams");
         st = MOE_ERR_DEVICE;
     }

@@ -19,7 +19,11 @@
 
 static struct {
     int device;
-    cudaStream_t stream;
+    cudaStream_t stream; /* where ops are queued: the queue, or bg between background(1) and (0) */
+    cudaStream_t queue;  /* the backend's queue */
+    cudaStream_t bg;     /* the background queue (made on first use) */
+    cudaEvent_t bg_fork, bg_join;
+    int priority; /* the queue's priority (and the GEMM lanes'): moe_cuda_priority */
     cublasLtHandle_t lt;
     void *workspace;
     void *scratch; /* device */
@@ -205,6 +209,45 @@ static void cuda_fetch(void *host, const void *src, size_t nbytes)
 {
     moe_cuda_fetch_async(host, src, nbytes);
 }
+
+/* The background queue: a stream of the least priority, so that the queue's work (at
+ * moe_cuda_priority, higher by default) takes the SMs first and the background's blocks
+ * fill what it leaves. */
+static void cuda_background(int on)
+{
+    if (on && g.stream == g.bg)
+        return;
+    if (!on) {
+        if (g.stream == g.bg) {
+            MOE_CUDA_OK(cudaEventRecord(g.bg_join, g.bg));
+            g.stream = g.queue;
+        }
+        return;
+    }
+    if (!g.bg) {
+        int least = 0, greatest = 0;
+        if (!MOE_CUDA_OK(cudaDeviceGetStreamPriorityRange(&least, &greatest)) ||
+            !MOE_CUDA_OK(cudaStreamCreateWithPriority(&g.bg, cudaStreamNonBlocking, least)) ||
+            !MOE_CUDA_OK(cudaEventCreateWithFlags(&g.bg_fork, cudaEventDisableTiming)) ||
+            !MOE_CUDA_OK(cudaEventCreateWithFlags(&g.bg_join, cudaEventDisableTiming))) {
+            g.bg = NULL; /* the failure is recorded; the ops stay on the queue */
+            return;
+        }
+    }
+    MOE_CUDA_OK(cudaEventRecord(g.bg_fork, g.queue));
+    MOE_CUDA_OK(cudaStreamWaitEvent(g.bg, g.bg_fork, 0));
+    g.stream = g.bg;
+}
+
+static void cuda_background_join(void)
+{
+    if (g.stream == g.bg)
+        cuda_background(0);
+    if (g.bg)
+        MOE_CUDA_OK(cudaStreamWaitEvent(g.queue, g.bg_join, 0));
+}
+
+int moe_cuda_priority(void) { return g.priority; }
 
 static long cuda_queue_mark(void)
 {
@@ -399,7 +442,9 @@ static void cuda_profile(int on, FILE *report)
 
 static moe_status cuda_sync(void)
 {
-    MOE_CUDA_OK(cudaStreamSynchronize(g.stream));
+    MOE_CUDA_OK(cudaStreamSynchronize(g.queue));
+    if (g.bg) /* and what was queued in the background, joined or not */
+        MOE_CUDA_OK(cudaStreamSynchronize(g.bg));
     MOE_CUDA_OK(cudaGetLastError());
     if (g.status != MOE_OK)
         moe_log_at(__FILE__, __LINE__, "cuda backend failed (%d failures), first: %s", g.failures,
@@ -490,6 +535,8 @@ static void fill_table(moe_backend *b)
     b->queue_mark = cuda_queue_mark;
     b->queue_wait = cuda_queue_wait;
     b->native_stream = cuda_native_stream;
+    b->background = cuda_background;
+    b->background_join = cuda_background_join;
     b->compute_capability = cuda_compute_capability;
     b->set_precision = cuda_set_precision;
     b->refresh_shadow = cuda_refresh_shadow;
@@ -550,9 +597,22 @@ static const char *cuda_init(void)
         return why_buf;
     }
     const char *why = NULL;
-    if (!MOE_CUDA_OK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking))) {
-        why = "cannot create a CUDA stream (see the log)";
-        goto fail;
+    {
+        /* MOE_QUEUE_PRIORITY: 0 puts the queue at the background's priority (a knob to
+         * measure the background's effect); unset, the greatest the device has */
+        int least = 0, greatest = 0;
+        const char *pe = getenv("MOE_QUEUE_PRIORITY");
+        if (!MOE_CUDA_OK(cudaDeviceGetStreamPriorityRange(&least, &greatest))) {
+            why = "cannot read the stream priorities (see the log)";
+            goto fail;
+        }
+        g.priority = pe && atoi(pe) == 0 ? least : greatest;
+        if (!MOE_CUDA_OK(
+                cudaStreamCreateWithPriority(&g.stream, cudaStreamNonBlocking, g.priority))) {
+            why = "cannot create a CUDA stream (see the log)";
+            goto fail;
+        }
+        g.queue = g.stream;
     }
     if (!MOE_LT_OK(cublasLtCreate(&g.lt))) {
         why = "cannot create the cuBLASLt handle (see the log)";

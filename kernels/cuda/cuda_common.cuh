@@ -37,6 +37,8 @@ MOE_OPS_LIST(MOE_CUDA_DECLARE)
 
 /* The backend's stream: every kernel, copy and memset of the backend runs on it. */
 cudaStream_t moe_cuda_stream(void);
+/* The priority of the backend's queue, which its GEMM lanes share (backend_cuda.cu). */
+int moe_cuda_priority(void);
 
 /* Checks a CUDA result: on failure logs "file:line: what: message" and keeps the first
  * failure for sync(). Returns 1 when err is cudaSuccess. */

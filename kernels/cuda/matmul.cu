@@ -839,7 +839,8 @@ static int grouped_ready(void)
     if (!MOE_CUDA_OK(cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming)))
         return 0;
     for (int i = 0; i < want - 1; i++)
-        if (!MOE_CUDA_OK(cudaStreamCreateWithFlags(&side_stream[i], cudaStreamNonBlocking)) ||
+        if (!MOE_CUDA_OK(cudaStreamCreateWithPriority(&side_stream[i], cudaStreamNonBlocking,
+                                                      moe_cuda_priority())) ||
             !MOE_CUDA_OK(cudaEventCreateWithFlags(&join_ev[i], cudaEventDisableTiming)) ||
             !MOE_CUDA_OK(cudaMalloc(&side_ws[i], ws_bytes)))
             return 0;

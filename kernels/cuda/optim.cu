@@ -392,7 +392,10 @@ static __device__ __forceinline__ void adamw_square(double &below, double &from,
 #define ADAMW_MIN_BLOCKS(W, M16) ((W) == 8 ? 4 : (M16) ? 6 : 5)
 #endif
 
-/* M16: the moments are bf16 (ops.h): widened before the element's step, rounded after.
+/* Steps the elements [lo, hi) of the arena of n (ops.h): the groups of W that lie in it
+ * in the vector form, the elements of its unaligned ends (fewer than W each) one a
+ * thread in block 0.
+ * M16: the moments are bf16 (ops.h): widened before the element's step, rounded after.
  * SQ: the block's sums of squares of the gradients, below n_split and from it, go to
  * part[2 block], part[2 block + 1] (adamw_square_final adds them up in block order).
  * Elements from from16 on (n: none; a multiple of W in the vector forms) have bf16 master
@@ -402,7 +405,7 @@ static __device__ __forceinline__ void adamw_square(double &below, double &from,
 template <int W, int M16, int SQ>
 static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(W, M16))
     adamw_multi_kernel(real *p, const real *g, void *m, void *v, const int64_t *offsets,
-                       const real *wd, int n_segs, size_t n, moe_adamw_consts ac,
+                       const real *wd, int n_segs, size_t lo, size_t hi, moe_adamw_consts ac,
                        const double *norm_sq, double clip, double loss_scale, uint16_t *shadow,
                        int bf16, double *part, size_t n_split, size_t from16, uint32_t seed,
                        const uint16_t *g16)
@@ -422,8 +425,9 @@ static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(W, M
     double below = 0.0, from = 0.0; /* squares of the gradients below n_split, from it */
     int seg = -1;
     if (factor >= 0 && W > 1) {
-        MOE_CUDA_GRID_STRIDE(c, n / W)
-        {
+        const size_t c_lo = (lo + W - 1) / W, c_hi = hi / W;
+        for (size_t c = c_lo + (size_t)blockIdx.x * blockDim.x + threadIdx.x; c < c_hi;
+             c += (size_t)blockDim.x * gridDim.x) {
             const size_t i0 = (size_t)W * c;
             const bool p16 = i0 >= from16;
             float pe[W], ge[W], me[W], ve[W];
@@ -504,8 +508,11 @@ static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(W, M
                 store_16<W>(shadow, c, out);
             }
         }
-        if (blockIdx.x == 0 && threadIdx.x < n % W) { /* the tail: one element per thread */
-            const size_t i = n / W * W + threadIdx.x;
+        /* the ends: [lo, W c_lo) and [W c_hi, hi), or [lo, hi) when no group lies inside */
+        const size_t head = c_lo < c_hi ? W * c_lo - lo : hi - lo;
+        const size_t tail = c_lo < c_hi ? hi - W * c_hi : 0;
+        if (blockIdx.x == 0 && threadIdx.x < head + tail) { /* one element per thread */
+            const size_t i = threadIdx.x < head ? lo + threadIdx.x : W * c_hi + threadIdx.x - head;
             const real gi = i >= from16 && g16 ? moe_bf16_widen(g16[i - from16]) : g[i];
             if (SQ)
                 adamw_square(below, from, gi, i, n_split);
@@ -514,8 +521,8 @@ static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(W, M
                            (uint32_t)seed);
         }
     } else if (factor >= 0) {
-        MOE_CUDA_GRID_STRIDE(i, n)
-        {
+        for (size_t i = lo + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < hi;
+             i += (size_t)blockDim.x * gridDim.x) {
             const real gi = i >= from16 && g16 ? moe_bf16_widen(g16[i - from16]) : g[i];
             if (SQ)
                 adamw_square(below, from, gi, i, n_split);
@@ -554,13 +561,21 @@ static __global__ void adamw_square_final(double *out, const double *part, int b
 extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, const real *g, size_t n, int *bf16,
                                                  size_t *from16, const uint16_t **g16);
 
+/* The blocks' partial sums of squares: a buffer of the update's own, not the backend's
+ * scratch, since the update may run on the background queue beside other ops
+ * (backend.h background); every update is queued on one queue or the other, in the
+ * order the trainer joins them. */
+static double *adamw_part;
+
 extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v, int moments16,
-                                        size_t n, const int64_t *offsets, const real *wd,
-                                        int n_segs, real lr, real beta1, real beta2, real eps,
-                                        const double *norm_sq, double clip, double loss_scale,
-                                        int t, double *sq_out, size_t n_split)
+                                        size_t n, size_t lo, size_t hi, const int64_t *offsets,
+                                        const real *wd, int n_segs, real lr, real beta1, real beta2,
+                                        real eps, const double *norm_sq, double clip,
+                                        double loss_scale, int t, double *sq_out, size_t n_split)
 {
-    if (n_segs <= 0 || n == 0) {
+    hi = hi < n ? hi : n;
+    lo = lo < hi ? lo : hi;
+    if (n_segs <= 0 || lo == hi) {
         if (sq_out)
             MOE_CUDA_OK(cudaMemsetAsync(sq_out, 0, 2 * sizeof(double), moe_cuda_stream()));
         return;
@@ -590,7 +605,7 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
     }
     if (width > want && want >= 4)
         width = want;
-    unsigned blocks = moe_cuda_blocks(n / width + 1, MOE_CUDA_THREADS);
+    unsigned blocks = moe_cuda_blocks((hi - lo) / width + 1, MOE_CUDA_THREADS);
     /* Many waves of blocks, but not one block per 1024 elements: each block stages the
      * segments and searches its first one (on an H200, 1.2 M blocks took 6.38 ms at the
      * bench shape, 32768 blocks 5.88 ms with the sums of squares added; 1024 blocks made
@@ -599,20 +614,21 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
         blocks = ADAMW_MAX_BLOCKS;
     double *part = NULL;
     if (sq_out) { /* a fixed grid, so the partials have a fixed count and order */
-        part = (double *)moe_cuda_scratch(sizeof(double) * 2 * blocks);
-        if (!part)
+        if (!adamw_part &&
+            !MOE_CUDA_OK(cudaMalloc((void **)&adamw_part, sizeof(double) * 2 * ADAMW_MAX_BLOCKS)))
             return;
+        part = adamw_part;
     }
 #define ADAMW_LAUNCH(W, M16)                                                                       \
     do {                                                                                           \
         if (part)                                                                                  \
             MOE_CUDA_LAUNCH((adamw_multi_kernel<W, M16, 1>), blocks, MOE_CUDA_THREADS, smem, p, g, \
-                            m, v, offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow,    \
-                            bf16, part, n_split, from16, (uint32_t)t, g16);                        \
+                            m, v, offsets, wd, n_segs, lo, hi, c, norm_sq, clip, loss_scale,       \
+                            shadow, bf16, part, n_split, from16, (uint32_t)t, g16);                \
         else                                                                                       \
             MOE_CUDA_LAUNCH((adamw_multi_kernel<W, M16, 0>), blocks, MOE_CUDA_THREADS, smem, p, g, \
-                            m, v, offsets, wd, n_segs, n, c, norm_sq, clip, loss_scale, shadow,    \
-                            bf16, part, n_split, from16, (uint32_t)t, g16);                        \
+                            m, v, offsets, wd, n_segs, lo, hi, c, norm_sq, clip, loss_scale,       \
+                            shadow, bf16, part, n_split, from16, (uint32_t)t, g16);                \
     } while (0)
     if (width == 8)
         MOE_CUDA_PICK2(1, moments16, ADAMW_LAUNCH, 8, 8, 1, 0);

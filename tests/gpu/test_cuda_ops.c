@@ -1287,10 +1287,11 @@ static void test_adamw_multi(size_t n, int t, const double sq[2], double clip, d
     const float p_before = p[n / 2];
     double sq_out[2] = {-1, -1};
     const size_t split = n / 2 + 1;
-    cpu->adamw_update_multi(p, g, m, v, moments16, n, off, wd, 3, 1e-3f, 0.9f, 0.95f, 1e-8f, sq,
-                            clip, scale, t, sq ? NULL : sq_out, split);
-    gpu->adamw_update_multi(dp, DEVF(g, n), dm, dv, moments16, n, doff, dwd, 3, 1e-3f, 0.9f, 0.95f,
-                            1e-8f, sq ? dsq : NULL, clip, scale, t, sq ? NULL : dsq_out, split);
+    cpu->adamw_update_multi(p, g, m, v, moments16, n, 0, n, off, wd, 3, 1e-3f, 0.9f, 0.95f, 1e-8f,
+                            sq, clip, scale, t, sq ? NULL : sq_out, split);
+    gpu->adamw_update_multi(dp, DEVF(g, n), dm, dv, moments16, n, 0, n, doff, dwd, 3, 1e-3f, 0.9f,
+                            0.95f, 1e-8f, sq ? dsq : NULL, clip, scale, t, sq ? NULL : dsq_out,
+                            split);
     gpu_done();
     if (!sq) { /* the same squares in another order: a few roundings of double apart */
         const double *got = (const double *)host_of(dsq_out, 2 * sizeof(double));
@@ -1355,10 +1356,10 @@ static void test_adamw_master16(size_t n, size_t from, int moments16, float lr, 
         fail_now("set_precision bf16 with bf16 master weights");
         goto done;
     }
-    cpu->adamw_update_multi(p, g, m, v, moments16, n, off, wd, 2, lr, 0.9f, 0.95f, 1e-8f, sq, 0.5,
-                            2.0, 3, NULL, n);
-    gpu->adamw_update_multi(dp, DEVF(g, n), dm, dv, moments16, n, doff, dwd, 2, lr, 0.9f, 0.95f,
-                            1e-8f, dsq, 0.5, 2.0, 3, NULL, n);
+    cpu->adamw_update_multi(p, g, m, v, moments16, n, 0, n, off, wd, 2, lr, 0.9f, 0.95f, 1e-8f, sq,
+                            0.5, 2.0, 3, NULL, n);
+    gpu->adamw_update_multi(dp, DEVF(g, n), dm, dv, moments16, n, 0, n, doff, dwd, 2, lr, 0.9f,
+                            0.95f, 1e-8f, dsq, 0.5, 2.0, 3, NULL, n);
     gpu_done();
     const float *before = HOSTF(dp, n); /* before sync_master: the arena's copies */
     if (gpu->sync_master() != MOE_OK) {
@@ -1410,6 +1411,82 @@ done:
     gpu->release(dsq);
     gpu->release(doff);
     gpu->release(dwd);
+    free_all();
+}
+
+/* The update in pieces on the background queue (backend.h background; the trainer's
+ * update during the backward): pieces [cut[i], cut[i + 1]) with ends inside the vector
+ * groups, a piece shorter than a group, an empty one and one across the start of the
+ * bf16 master weights at `from` give every element the whole pass's bits (parameters,
+ * moments, the stochastically rounded bf16 weights), and their sums of squares add up
+ * to the whole pass's within 1e-12. */
+static void test_adamw_pieces(size_t n, size_t from, int moments16, const char *name)
+{
+    begin("adamw_update_multi", name);
+    float *p, *g, *m, *v;
+    adamw_inputs(n, moments16, &p, &g, &m, &v);
+    for (size_t i = from; i < n; i++) /* the bf16 master weights are bf16 values */
+        p[i] = moe_bf16_widen(moe_bf16_round(p[i]));
+    const size_t mb = (moments16 ? 2 : 4) * n, split = n / 2 + 3;
+    int64_t off[4] = {0, (int64_t)(n / 3), (int64_t)(n / 3 + 1), (int64_t)n};
+    float wd[3] = {0.1f, 0.0f, 0.05f};
+    const size_t cut[] = {0, 3, 3, 13, 17, n / 3 + 5, from - 1, from + 7, split + 2, n};
+    enum { pieces = sizeof cut / sizeof cut[0] - 1 };
+    float *dp = DEVF(p, n), *dg = DEVF(g, n);
+    void *dm = dev(m, mb), *dv = dev(v, mb);
+    int64_t *doff = dev(off, sizeof off);
+    float *dwd = DEVF(wd, 3);
+    double *dsq = dmem(sizeof(double) * 2 * (pieces + 1));
+    float *got[2];
+    void *gm[2], *gv[2];
+    for (int k = 0; k < 2; k++) { /* k 0: the whole pass; 1: the pieces */
+        gpu->copy(dp, p, sizeof(float) * n, MOE_COPY_H2D);
+        gpu->copy(dm, m, mb, MOE_COPY_H2D);
+        gpu->copy(dv, v, mb, MOE_COPY_H2D);
+        if (gpu->set_precision(MOE_PREC_BF16, dp, n, 0) != MOE_OK ||
+            gpu->master_in_shadow(from) != MOE_OK || gpu->refresh_shadow() != MOE_OK) {
+            fail_now("set_precision bf16 with bf16 master weights");
+            goto done;
+        }
+        if (k == 0)
+            gpu->adamw_update_multi(dp, dg, dm, dv, moments16, n, 0, n, doff, dwd, 3, 1e-3f, 0.9f,
+                                    0.95f, 1e-8f, NULL, 0.0, 1.0, 7, dsq, split);
+        for (int c = 0; k == 1 && c < pieces; c++) {
+            gpu->background(1);
+            gpu->adamw_update_multi(dp, dg, dm, dv, moments16, n, cut[c], cut[c + 1], doff, dwd, 3,
+                                    1e-3f, 0.9f, 0.95f, 1e-8f, NULL, 0.0, 1.0, 7, dsq + 2 * (c + 1),
+                                    split);
+            gpu->background(0);
+        }
+        gpu->background_join();
+        if (gpu->sync_master() != MOE_OK)
+            fail_now("sync_master");
+        gpu_done();
+        got[k] = HOSTF(dp, n);
+        gm[k] = host_of(dm, mb);
+        gv[k] = host_of(dv, mb);
+    }
+    const double *sq = host_of(dsq, sizeof(double) * 2 * (pieces + 1));
+    double sum[2] = {0, 0};
+    for (int c = 0; c < pieces; c++)
+        for (int s = 0; s < 2; s++)
+            sum[s] += sq[2 * (c + 1) + s];
+    check_d("the pieces' sums of squares", sum, sq, 2, 0.0, 1e-12);
+    cur->checks++;
+    if (memcmp(got[0], got[1], sizeof(float) * n) || memcmp(gm[0], gm[1], mb) ||
+        memcmp(gv[0], gv[1], mb)) {
+        printf("FAIL adamw_update_multi [%s]: the pieces' bits differ from the whole pass's\n",
+               name);
+        cur->failed++;
+    }
+    size_t moved = 0;
+    for (size_t i = 0; i < n; i++)
+        moved += got[1][i] != p[i];
+    if (moved < n / 2) /* lr 1e-3: nearly every weight moves */
+        fail_now("the pieces left most weights where they were");
+done:
+    if (gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0) != MOE_OK)
+        fail_now("set_precision fp32");
     free_all();
 }
 
@@ -1581,6 +1658,8 @@ int main(void)
                         "bf16 master weights from 40001 (unaligned), fp32 moments");
     test_adamw_master16(1000000, 0, 1, 1e-5f, "bf16 master weights throughout, steps below an ulp");
     test_adamw_master16(100007, 40004, 1, 1e-3f, "bf16 master weights from 40004 (steps of 4)");
+    test_adamw_pieces(1000003, 400000, 1, "pieces on the background queue, bf16 moments");
+    test_adamw_pieces(100007, 40004, 0, "pieces on the background queue, fp32 moments, steps of 4");
     test_adamw(1, 1, "n=1 t=1");
     test_adamw(1001, 7, "n=1001 t=7");
 

@@ -936,10 +936,10 @@ static void check_grads16(void)
     gpu->copy(dwd, wd, sizeof wd, MOE_COPY_H2D);
     to_host(hg, dg, nd); /* the dense gradients as the GPU holds them; the experts': got */
     memcpy(hg + nd, got, sizeof(float) * 2 * gw);
-    moe_backend_cpu.adamw_update_multi(hp, hg, hm, hv, 1, n, off, wd, 2, 1e-3f, 0.9f, 0.95f, 1e-8f,
-                                       NULL, 0.0, 1.0, 3, sq_ref, split);
-    gpu->adamw_update_multi(dp, dg, dm, dv, 1, n, doff, dwd, 2, 1e-3f, 0.9f, 0.95f, 1e-8f, NULL,
-                            0.0, 1.0, 3, dsq, split);
+    moe_backend_cpu.adamw_update_multi(hp, hg, hm, hv, 1, n, 0, n, off, wd, 2, 1e-3f, 0.9f, 0.95f,
+                                       1e-8f, NULL, 0.0, 1.0, 3, sq_ref, split);
+    gpu->adamw_update_multi(dp, dg, dm, dv, 1, n, 0, n, doff, dwd, 2, 1e-3f, 0.9f, 0.95f, 1e-8f,
+                            NULL, 0.0, 1.0, 3, dsq, split);
     gpu->copy(sq_got, dsq, sizeof sq_got, MOE_COPY_D2H);
     const double sq_err =
         fabs(sq_got[0] - sq_ref[0]) / sq_ref[0] + fabs(sq_got[1] - sq_ref[1]) / sq_ref[1];

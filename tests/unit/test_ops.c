@@ -669,8 +669,8 @@ static void test_adamw_update_multi(void **state)
     const double how[2][4] = {{9, 16, 0.0, 2.0}, {9, 16, 2.5, 1.0}};
     for (int k = 0; k < 2; k++) {
         memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
-        adamw_update_multi(p, g, m, v, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, how[k],
-                           how[k][2], how[k][3], 4, NULL, 0);
+        adamw_update_multi(p, g, m, v, 0, n, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f,
+                           how[k], how[k][2], how[k][3], 4, NULL, 0);
         assert_memory_equal(p, pr, sizeof p);
         assert_memory_equal(m, mr, sizeof m);
         assert_memory_equal(v, vr, sizeof v);
@@ -683,8 +683,8 @@ static void test_adamw_update_multi(void **state)
     for (int i = 0; i < n; i++)
         want[i >= 7] += (double)g[i] * (double)g[i];
     memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
-    adamw_update_multi(p, g, m, v, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, NULL, 0.0,
-                       2.0, 4, sq_out, 7);
+    adamw_update_multi(p, g, m, v, 0, n, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, NULL,
+                       0.0, 2.0, 4, sq_out, 7);
     assert_memory_equal(p, pr, sizeof p);
     assert_memory_equal(m, mr, sizeof m);
     assert_memory_equal(v, vr, sizeof v);
@@ -695,18 +695,66 @@ static void test_adamw_update_multi(void **state)
     memcpy(gn, g, sizeof gn);
     gn[9] = NAN;
     memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
-    adamw_update_multi(p, gn, m, v, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, NULL, 0.0,
-                       1.0, 4, sq_out, 7);
+    adamw_update_multi(p, gn, m, v, 0, n, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, NULL,
+                       0.0, 1.0, 4, sq_out, 7);
     assert_true(isnan(p[9]) && !isnan(p[8]));
     assert_true(sq_out[0] == want[0] && isnan(sq_out[1]));
     const double inf_sq[2] = {INFINITY, 1};
     memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
-    adamw_update_multi(p, g, m, v, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, inf_sq, 1.0,
-                       1.0, 4, sq_out, 7);
+    adamw_update_multi(p, g, m, v, 0, n, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, inf_sq,
+                       1.0, 1.0, 4, sq_out, 7);
     assert_memory_equal(p, p0, sizeof p);
     assert_memory_equal(m, m0, sizeof m);
     assert_memory_equal(v, v0, sizeof v);
     assert_true(sq_out[0] == 0 && sq_out[1] == 0); /* skipped: nothing read */
+}
+
+/* The update in pieces: pieces [lo, hi) that cover the arena once, their ends inside
+ * segments and across the split, give the whole step's bits; each piece's sums of
+ * squares are its own elements' (below and from the split); an empty piece writes zeros
+ * and changes nothing; elements outside a piece are not touched. */
+static void test_adamw_update_pieces(void **state)
+{
+    (void)state;
+    enum { n = 23, segs = 4 };
+    const int64_t offsets[segs + 1] = {0, 6, 7, 15, 23};
+    const real wd[segs] = {0.1f, 0.0f, 0.3f, 0.05f};
+    const size_t split = 10, cut[] = {0, 3, 3, 9, 14, 22, 23}; /* pieces [cut[i], cut[i+1]) */
+    real p0[n], g[n], m0[n], v0[n], p[n], m[n], v[n];
+    for (int i = 0; i < n; i++) {
+        p0[i] = (real)(0.3 * sin(1.7 * i) - 0.2);
+        g[i] = (real)(0.07 * cos(2.3 * i + 0.4));
+        m0[i] = (real)(0.01 * sin(0.9 * i));
+        v0[i] = (real)(1e-4 * (1.5 + cos(1.1 * i)));
+    }
+    double whole[2], sum[2] = {0, 0};
+    memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
+    adamw_update_multi(p, g, m, v, 0, n, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, NULL,
+                       0.0, 1.0, 5, whole, split);
+    real pw[n], mw[n], vw[n];
+    memcpy(pw, p, sizeof p), memcpy(mw, m, sizeof m), memcpy(vw, v, sizeof v);
+    memcpy(p, p0, sizeof p), memcpy(m, m0, sizeof m), memcpy(v, v0, sizeof v);
+    for (size_t c = 0; c + 1 < sizeof cut / sizeof cut[0]; c++) {
+        const size_t lo = cut[c], hi = cut[c + 1];
+        double sq[2] = {-1, -1}, want[2] = {0, 0};
+        for (size_t i = lo; i < hi; i++)
+            want[i >= split] += (double)g[i] * (double)g[i];
+        real before[n];
+        memcpy(before, p, sizeof p);
+        adamw_update_multi(p, g, m, v, 0, n, lo, hi, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f,
+                           NULL, 0.0, 1.0, 5, sq, split);
+        for (size_t i = 0; i < n; i++) /* inside: changed; outside: as before */
+            assert_true((i >= lo && i < hi) ? p[i] != before[i] : p[i] == before[i]);
+        for (int k = 0; k < 2; k++) {
+            assert_true(fabs(sq[k] - want[k]) <= 1e-15 * want[k]);
+            sum[k] += sq[k];
+        }
+    }
+    assert_memory_equal(p, pw, sizeof p);
+    assert_memory_equal(m, mw, sizeof m);
+    assert_memory_equal(v, vw, sizeof v);
+    for (int k = 0; k < 2; k++)
+        assert_true(fabs(sum[k] - whole[k]) <= 1e-14 * whole[k] && whole[k] > 0);
 }
 
 /* bf16 rounding against hand-made cases: nearest, ties to even, NaN kept, exact widening. */
@@ -745,8 +793,8 @@ static void test_adamw_bf16_moments(void **state)
         mr[i] = moe_bf16_widen(m16[i]);
         vr[i] = moe_bf16_widen(v16[i]);
     }
-    adamw_update_multi(p, g, m16, v16, 1, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, sq, 0.0,
-                       1.0, 3, NULL, 0);
+    adamw_update_multi(p, g, m16, v16, 1, n, 0, n, offsets, wd, segs, 0.01f, 0.9f, 0.95f, 1e-8f, sq,
+                       0.0, 1.0, 3, NULL, 0);
     for (int s = 0; s < segs; s++) /* factor 1: no clip, no loss scale */
         adamw_update(pr + offsets[s], g + offsets[s], mr + offsets[s], vr + offsets[s],
                      (size_t)(offsets[s + 1] - offsets[s]), 0.01f, 0.9f, 0.95f, 1e-8f, wd[s], 3);
@@ -1071,6 +1119,7 @@ int main(void)
         cmocka_unit_test(test_adamw_update),
         cmocka_unit_test(test_adamw_factor),
         cmocka_unit_test(test_adamw_update_multi),
+        cmocka_unit_test(test_adamw_update_pieces),
         cmocka_unit_test(test_sum_into),
         cmocka_unit_test(test_bf16_round),
         cmocka_unit_test(test_adamw_bf16_moments),
