@@ -345,7 +345,10 @@ static void prof_drain(void)
 {
     if (prof.n_pending == 0)
         return;
-    if (!MOE_CUDA_OK(cudaEventSynchronize(prof.ev[2 * prof.n_pending - 1]))) {
+    /* the pieces may lie on the background queue too (an update queued there), which the
+     * last one's completion does not imply */
+    if ((g.bg && !MOE_CUDA_OK(cudaStreamSynchronize(g.bg))) ||
+        !MOE_CUDA_OK(cudaEventSynchronize(prof.ev[2 * prof.n_pending - 1]))) {
         prof.n_pending = 0;
         return;
     }
