@@ -211,9 +211,14 @@ static void *carve_take(carve *c, size_t nbytes)
 
 #define TAKE(c, type, count) ((type *)carve_take((c), sizeof(type) * (size_t)(count)))
 
-/* What one chunk keeps apart from the others (moe_chunk): c backend memory, h host. */
+static int experts_take_tokens(const moe_model *m);
+
+/* What one chunk keeps apart from the others (moe_chunk): c backend memory, h host.
+ * Where the experts take the tokens (experts_take_tokens, fixed when the model is made)
+ * no rows are unpacked: no xrecv, lidx, lw (at the bench shape 64 MiB a layer). */
 static void carve_chunk(moe_model *m, moe_chunk *ch, carve *c, carve *h)
 {
+    const int unpacked = !experts_take_tokens(m);
     const size_t N = (size_t)m->Nc, D = (size_t)m->D, NK = N * (size_t)m->K;
     const size_t R = (size_t)m->Rmax, Mx = (size_t)m->Mmax;
     const size_t rows = R > NK ? R : NK;
@@ -252,9 +257,11 @@ static void carve_chunk(moe_model *m, moe_chunk *ch, carve *c, carve *h)
             a.token_rows = TAKE(c, int32_t, N * (size_t)m->ep);
             a.send_rows = TAKE(h, int, m->ep);
             a.recv_rows = TAKE(h, int, m->ep);
-            a.xrecv = TAKE(c, real, R * D);
-            a.lidx = TAKE(c, int32_t, R * m->K);
-            a.lw = TAKE(c, real, R * m->K);
+            if (unpacked) {
+                a.xrecv = TAKE(c, real, R * D);
+                a.lidx = TAKE(c, int32_t, R * m->K);
+                a.lw = TAKE(c, real, R * m->K);
+            }
             a.offsets = TAKE(h, int, m->El + 1);
             a.row_token = TAKE(c, int32_t, Mx);
             a.row_slot = TAKE(c, int32_t, Mx);
@@ -374,7 +381,8 @@ static moe_status mark_operands(moe_model *m, int on)
             MOE_CHECK(m->be->mark_operand(a->eh, on ? Mx * (size_t)m->F : 0));
             MOE_CHECK(m->be->mark_operand(a->h1, on ? N * (size_t)m->D : 0));
             MOE_CHECK(m->be->mark_operand(a->h2, on ? N * (size_t)m->D : 0));
-            MOE_CHECK(m->be->mark_operand(a->xrecv, on ? (size_t)m->Rmax * m->D : 0));
+            if (a->xrecv)
+                MOE_CHECK(m->be->mark_operand(a->xrecv, on ? (size_t)m->Rmax * m->D : 0));
             MOE_CHECK(m->be->mark_operand(a->xperm, on ? Mx * (size_t)m->D : 0));
             MOE_CHECK(m->be->mark_operand(a->ea, on ? Mx * (size_t)m->F : 0));
             MOE_CHECK(m->be->mark_operand(a->eout, on ? Mx * (size_t)m->D : 0));
