@@ -102,6 +102,11 @@ static __global__ void swiglu_forward8_kernel(uint16_t *h16, const void *a, cons
  * each call: the tests switch it). */
 static bool swiglu_vec8(void) { return !moe_cuda_env_is("MOE_SWIGLU_VEC", "4"); }
 
+static long n_vec8; /* launches of the 8-element kernels, forward and backward */
+
+/* Launches of the 8-element SwiGLU kernels so far (for tests). */
+extern "C" long moe_cuda_swiglu_vec8_launches(void) { return n_vec8; }
+
 /* The 16-bit form of a marked output of n elements (NULL: write fp32). */
 static uint16_t *in_place16(real *p, size_t n, int *bf16)
 {
@@ -142,6 +147,7 @@ extern "C" void cuda_swiglu_forward(real *h, const real *a, const real *b, size_
     const bool aligned = moe_aligned16(h) && moe_aligned16(a) && moe_aligned16(b);
     if (!fp32 && ab16 && h16 && n % 8 == 0 && aligned && swiglu_vec8()) {
         const unsigned blocks = moe_cuda_blocks(n / 8, MOE_CUDA_THREADS);
+        n_vec8++;
         if (bf16)
             MOE_CUDA_LAUNCH(swiglu_forward8_kernel<2>, blocks, MOE_CUDA_THREADS, 0, h16,
                             (const void *)a, (const void *)b, n / 8);
@@ -262,6 +268,7 @@ extern "C" void cuda_swiglu_backward(real *da, real *db, const real *dh, const r
                          moe_aligned16(a) && moe_aligned16(b);
     if (!fp32 && ab16 && da16 && db16 && n % 8 == 0 && aligned && swiglu_vec8()) {
         const unsigned blocks = moe_cuda_blocks(n / 8, MOE_CUDA_THREADS);
+        n_vec8++;
         if (bf16)
             MOE_CUDA_LAUNCH(swiglu_backward8_kernel<2>, blocks, MOE_CUDA_THREADS, 0, da16, db16,
                             (const void *)dh, (const void *)a, (const void *)b, n / 8);

@@ -492,6 +492,8 @@ long moe_cuda_batched_pairs(void);
  * the attention runs on the wgmma kernels here (attention.cu). */
 long moe_cuda_attention_qkv_fused(void);
 int moe_cuda_attention_wgmma(void);
+/* launches of the 8-element SwiGLU kernels so far (swiglu.cu) */
+long moe_cuda_swiglu_vec8_launches(void);
 void moe_cuda_grouped_counts(long *grouped_calls, long *single_gemms);
 
 /* The experts' gate and up projections as one op (grouped_matmul_forward_pair and its
@@ -643,11 +645,14 @@ static void check_outputs16(moe_precision p, const char *mode, double bound, con
     uint16_t *bits = malloc(sizeof(uint16_t) * 6 * no);
     for (int c = 0; c < 3; c++)
         st += gpu->mark_operand(o16 + c * no, no) != MOE_OK;
+    long vec8[2]; /* the 8-element launches each form made: 2, then none */
     for (int form = 0; form < 2; form++) {
         if (form)
             setenv("MOE_SWIGLU_VEC", "4", 1);
+        const long before = moe_cuda_swiglu_vec8_launches();
         gpu->swiglu_forward(o16, ab, ab + no, no);
         gpu->swiglu_backward(o16 + no, o16 + 2 * no, dh, ab, ab + no, no);
+        vec8[form] = moe_cuda_swiglu_vec8_launches() - before;
         unsetenv("MOE_SWIGLU_VEC");
         for (int c = 0; c < 3 && p != MOE_PREC_FP32; c++)
             gpu->copy(bits + (size_t)(3 * form + c) * no, o16 + c * no, sizeof(uint16_t) * no,
@@ -656,6 +661,8 @@ static void check_outputs16(moe_precision p, const char *mode, double bound, con
     if (p != MOE_PREC_FP32) {
         report("swiglu 16-bit out: 8 = 4 a thread", mode,
                memcmp(bits, bits + 3 * no, sizeof(uint16_t) * 3 * no) != 0, 0.0);
+        report("swiglu 16-bit out: the 8-element form ran, then the 4-element", mode,
+               vec8[0] != 2 || vec8[1] != 0, 0.0);
         for (int c = 0; c < 3; c++)
             read_marked(p, got + c * no, o16 + c * no, no);
         report("swiglu 16-bit out vs cpu", mode, rel_err(got, ref, 3 * no),
