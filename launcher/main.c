@@ -180,6 +180,7 @@ static void print_banner(const moe_config *cfg, const moe_trainer *tr, const cha
     printf("train: %d steps, micro-batch %d, grad_accum %d%s, data %s\n", cfg->steps,
            cfg->micro_batch, cfg->accum[0].micro_batches, cfg->n_accum > 1 ? " (scheduled)" : "",
            cfg->data_source);
+    printf("optimizer: %s\n", moe_trainer_update_mode(tr));
     moe_bind_print(stdout); /* each rank's cores and NUMA node (launcher/bind.h) */
     fflush(stdout);
 }

@@ -231,6 +231,22 @@ static moe_status setup_precision(moe_trainer *tr)
     return be->refresh_shadow();
 }
 
+const char *moe_trainer_update_mode(const moe_trainer *tr)
+{
+    if (!norm_in_update(tr))
+        return "AdamW after the backward (the global norm first: it clips or scales the loss)";
+    if (!tr->update_early)
+        return "AdamW after the backward (MOE_UPDATE_IN_BACKWARD=0)";
+    const int edp = tr->comm ? moe_comm_size(tr->comm, MOE_GROUP_EDP) : 1;
+    if (tr->world == 1)
+        return "AdamW beside the backward, each stage's parameters once their gradients are "
+               "final";
+    if (edp == 1)
+        return "AdamW beside the backward for the expert parameters, after their reduction for "
+               "the dense ones";
+    return "AdamW after the backward (every gradient is reduced across ranks first)";
+}
+
 const char *moe_trainer_precision(const moe_trainer *tr)
 {
     if (tr->precision == MOE_PREC_BF16 && strcmp(tr->cfg.expert_grads, "bf16") == 0)

@@ -132,6 +132,9 @@ moe_status moe_trainer_replan(moe_trainer *tr, FILE *out);
 
 /* The precision in words, for the banner. */
 const char *moe_trainer_precision(const moe_trainer *tr);
+/* When AdamW runs (docs/design.md: in pieces beside the backward where nothing clips and
+ * no loss scale can skip the step), in words for the start-up lines. */
+const char *moe_trainer_update_mode(const moe_trainer *tr);
 
 /* Trains until cfg.steps, printing progress to out, saving checkpoints (see the top).
  * Returns early with tr->stopped set after the checkpoint of a stop request. The JSONL

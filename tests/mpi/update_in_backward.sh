@@ -30,7 +30,17 @@ same accum accum-after "two micro-batches a step"
 run ep2 2 --set parallel.ep=2
 MOE_UPDATE_IN_BACKWARD=0 run ep2-after 2 --set parallel.ep=2
 same ep2 ep2-after "two ranks, ep 2"
+# the start-up line says which order ran (so the comparisons cannot pass with one twice)
+said() { # name pattern
+  grep -q "^optimizer: $2" "$WORK/$1.log" && pass "$1: says '$2'" ||
+    { fail "$1: no line 'optimizer: $2'"; grep "^optimizer" "$WORK/$1.log"; }
+}
+said plain "AdamW beside the backward, each stage"
+said accum "AdamW beside the backward, each stage"
+said plain-after "AdamW after the backward (MOE_UPDATE_IN_BACKWARD=0)"
+said ep2 "AdamW beside the backward for the expert parameters"
 run whole 1 --set train.grad_clip=1e30
+said whole "AdamW after the backward (the global norm first"
 $PY - "$WORK/plain.jsonl" "$WORK/whole.jsonl" <<'PY' && pass "the whole-arena update: the same losses, the norm within 1e-12" || fail "pieces against the whole-arena update"
 import json, sys
 a = [json.loads(l) for l in open(sys.argv[1])]
