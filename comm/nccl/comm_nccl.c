@@ -153,15 +153,13 @@ moe_status moe_nccl_create(moe_nccl **out, MPI_Comm groups[3], void *stream, int
             moe_log_at(__FILE__, __LINE__, "cudaEventCreate failed");
             st = MOE_ERR_DEVICE;
         }
-    /* the greatest priority, as the backend's queue (unless MOE_QUEUE_PRIORITY=0): only
-     * its background queue (the optimizer's updates) yields to them */
-    int least = 0, greatest = 0;
-    const char *pe = getenv("MOE_QUEUE_PRIORITY");
-    if (st == MOE_OK && cudaDeviceGetStreamPriorityRange(&least, &greatest) != cudaSuccess) {
-        moe_log_at(__FILE__, __LINE__, "cannot read the stream priorities");
+    /* the compute stream's priority (the greatest, unless MOE_QUEUE_PRIORITY=0): only the
+     * backend's background queue (the optimizer's updates) yields to them */
+    int prio = 0;
+    if (st == MOE_OK && cudaStreamGetPriority(n->stream, &prio) != cudaSuccess) {
+        moe_log_at(__FILE__, __LINE__, "cannot read the compute stream's priority");
         st = MOE_ERR_DEVICE;
     }
-    const int prio = pe && atoi(pe) == 0 ? least : greatest;
     if (st == MOE_OK &&
         (cudaStreamCreateWithPriority(&n->xstream, cudaStreamNonBlocking, prio) != cudaSuccess ||
          cudaStreamCreateWithPriority(&n->gstream, cudaStreamNonBlocking, prio) != cudaSuccess)) {
