@@ -76,15 +76,22 @@ double moe_lr_at(const moe_config *cfg, int step)
     return cfg->min_lr + 0.5 * (cfg->lr - cfg->min_lr) * (1.0 + cos(M_PI * progress));
 }
 
+/* AdamW over the arena's elements [lo, hi) at the step counted (opt->t). */
+static void update_range(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
+                         const double *norm_sq, double loss_scale, size_t lo, size_t hi,
+                         double *sq_out)
+{
+    opt->be->adamw_update_multi(
+        model->params, model->grads, opt->m, opt->v, opt->moments16, opt->n_params, lo, hi,
+        opt->seg_offsets, opt->seg_wd, opt->n_segs, (real)lr, (real)cfg->beta1, (real)cfg->beta2,
+        (real)cfg->adam_eps, norm_sq, cfg->grad_clip, loss_scale, opt->t, sq_out, model->n_dense);
+}
+
 void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
-                        const double *norm_sq, double loss_scale, double *sq_out)
+                        const double *norm_sq, double loss_scale)
 {
     opt->t++;
-    opt->be->adamw_update_multi(model->params, model->grads, opt->m, opt->v, opt->moments16,
-                                opt->n_params, 0, opt->n_params, opt->seg_offsets, opt->seg_wd,
-                                opt->n_segs, (real)lr, (real)cfg->beta1, (real)cfg->beta2,
-                                (real)cfg->adam_eps, norm_sq, cfg->grad_clip, loss_scale, opt->t,
-                                sq_out, model->n_dense);
+    update_range(opt, model, cfg, lr, norm_sq, loss_scale, 0, opt->n_params, NULL);
 }
 
 void moe_optimizer_next(moe_optimizer *opt) { opt->t++; }
@@ -92,10 +99,7 @@ void moe_optimizer_next(moe_optimizer *opt) { opt->t++; }
 void moe_optimizer_piece(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
                          double loss_scale, size_t lo, size_t hi, double *sq_out)
 {
-    opt->be->adamw_update_multi(model->params, model->grads, opt->m, opt->v, opt->moments16,
-                                opt->n_params, lo, hi, opt->seg_offsets, opt->seg_wd, opt->n_segs,
-                                (real)lr, (real)cfg->beta1, (real)cfg->beta2, (real)cfg->adam_eps,
-                                NULL, 0.0, loss_scale, opt->t, sq_out, model->n_dense);
+    update_range(opt, model, cfg, lr, NULL, loss_scale, lo, hi, sq_out);
 }
 
 void moe_optimizer_unstep(moe_optimizer *opt) { opt->t--; }

@@ -40,19 +40,16 @@ double moe_lr_at(const moe_config *cfg, int step);
  * in the backend's memory) holds the sums of squares of the gradients, which carry
  * loss_scale: the kernel multiplies the gradients by moe_adamw_factor (clipping to
  * cfg->grad_clip, removal of the loss scale) or, when the norm is not finite, changes
- * nothing; the host need not read the norm first. norm_sq NULL: no clipping and no skip
- * (the gradients are divided by loss_scale only); sq_out (2 doubles in the backend's
- * memory, or NULL) then receives the sums of squares of the dense gradients ([0]) and of
- * this rank's expert gradients ([1]) from the update's own pass over them. Counts the
- * step (opt->t); a caller that learns later that the step was skipped calls
- * moe_optimizer_unstep. */
+ * nothing; the host need not read the norm first. Counts the step (opt->t); a caller
+ * that learns later that the step was skipped calls moe_optimizer_unstep. */
 void moe_optimizer_step(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
-                        const double *norm_sq, double loss_scale, double *sq_out);
-/* The same step in pieces (no clipping, no skip): moe_optimizer_next counts it (opt->t),
- * then moe_optimizer_piece steps the elements [lo, hi) of the arena, writing the sums of
+                        const double *norm_sq, double loss_scale);
+/* The same step in pieces, where nothing clips and nothing skips (the gradients are
+ * divided by loss_scale only): moe_optimizer_next counts it (opt->t), then
+ * moe_optimizer_piece steps the elements [lo, hi) of the arena, writing the sums of
  * squares of their gradients below n_dense and from it to sq_out (2 doubles in the
- * backend's memory); pieces that cover the arena once give every element the bits the
- * whole step gives it (ops.h adamw_update_multi). */
+ * backend's memory) from the update's own pass over them; pieces that cover the arena
+ * once give every element the bits the whole step gives it (ops.h adamw_update_multi). */
 void moe_optimizer_next(moe_optimizer *opt);
 void moe_optimizer_piece(moe_optimizer *opt, moe_model *model, const moe_config *cfg, double lr,
                          double loss_scale, size_t lo, size_t hi, double *sq_out);

@@ -48,6 +48,9 @@ static moe_status build_buckets(moe_trainer *tr)
     return MOE_OK;
 }
 
+/* The update's pieces: a dense and an expert one per bucket (L + 2 buckets). */
+static size_t n_pieces(const moe_trainer *tr) { return 2 * ((size_t)tr->model->L + 2); }
+
 /* The update in pieces (norm_in_update: nothing clips, nothing skips): AdamW over bucket
  * b's dense (part 0) or expert (part 1) parameters, queued on the backend's background
  * queue, once a step; its sums of squares go to its own slot of norm_parts (an empty
@@ -127,7 +130,7 @@ static moe_status wait_bucket(moe_trainer *tr, int b)
 }
 
 /* Whether the gradient norm comes from the optimizer's own pass over the gradients
- * (moe_optimizer_step's sq_out): nothing clips and no loss scale can skip the step, so
+ * (moe_optimizer_piece's sq_out): nothing clips and no loss scale can skip the step, so
  * the update does not need the norm first, and the separate pass over every gradient
  * that would compute it is saved. The norm is then reported as always; only a
  * non-finite gradient is found after the update instead of before it (the job ends
@@ -282,7 +285,7 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
                                                     cfg->experts));
         MOE_CHECK_GOTO(st, moe_model_attach_routing(tr->model, tr->routing));
     }
-    const size_t n_parts = 2 * ((size_t)cfg->n_layers + 2);
+    const size_t n_parts = n_pieces(tr);
     tr->norm_sq = be->alloc(2 * sizeof(double));
     tr->norm_parts = be->alloc(2 * n_parts * sizeof(double));
     tr->updated = calloc(n_parts, 1);
@@ -361,8 +364,8 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     /* the dense gradients; the first backward writes the experts' (the larger part) */
     m->be->zero(m->grads, sizeof(real) * m->n_dense);
     if (norm_in_update(tr)) { /* the update's pieces: none queued yet */
-        m->be->zero(tr->norm_parts, sizeof(double) * 4 * ((size_t)m->L + 2));
-        memset(tr->updated, 0, 2 * ((size_t)m->L + 2));
+        m->be->zero(tr->norm_parts, sizeof(double) * 2 * n_pieces(tr));
+        memset(tr->updated, 0, n_pieces(tr));
         tr->step_counted = 0;
     }
     moe_model_fresh_expert_grads(m);
@@ -426,7 +429,7 @@ moe_status moe_trainer_losses(moe_trainer *tr, moe_step_result *res)
 {
     const moe_backend *be = tr->model->be;
     be->fetch(tr->step_host, tr->model->ce_acc, sizeof(double));
-    const int parts = norm_in_update(tr), n_parts = 2 * (tr->model->L + 2);
+    const int parts = norm_in_update(tr), n_parts = (int)n_pieces(tr);
     if (parts)
         be->fetch(tr->step_host + 3, tr->norm_parts, sizeof(double) * 2 * n_parts);
     else
@@ -518,7 +521,7 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
                 update_piece(tr, b, part);
         be->background_join();
     } else {
-        moe_optimizer_step(tr->opt, m, &tr->cfg, res->lr, tr->norm_sq, tr->loss_scale, NULL);
+        moe_optimizer_step(tr->opt, m, &tr->cfg, res->lr, tr->norm_sq, tr->loss_scale);
     }
     MOE_CHECK(be->refresh_shadow());
     moe_model_phase_end(m, tp, MOE_PHASE_OPTIMIZER);
