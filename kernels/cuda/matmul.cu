@@ -850,6 +850,128 @@ static int grouped_ready(void)
 
 static int prec_slot(void) { return prec == MOE_PREC_BF16 ? 1 : prec == MOE_PREC_FP16 ? 2 : 0; }
 
+/* ---- the grouped GEMMs on Hopper's wgmma (sm90/grouped_wgmma.cu) -------------------- */
+
+#if MOE_HAVE_SM90A
+#include "kernels/cuda/sm90/grouped_wgmma.h"
+extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, int blocks,
+                                  cudaStream_t s);
+#endif
+static long n_wgmma; /* launches of the wgmma grouped kernel */
+
+/* Whether a batch of 16-bit operands runs on the wgmma kernel: compute capability 9.0,
+ * the kernel built in, and MOE_GROUPED_GEMM=wgmma in the environment (read at each call,
+ * so that a test compares both; cuBLASLt, one GEMM a problem over the lanes, otherwise).
+ * *blocks: a launch's blocks, the SMs (MOE_GROUPED_WGMMA_BLOCKS=n fewer: a test's knob,
+ * so that each block walks many tiles). */
+static int wgmma_grouped_on(int *blocks)
+{
+#if MOE_HAVE_SM90A
+    static int cc90 = -1, n_sm;
+    if (cc90 < 0) {
+        int dev = 0, major = 0, minor = 0;
+        cc90 =
+            MOE_CUDA_OK(cudaGetDevice(&dev)) &&
+            MOE_CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)) &&
+            MOE_CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev)) &&
+            MOE_CUDA_OK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev)) &&
+            major == 9 && minor == 0 && n_sm > 0;
+    }
+    const char *e = getenv("MOE_GROUPED_WGMMA_BLOCKS");
+    const int want = e ? atoi(e) : 0;
+    *blocks = want > 0 && want < n_sm ? want : n_sm;
+    return cc90 == 1 && prec != MOE_PREC_FP32 && moe_cuda_env_is("MOE_GROUPED_GEMM", "wgmma");
+#else
+    *blocks = 0;
+    return 0;
+#endif
+}
+
+extern "C" long moe_cuda_grouped_wgmma_launches(void) { return n_wgmma; }
+
+#if MOE_HAVE_SM90A
+static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+/* The batch on the wgmma kernel: its problems turned row-major (cuBLAS's column-major C
+ * (m, n) = op(A) op(B) is C^T (n, m) = op(B)^T op(A)^T), by the layouts of A and B in up
+ * to three launches, each on a lane of its own. 0, with nothing queued, where a problem
+ * does not fit the kernel (alignment, a size not a multiple of 8, A M-major with B
+ * K-major): the caller runs the batch through cuBLAS. */
+static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms)
+{
+    static gw_args args[3];
+    int cls[GROUPED_MAX];
+    for (int i = 0; i < n; i++) {
+        const int amn = g->tb[i] == CUBLAS_OP_T, bnm = g->ta[i] == CUBLAS_OP_N;
+        const int M = g->nn[i], N = g->m[i], K = g->k[i];
+        const void *A = g->ptr.p[GROUPED_MAX + i], *B = g->ptr.p[i],
+                   *C = g->ptr.p[2 * GROUPED_MAX + i];
+        if ((amn && !bnm) || (amn ? M : K) % 8 || (bnm ? N : K) % 8 || g->ldb[i] % 8 ||
+            g->lda[i] % 8 || g->ldc[i] % 2 || !aligned16(A) || !aligned16(B) ||
+            ((uintptr_t)C & 7u) || g->beta[i] != (g->beta[i] != 0.0f ? 1.0f : 0.0f) ||
+            g->alpha[i] != 1.0f)
+            return 0;
+        cls[i] = amn + bnm; /* 0: K, K; 1: K, N; 2: M, N */
+    }
+    int used[3] = {0, 0, 0}, launches = 0;
+    for (int i = 0; i < n; i++)
+        used[cls[i]] = 1;
+    for (int c = 0; c < 3; c++)
+        launches += used[c];
+    const int use = launches < lanes ? launches : lanes;
+    MOE_CUDA_PROF_BEGIN("wgmma grouped GEMM");
+    if (use > 1) {
+        MOE_CUDA_OK(cudaEventRecord(fork_ev, moe_cuda_stream()));
+        for (int l = 1; l < use; l++)
+            MOE_CUDA_OK(cudaStreamWaitEvent(side_stream[l - 1], fork_ev, 0));
+    }
+    int lane = 0;
+    for (int c = 0; c < 3; c++) {
+        if (!used[c])
+            continue;
+        gw_args *a = &args[c];
+        a->count = a->total = 0;
+        for (int i = 0; i <= n; i++) {
+            if (i == n || a->count == GW_MAX) { /* launch what is gathered */
+                if (a->count > 0) {
+                    if (!cuda_wgmma_grouped(prec == MOE_PREC_BF16, c == 2, c >= 1, a, sms,
+                                            lane_stream(lane % use)))
+                        MOE_CUDA_FAIL("the wgmma grouped GEMM could not be launched");
+                    n_wgmma++;
+                }
+                a->count = a->total = 0;
+                if (i == n)
+                    break;
+            }
+            if (cls[i] != c)
+                continue;
+            gw_problem *p = &a->p[a->count++];
+            p->a = (const uint16_t *)g->ptr.p[GROUPED_MAX + i];
+            p->b = (const uint16_t *)g->ptr.p[i];
+            p->c = (void *)g->ptr.p[2 * GROUPED_MAX + i];
+            p->m = g->nn[i];
+            p->n = g->m[i];
+            p->k = g->k[i];
+            p->lda = g->ldb[i];
+            p->ldb = g->lda[i];
+            p->ldc = g->ldc[i];
+            p->tiles_n = (p->n + GW_BN - 1) / GW_BN;
+            p->tile0 = a->total;
+            p->flags = (g->out16[i] ? GW_OUT16 : 0) | (g->beta[i] != 0.0f ? GW_ACC : 0);
+            a->total += (p->m + GW_BM - 1) / GW_BM * p->tiles_n;
+        }
+        lane++;
+    }
+    if (use > 1)
+        for (int l = 1; l < use; l++) {
+            MOE_CUDA_OK(cudaEventRecord(join_ev[l - 1], side_stream[l - 1]));
+            MOE_CUDA_OK(cudaStreamWaitEvent(moe_cuda_stream(), join_ev[l - 1], 0));
+        }
+    MOE_CUDA_PROF_END();
+    return 1;
+}
+#endif
+
 /* Runs the batch's problems (one by one when cuBLAS refuses the grouped form for this
  * precision: remembered, and counted), then empties it. */
 static void grouped_flush(grouped_batch *g)
@@ -858,6 +980,13 @@ static void grouped_flush(grouped_batch *g)
     g->n = 0;
     if (n == 0)
         return;
+    int sms = 0;
+    if (wgmma_grouped_on(&sms) && grouped_ready()) {
+#if MOE_HAVE_SM90A
+        if (grouped_flush_wgmma(g, n, sms))
+            return;
+#endif
+    }
     int any16 = 0;
     for (int i = 0; i < n; i++)
         any16 |= g->out16[i];

@@ -495,6 +495,8 @@ int moe_cuda_attention_wgmma(void);
 /* launches of the 8-element SwiGLU kernels so far (swiglu.cu) */
 long moe_cuda_swiglu_vec8_launches(void);
 void moe_cuda_grouped_counts(long *grouped_calls, long *single_gemms);
+/* launches of the wgmma grouped GEMM so far (matmul.cu, MOE_GROUPED_GEMM=wgmma) */
+long moe_cuda_grouped_wgmma_launches(void);
 
 /* The experts' gate and up projections as one op (grouped_matmul_forward_pair and its
  * backward): weights wa, wb = the arena's groups [0, G2) and [G2, 2 G2) (host w, device
@@ -523,7 +525,7 @@ static void check_pair(const char *mode, double bound, const float *x, const flo
           *g16 = gpu->alloc(sizeof(float) * 2 * no), *dgx = dev_copy(nan_buf, ni),
           *dgw = dev_copy(nan_buf, 2 * gw);
     int st = gpu->mark_operand(g16, no) != MOE_OK || gpu->mark_operand(g16 + no, no) != MOE_OK;
-    const long pairs0 = moe_cuda_batched_pairs();
+    const long pairs0 = moe_cuda_batched_pairs(), wg0 = moe_cuda_grouped_wgmma_launches();
     long grouped0 = 0, grouped1 = 0, single = 0;
     moe_cuda_grouped_counts(&grouped0, &single);
     char what[96];
@@ -558,7 +560,9 @@ static void check_pair(const char *mode, double bound, const float *x, const flo
     for (int g = 0; g < G2; g++)
         groups += offsets[g + 1] > offsets[g];
     moe_cuda_grouped_counts(&grouped1, &single);
-    const long want = grouped1 > grouped0 ? 0 : 2L * groups;
+    /* none where cuBLAS's grouped call or the wgmma kernel ran them */
+    const long wg = moe_cuda_grouped_wgmma_launches() - wg0;
+    const long want = grouped1 > grouped0 || wg > 0 ? 0 : 2L * groups;
     snprintf(what, sizeof what, "pair: %ld batches of 2 (want %ld)", pairs, want);
     report(what, mode, (double)(pairs != want) + st, 0.0);
     gpu->mark_operand(g16, 0);
@@ -701,6 +705,72 @@ static void check_outputs16(moe_precision p, const char *mode, double bound, con
     free(ref);
     free(got);
     free(hab);
+}
+
+/* The grouped linear at sizes where each problem has several tiles of 128 x 256 and k
+ * several slices of 64, with tails in each (rows 130 .. 679 a group, one group empty,
+ * O = 576 = 2.25 x 256): forward, and backward written over NaN (the empty group's dw
+ * zeroed) then added to, against the CPU. */
+static void check_grouped_large(moe_precision p, const char *mode, double bound)
+{
+    const int G = 6, N = 1500, I = 264, O = 576;
+    const int offsets[7] = {0, 130, 130, 611, 700, 1379, 1500};
+    const size_t nw = (size_t)G * O * I, ni = (size_t)N * I, no = (size_t)N * O;
+    float *w = malloc(sizeof(float) * nw), *x = malloc(sizeof(float) * ni),
+          *dout = malloc(sizeof(float) * no), *ref = malloc(sizeof(float) * (nw + no)),
+          *got = malloc(sizeof(float) * (nw + no)), *refx = malloc(sizeof(float) * ni),
+          *gotx = malloc(sizeof(float) * ni);
+    fill(w, nw, 31, 0.05);
+    fill(x, ni, 32, 1.0);
+    fill(dout, no, 33, 1.0);
+    float *dw_ = dev_copy(w, nw), *dx_ = dev_copy(x, ni), *ddout = dev_copy(dout, no);
+    float *out = gpu->alloc(sizeof(float) * no), *dgx = gpu->alloc(sizeof(float) * ni),
+          *dgw = gpu->alloc(sizeof(float) * nw);
+    if (gpu->set_precision(p, dw_, nw, no) != MOE_OK || gpu->refresh_shadow() != MOE_OK) {
+        printf("FAIL %s: set_precision\n", mode);
+        failures++;
+        return;
+    }
+    moe_backend_cpu.grouped_matmul_forward(ref, x, w, offsets, G, I, O);
+    gpu->grouped_matmul_forward(out, dx_, dw_, offsets, G, I, O);
+    to_host(got, out, no);
+    report("grouped_forward large", mode, rel_err(got, ref, no), bound);
+    for (size_t i = 0; i < nw || i < ni; i++) {
+        if (i < nw)
+            got[i] = ref[i] = NAN;
+        if (i < ni)
+            gotx[i] = refx[i] = NAN;
+    }
+    moe_backend_cpu.grouped_matmul_backward(refx, ref, dout, x, w, offsets, G, I, O,
+                                            MOE_WRITE_DW | MOE_WRITE_DX);
+    gpu->copy(dgw, got, sizeof(float) * nw, MOE_COPY_H2D);
+    gpu->copy(dgx, gotx, sizeof(float) * ni, MOE_COPY_H2D);
+    gpu->grouped_matmul_backward(dgx, dgw, ddout, dx_, dw_, offsets, G, I, O,
+                                 MOE_WRITE_DW | MOE_WRITE_DX);
+    to_host(got, dgw, nw);
+    to_host(gotx, dgx, ni);
+    report("grouped_backward large dw", mode, rel_err(got, ref, nw), bound);
+    report("grouped_backward large dx", mode, rel_err(gotx, refx, ni), bound);
+    /* added to: the same again on top doubles both */
+    gpu->grouped_matmul_backward(dgx, dgw, ddout, dx_, dw_, offsets, G, I, O, 0);
+    to_host(got, dgw, nw);
+    to_host(gotx, dgx, ni);
+    for (size_t i = 0; i < nw || i < ni; i++) {
+        if (i < nw)
+            ref[i] *= 2;
+        if (i < ni)
+            refx[i] *= 2;
+    }
+    report("grouped_backward large dw +=", mode, rel_err(got, ref, nw), bound);
+    report("grouped_backward large dx +=", mode, rel_err(gotx, refx, ni), bound);
+    gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0);
+    gpu->release(dw_);
+    gpu->release(dx_);
+    gpu->release(ddout);
+    gpu->release(out);
+    gpu->release(dgx);
+    gpu->release(dgw);
+    free(w), free(x), free(dout), free(ref), free(got), free(refx), free(gotx);
 }
 
 static void check_mode(moe_precision p, const char *mode, double bound)
@@ -1340,8 +1410,26 @@ int main(void)
         check_mode(MOE_PREC_BF16, "bf16", 1e-2);
         check_attention_mode(MOE_PREC_BF16, "bf16", 1e-2);
         check_grads16();
+        check_grouped_large(MOE_PREC_FP16, "fp16", 5e-3);
+        check_grouped_large(MOE_PREC_BF16, "bf16", 1e-2);
         /* the mma.sync kernels of sm_80, which sm_90 replaces by wgmma at head dim 64 */
         if (cc >= 90) {
+            /* the experts' GEMMs on the wgmma grouped kernel (MOE_GROUPED_GEMM=wgmma), then
+             * with 3 blocks a launch, each walking many tiles and problems */
+            const long wg0 = moe_cuda_grouped_wgmma_launches();
+            setenv("MOE_GROUPED_GEMM", "wgmma", 1);
+            check_mode(MOE_PREC_FP16, "fp16 gw", 5e-3);
+            check_mode(MOE_PREC_BF16, "bf16 gw", 1e-2);
+            check_grouped_large(MOE_PREC_FP16, "fp16 gw", 5e-3);
+            check_grouped_large(MOE_PREC_BF16, "bf16 gw", 1e-2);
+            setenv("MOE_GROUPED_WGMMA_BLOCKS", "3", 1);
+            check_grouped_large(MOE_PREC_BF16, "bf16 gw3", 1e-2);
+            check_mode(MOE_PREC_BF16, "bf16 gw3", 1e-2);
+            unsetenv("MOE_GROUPED_WGMMA_BLOCKS");
+            unsetenv("MOE_GROUPED_GEMM");
+            const long wg = moe_cuda_grouped_wgmma_launches() - wg0;
+            printf("  wgmma grouped GEMM: %ld launches\n", wg);
+            report("wgmma grouped kernel ran", "16", wg > 0 ? 0.0 : 1.0, 0.0);
             /* the wgmma kernels' other block shapes (1 warpgroup for the forward, 2 for
              * dq and dk/dv) */
             setenv("MOE_ATTENTION_WG", "1", 1);
