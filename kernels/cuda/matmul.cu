@@ -854,7 +854,7 @@ static int prec_slot(void) { return prec == MOE_PREC_BF16 ? 1 : prec == MOE_PREC
 
 #if MOE_HAVE_SM90A
 #include "kernels/cuda/sm90/grouped_wgmma.h"
-extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, int blocks,
+extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, int bn, gw_args *g, int sms,
                                   cudaStream_t s);
 #endif
 static long n_wgmma; /* launches of the wgmma grouped kernel */
@@ -899,6 +899,7 @@ static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
  * K-major): the caller runs the batch through cuBLAS. */
 static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms)
 {
+    const int bn = moe_cuda_env_is("MOE_GROUPED_WGMMA_TILE", "256") ? 256 : 128;
     static gw_args args[3];
     int cls[GROUPED_MAX];
     for (int i = 0; i < n; i++) {
@@ -934,7 +935,7 @@ static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms)
         for (int i = 0; i <= n; i++) {
             if (i == n || a->count == GW_MAX) { /* launch what is gathered */
                 if (a->count > 0) {
-                    if (!cuda_wgmma_grouped(prec == MOE_PREC_BF16, c == 2, c >= 1, a, sms,
+                    if (!cuda_wgmma_grouped(prec == MOE_PREC_BF16, c == 2, c >= 1, bn, a, sms,
                                             lane_stream(lane % use)))
                         MOE_CUDA_FAIL("the wgmma grouped GEMM could not be launched");
                     n_wgmma++;
@@ -955,10 +956,7 @@ static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms)
             p->lda = g->ldb[i];
             p->ldb = g->lda[i];
             p->ldc = g->ldc[i];
-            p->tiles_n = (p->n + GW_BN - 1) / GW_BN;
-            p->tile0 = a->total;
             p->flags = (g->out16[i] ? GW_OUT16 : 0) | (g->beta[i] != 0.0f ? GW_ACC : 0);
-            a->total += (p->m + GW_BM - 1) / GW_BM * p->tiles_n;
         }
         lane++;
     }

@@ -3,14 +3,16 @@
  * persistent launch, so that no expert's last wave leaves SMs idle and no call waits for
  * another's. matmul.cu takes it on compute capability 9.0 where MOE_GROUPED_GEMM=wgmma.
  *
- * A block of two warpgroups computes 128 x 256 tiles of C, one after another (tile
+ * A block of two warpgroups computes 128 x BN tiles of C, one after another (tile
  * blockIdx.x, then every gridDim.x-th: the problems' tiles numbered one after another).
- * Each warpgroup owns 64 rows: per 64-wide slice of k, 4 wgmma m64n256k16 with both
+ * Each warpgroup owns 64 rows: per 64-wide slice of k, 4 wgmma m64nBNk16 with both
  * operands in shared memory (128-byte swizzle, sm90/wgmma.cuh). The slices of A (128 x 64)
- * and B (64 x 256) arrive by cp.async into 4 buffers, two slices ahead of the products,
+ * and B (64 x BN) arrive by cp.async into S buffers, two slices ahead of the products,
  * across the tiles' ends (the next tile's first slices load while this one finishes);
  * rows and columns past a problem's m, n and k are filled with zeros, so a slice never
- * reads another problem's rows. Sums in a fixed order: deterministic. */
+ * reads another problem's rows. Two shapes: BN 256 with 4 buffers (192 KB, a block an
+ * SM) and BN 128 with 3 (96 KB, two blocks an SM, each covering the other's waits).
+ * Sums in a fixed order: deterministic. */
 #include <stdint.h>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -20,11 +22,12 @@
 #include "kernels/cuda/sm90/wgmma.cuh"
 
 #define GW_BK 64                       /* k a slice */
-#define GW_STAGES 4                    /* buffers */
 #define GW_A_BYTES (GW_BM * GW_BK * 2) /* 16 KB: two 64 x 64 tiles */
-#define GW_B_BYTES (GW_BN * GW_BK * 2) /* 32 KB: four */
-#define GW_STAGE_BYTES (GW_A_BYTES + GW_B_BYTES)
-#define GW_SMEM (GW_STAGES * GW_STAGE_BYTES + 1024)
+/* B's bytes a slice (BN / 64 tiles), a buffer's, the buffers of a tile width and all */
+#define GW_B_BYTES(BN) ((BN)*GW_BK * 2)
+#define GW_STAGE_BYTES(BN) (GW_A_BYTES + GW_B_BYTES(BN))
+#define GW_STAGES(BN) ((BN) == 256 ? 4 : 3)
+#define GW_SMEM(BN) (GW_STAGES(BN) * GW_STAGE_BYTES(BN) + 1024)
 
 /* A slice's descriptor: the 128-byte swizzle, 8-row groups 1024 bytes apart (SBO), lbo
  * the distance of 64-wide atoms along M or N in an MN-major operand (unused K-major). */
@@ -49,7 +52,7 @@ static __device__ __forceinline__ unsigned gw_swz(int r, int c)
 /* Slice k0 .. k0 + 63 of tile (m0, n0) of problem p into the buffers sa (A) and sb (B),
  * 256 threads; zeros past m, n, k (a chunk is all in or all out: the contiguous sizes are
  * multiples of 8, which matmul.cu checks). */
-template <int AMN, int BNM>
+template <int AMN, int BNM, int BN>
 static __device__ __forceinline__ void gw_load(unsigned sa, unsigned sb, const gw_problem &p,
                                                int m0, int n0, int k0)
 {
@@ -70,15 +73,15 @@ static __device__ __forceinline__ void gw_load(unsigned sa, unsigned sb, const g
         gw_cp16(dst, ok ? p.a + (size_t)row * p.lda + col : p.a, ok);
     }
 #pragma unroll
-    for (int i = 0; i < 8; i++) { /* B: 2048 chunks */
+    for (int i = 0; i < BN / 32; i++) { /* B: 8 BN chunks */
         const int e = tid + 256 * i;
         int r, c, row, col;
         unsigned dst;
-        if (!BNM) { /* 256 rows of n, 8 chunks of k */
+        if (!BNM) { /* BN rows of n, 8 chunks of k */
             r = e >> 3, c = e & 7, row = n0 + r, col = k0 + 8 * c;
             dst = sb + gw_swz(r, c);
-        } else { /* 64 rows of k, 32 chunks of n: 8 to each of four tiles */
-            r = e >> 5, c = e & 31, row = k0 + r, col = n0 + 8 * c;
+        } else { /* 64 rows of k, BN / 8 chunks of n: 8 to each of BN / 64 tiles */
+            r = e / (BN / 8), c = e % (BN / 8), row = k0 + r, col = n0 + 8 * c;
             dst = sb + (unsigned)(c >> 3) * 8192u + gw_swz(r, c & 7);
         }
         const int ok = BNM ? (row < p.k && col < p.n) : (row < p.n && col < p.k);
@@ -105,6 +108,13 @@ static __device__ __forceinline__ void gw_load(unsigned sa, unsigned sb, const g
     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, " \
     "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, " \
     "%120, %121, %122, %123, %124, %125, %126, %127}, "
+#define GW_ACC64 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, " \
+    "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, " \
+    "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, " \
+    "%60, %61, %62, %63}, "
 /* clang-format on */
 #define GW_MMA(TY)                                                                                 \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                     \
@@ -113,21 +123,35 @@ static __device__ __forceinline__ void gw_load(unsigned sa, unsigned sb, const g
                  : GW_D16(0), GW_D16(16), GW_D16(32), GW_D16(48), GW_D16(64), GW_D16(80),          \
                    GW_D16(96), GW_D16(112)                                                         \
                  : "l"(a), "l"(b), "r"(acc), "n"(TA), "n"(TB))
+#define GW_MMA64(TY)                                                                               \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                      \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " GW_ACC64             \
+                 "%64, %65, p, 1, 1, %67, %68;\n}\n"                                               \
+                 : GW_D16(0), GW_D16(16), GW_D16(32), GW_D16(48)                                   \
+                 : "l"(a), "l"(b), "r"(acc), "n"(TA), "n"(TB))
 
-template <class T16, int TA, int TB>
-static __device__ __forceinline__ void gw_mma(float (&d)[128], uint64_t a, uint64_t b, int acc)
+/* NA accumulators: m64n256 (128) or m64n128 (64) */
+template <class T16, int TA, int TB, int NA>
+static __device__ __forceinline__ void gw_mma(float (&d)[NA], uint64_t a, uint64_t b, int acc)
 {
-    if constexpr (std::is_same<T16, __half>::value)
-        GW_MMA("f16");
-    else
-        GW_MMA("bf16");
+    if constexpr (NA == 128) {
+        if constexpr (std::is_same<T16, __half>::value)
+            GW_MMA("f16");
+        else
+            GW_MMA("bf16");
+    } else {
+        if constexpr (std::is_same<T16, __half>::value)
+            GW_MMA64("f16");
+        else
+            GW_MMA64("bf16");
+    }
 }
 
-/* This thread's 128 values of the warpgroup's 64 x 256 part of the tile at (m0, n0):
+/* This thread's NA values of the warpgroup's 64 x 2 NA part of the tile at (m0, n0):
  * d[4 j + e] is row 16 w + l / 4 + 8 (e / 2), column 8 j + 2 (l % 4) + e % 2 (warp w of
  * the warpgroup, lane l); rows past m and columns past n are not written. */
-template <class T16>
-static __device__ __forceinline__ void gw_store(const gw_problem &p, const float (&d)[128], int m0,
+template <class T16, int NA>
+static __device__ __forceinline__ void gw_store(const gw_problem &p, const float (&d)[NA], int m0,
                                                 int n0)
 {
     const int w = (threadIdx.x >> 5) & 3, l = threadIdx.x & 31;
@@ -141,7 +165,7 @@ static __device__ __forceinline__ void gw_store(const gw_problem &p, const float
             continue;
         const size_t base = (size_t)row * p.ldc;
 #pragma unroll
-        for (int j = 0; j < 32; j++) {
+        for (int j = 0; j < NA / 4; j++) {
             const int col = n0 + 8 * j + 2 * (l & 3);
             if (col >= p.n)
                 continue;
@@ -169,6 +193,7 @@ static __device__ __forceinline__ void gw_store(const gw_problem &p, const float
 
 /* Where tile t of the launch lies: its problem (from *pi on: tiles only grow), m0, n0 and
  * the slices of k. */
+template <int BN>
 static __device__ __forceinline__ void gw_locate(const gw_args &g, int t, int *pi, int *m0, int *n0,
                                                  int *nk)
 {
@@ -177,54 +202,59 @@ static __device__ __forceinline__ void gw_locate(const gw_args &g, int t, int *p
     const gw_problem &p = g.p[*pi];
     const int local = t - p.tile0;
     *m0 = (local / p.tiles_n) * GW_BM;
-    *n0 = (local % p.tiles_n) * GW_BN;
+    *n0 = (local % p.tiles_n) * BN;
     *nk = (p.k + GW_BK - 1) / GW_BK;
 }
 
-template <class T16, int AMN, int BNM>
-__global__ void __launch_bounds__(256, 1) gw_kernel(const __grid_constant__ gw_args g)
+/* BN 256: 4 buffers, the products of one slice in flight while the next are issued (the
+ * buffer of slice it + 2 held slice it - 2); BN 128: 3 buffers, each slice's products
+ * waited for (the buffer of it + 2 held it - 1), the other block of the SM running. */
+template <class T16, int AMN, int BNM, int BN>
+__global__ void __launch_bounds__(256, BN == 256 ? 1 : 2)
+    gw_kernel(const __grid_constant__ gw_args g)
 {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     return; /* never: CMakeLists.txt builds this file for sm_90a alone */
 #else
+    constexpr int S = GW_STAGES(BN), NA = BN / 2;
     extern __shared__ unsigned char gw_smem[];
     const unsigned base = fw_align1024(gw_smem);
     const int wg = threadIdx.x >> 7;
     /* the loader, two slices ahead of the products: tile lt, slice lk */
     int lt = blockIdx.x, lk = 0, lp = 0, lm0 = 0, ln0 = 0, lnk = 0;
     if (lt < g.total)
-        gw_locate(g, lt, &lp, &lm0, &ln0, &lnk);
+        gw_locate<BN>(g, lt, &lp, &lm0, &ln0, &lnk);
     auto load_next = [&](int stage) {
         if (lt < g.total) {
-            const unsigned s = base + (unsigned)stage * GW_STAGE_BYTES;
-            gw_load<AMN, BNM>(s, s + GW_A_BYTES, g.p[lp], lm0, ln0, lk * GW_BK);
+            const unsigned s = base + (unsigned)stage * GW_STAGE_BYTES(BN);
+            gw_load<AMN, BNM, BN>(s, s + GW_A_BYTES, g.p[lp], lm0, ln0, lk * GW_BK);
             if (++lk == lnk) {
                 lk = 0;
                 lt += gridDim.x;
                 if (lt < g.total)
-                    gw_locate(g, lt, &lp, &lm0, &ln0, &lnk);
+                    gw_locate<BN>(g, lt, &lp, &lm0, &ln0, &lnk);
             }
         }
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     };
     load_next(0);
     load_next(1);
-    float d[128];
+    float d[NA];
 #pragma unroll
-    for (int i = 0; i < 128; i++)
+    for (int i = 0; i < NA; i++)
         d[i] = 0.f;
     int it = 0, cp = 0;
     for (int t = blockIdx.x; t < g.total; t += gridDim.x) {
         int m0, n0, nk;
-        gw_locate(g, t, &cp, &m0, &n0, &nk);
+        gw_locate<BN>(g, t, &cp, &m0, &n0, &nk);
         for (int kt = 0; kt < nk; kt++, it++) {
-            /* slice it has landed (this thread's copies), then everyone's; the products of
-             * slice it - 2 are done in both warpgroups, so its buffer takes slice it + 2 */
+            /* slice it has landed (this thread's copies), then everyone's; the buffer of
+             * slice it + 2 is free in both warpgroups (above) */
             asm volatile("cp.async.wait_group 1;\n" ::: "memory");
             fw_proxy_fence();
             __syncthreads();
-            load_next((it + 2) & (GW_STAGES - 1));
-            const unsigned s = base + (unsigned)(it & (GW_STAGES - 1)) * GW_STAGE_BYTES;
+            load_next((it + 2) % S);
+            const unsigned s = base + (unsigned)(it % S) * GW_STAGE_BYTES(BN);
             const unsigned sa = s + (unsigned)wg * 8192u, sb = s + GW_A_BYTES;
             fw_keep(d);
             fw_fence();
@@ -233,53 +263,67 @@ __global__ void __launch_bounds__(256, 1) gw_kernel(const __grid_constant__ gw_a
                 const uint64_t da = AMN ? gw_desc(sa + 2048u * kk, 16) : gw_desc(sa + 32u * kk, 16);
                 const uint64_t db =
                     BNM ? gw_desc(sb + 2048u * kk, 8192) : gw_desc(sb + 32u * kk, 16);
-                gw_mma<T16, AMN, BNM>(d, da, db, kt > 0 || kk > 0);
+                gw_mma<T16, AMN, BNM, NA>(d, da, db, kt > 0 || kk > 0);
             }
             fw_commit();
-            fw_wait<1>();
+            if constexpr (S == 4)
+                fw_wait<1>();
+            else
+                fw_wait<0>();
         }
         fw_wait<0>();
         fw_keep(d);
-        gw_store<T16>(g.p[cp], d, m0, n0);
+        gw_store<T16, NA>(g.p[cp], d, m0, n0);
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 #endif
 }
 
-static int gw_ready(const void *kernel, int *ready)
+static int gw_ready(const void *kernel, int smem, int *ready)
 {
     if (*ready)
         return 1;
     if (!MOE_CUDA_OK(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, GW_SMEM)))
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)))
         return 0;
     *ready = 1;
     return 1;
 }
 
-/* One launch over g's problems on stream s: bf16 or fp16 operands, amn / bnm the layouts
- * of A and B (grouped_wgmma.h; amn without bnm is not built: 0 returned), blocks at most
- * the SMs. 0 when the kernel cannot run (recorded). Called by matmul.cu on compute
- * capability 9.0 only. */
-extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, int blocks,
+#define GW_PICK(BN)                                                                                \
+    (v == 0   ? (bf16 ? gw_kernel<__nv_bfloat16, 0, 0, BN> : gw_kernel<__half, 0, 0, BN>)          \
+     : v == 1 ? (bf16 ? gw_kernel<__nv_bfloat16, 0, 1, BN> : gw_kernel<__half, 0, 1, BN>)          \
+              : (bf16 ? gw_kernel<__nv_bfloat16, 1, 1, BN> : gw_kernel<__half, 1, 1, BN>))
+
+/* One launch over g's problems (their tiles numbered here) on stream s: bf16 or fp16
+ * operands, amn / bnm the layouts of A and B (grouped_wgmma.h; amn without bnm is not
+ * built: 0 returned), bn the tile's width (256, else 128), sms the SMs (a block each at
+ * 256, two at 128). 0 when the kernel cannot run (recorded). Called by matmul.cu on
+ * compute capability 9.0 only. */
+extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, int bn, gw_args *g, int sms,
                                   cudaStream_t s)
 {
-    static int ready[2][3];
-    void (*k)(gw_args);
-    int v;
-    if (!amn && !bnm)
-        v = 0, k = bf16 ? gw_kernel<__nv_bfloat16, 0, 0> : gw_kernel<__half, 0, 0>;
-    else if (!amn && bnm)
-        v = 1, k = bf16 ? gw_kernel<__nv_bfloat16, 0, 1> : gw_kernel<__half, 0, 1>;
-    else if (amn && bnm)
-        v = 2, k = bf16 ? gw_kernel<__nv_bfloat16, 1, 1> : gw_kernel<__half, 1, 1>;
-    else
+    static int ready[2][3][2];
+    bf16 = bf16 != 0;
+    bn = bn == 256 ? 256 : 128;
+    if (amn && !bnm)
         return 0;
-    if (!gw_ready((const void *)k, &ready[bf16 != 0][v]))
+    const int v = amn + bnm;
+    void (*k)(gw_args) = bn == 256 ? GW_PICK(256) : GW_PICK(128);
+    const int smem = bn == 256 ? GW_SMEM(256) : GW_SMEM(128);
+    if (!gw_ready((const void *)k, smem, &ready[bf16][v][bn == 256]))
         return 0;
+    g->total = 0;
+    for (int i = 0; i < g->count; i++) {
+        gw_problem *p = &g->p[i];
+        p->tiles_n = (p->n + bn - 1) / bn;
+        p->tile0 = g->total;
+        g->total += (p->m + GW_BM - 1) / GW_BM * p->tiles_n;
+    }
     if (g->total <= 0)
         return 1;
+    const int blocks = bn == 256 ? sms : 2 * sms;
     const int grid = g->total < blocks ? g->total : blocks;
-    k<<<grid, 256, GW_SMEM, s>>>(*g);
+    k<<<grid, 256, smem, s>>>(*g);
     return MOE_CUDA_OK(cudaGetLastError());
 }

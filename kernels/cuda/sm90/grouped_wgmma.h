@@ -11,14 +11,13 @@
 #define GW_OUT16 1 /* C holds 16-bit values */
 #define GW_ACC 2   /* C += A B (C's values read) */
 #define GW_BM 128  /* a block's tile: 128 rows (two warpgroups of 64) */
-#define GW_BN 256  /* by 256 columns */
 
 typedef struct {
     const uint16_t *a, *b;
     void *c;
     int m, n, k, lda, ldb, ldc;
-    int tile0;   /* the launch's first tile of this problem */
-    int tiles_n; /* its tiles along n */
+    int tile0;   /* the launch's first tile of this problem (set by the launcher) */
+    int tiles_n; /* its tiles along n (likewise) */
     int flags;   /* GW_OUT16, GW_ACC */
 } gw_problem;
 
