@@ -147,31 +147,32 @@ static __device__ __forceinline__ void gw_mma(float (&d)[NA], uint64_t a, uint64
     }
 }
 
-/* This thread's NA values of the warpgroup's 64 x 2 NA part of the tile at (m0, n0):
- * d[4 j + e] is row 16 w + l / 4 + 8 (e / 2), column 8 j + 2 (l % 4) + e % 2 (warp w of
- * the warpgroup, lane l); rows past m and columns past n are not written. */
+/* This thread's NA values of a warpgroup's 64 x 2 NA part of a tile, rows from wm0 and
+ * columns from n0 of C (m x n, row stride ldc, flags GW_OUT16 / GW_ACC): d[4 j + e] is row
+ * 16 w + l / 4 + 8 (e / 2), column 8 j + 2 (l % 4) + e % 2 (warp w of the warpgroup, lane
+ * l); rows past m and columns past n are not written. */
 template <class T16, int NA>
-static __device__ __forceinline__ void gw_store(const gw_problem &p, const float (&d)[NA], int m0,
-                                                int n0)
+static __device__ __forceinline__ void gw_store(void *c, int m, int n, int ldc, int flags,
+                                                const float (&d)[NA], int wm0, int n0)
 {
     const int w = (threadIdx.x >> 5) & 3, l = threadIdx.x & 31;
-    const int row0 = m0 + 64 * (threadIdx.x >> 7) + 16 * w + (l >> 2);
-    const int out16 = p.flags & GW_OUT16, acc = p.flags & GW_ACC;
+    const int row0 = wm0 + 16 * w + (l >> 2);
+    const int out16 = flags & GW_OUT16, acc = flags & GW_ACC;
     const int bf16 = !std::is_same<T16, __half>::value;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int row = row0 + 8 * h;
-        if (row >= p.m)
+        if (row >= m)
             continue;
-        const size_t base = (size_t)row * p.ldc;
+        const size_t base = (size_t)row * ldc;
 #pragma unroll
         for (int j = 0; j < NA / 4; j++) {
             const int col = n0 + 8 * j + 2 * (l & 3);
-            if (col >= p.n)
+            if (col >= n)
                 continue;
             float x = d[4 * j + 2 * h], y = d[4 * j + 2 * h + 1];
             if (out16) {
-                unsigned *q = (unsigned *)((T16 *)p.c + base + col);
+                unsigned *q = (unsigned *)((T16 *)c + base + col);
                 if (acc) {
                     const unsigned old = *q;
                     x += moe_widen16((uint16_t)(old & 0xFFFFu), bf16);
@@ -179,7 +180,7 @@ static __device__ __forceinline__ void gw_store(const gw_problem &p, const float
                 }
                 *q = fm_pack<T16>(x, y);
             } else {
-                float2 *q = (float2 *)((float *)p.c + base + col);
+                float2 *q = (float2 *)((float *)c + base + col);
                 if (acc) {
                     const float2 old = *q;
                     x += old.x;
@@ -273,7 +274,8 @@ __global__ void __launch_bounds__(256, BN == 256 ? 1 : 2)
         }
         fw_wait<0>();
         fw_keep(d);
-        gw_store<T16, NA>(g.p[cp], d, m0, n0);
+        const gw_problem &p = g.p[cp];
+        gw_store<T16, NA>(p.c, p.m, p.n, p.ldc, p.flags, d, m0 + 64 * wg, n0);
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 #endif
@@ -326,4 +328,270 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, int bn, gw_args *g
     const int grid = g->total < blocks ? g->total : blocks;
     k<<<grid, 256, smem, s>>>(*g);
     return MOE_CUDA_OK(cudaGetLastError());
+}
+
+/* ---- the same GEMMs with the tensor memory accelerator (TMA) and a producer warp ------
+ *
+ * A block of three warpgroups: the first's thread 0 copies each slice of A and B into one
+ * of 4 buffers by TMA (cp.async.bulk.tensor, a tensor map a problem and operand, encoded
+ * here on the host), the other two compute the 128 x 256 tile's halves as above. Each
+ * buffer has two mbarriers: "full" (the copies' bytes landed) and "empty" (the 8
+ * computing warps are done with it). The tensor maps bound each operand to its problem,
+ * so the TMA fills rows and columns past m, n and k with zeros itself. */
+
+#include <cuda.h>
+
+#define GT_STAGES 4
+#define GT_MAX 64 /* problems a launch: 64 x 384 bytes of parameters (CUDA >= 12.1) */
+#define GT_STAGE_BYTES (GW_A_BYTES + GW_B_BYTES(256))
+#define GT_SMEM (GT_STAGES * GT_STAGE_BYTES + 1024 + 64)
+
+typedef struct {
+    CUtensorMap ta, tb; /* A's and B's maps: 128 bytes each, 128-byte aligned */
+    void *c;
+    int m, n, k, ldc, tile0, tiles_n, flags;
+} gt_problem;
+
+typedef struct {
+    gt_problem p[GT_MAX];
+    int count, total;
+} gt_args;
+
+static __device__ __forceinline__ void gt_bar_init(unsigned bar, unsigned count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+static __device__ __forceinline__ void gt_bar_expect(unsigned bar, unsigned bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void gt_bar_arrive(unsigned bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+/* Waits until the barrier's phase of the given parity has completed. */
+static __device__ __forceinline__ void gt_bar_wait(unsigned bar, unsigned parity)
+{
+    asm volatile("{\n.reg .pred done;\n"
+                 "WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+
+/* The box at (c0 inner, c1) of the map into shared memory dst, counted on bar. */
+static __device__ __forceinline__ void gt_load(unsigned dst, const CUtensorMap *map, int c0, int c1,
+                                               unsigned bar)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+                 "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(bar)
+                 : "memory");
+}
+
+template <int BN>
+static __device__ __forceinline__ void gt_locate(const gt_args &g, int t, int *pi, int *m0, int *n0,
+                                                 int *nk)
+{
+    while (*pi + 1 < g.count && g.p[*pi + 1].tile0 <= t)
+        ++*pi;
+    const gt_problem &p = g.p[*pi];
+    const int local = t - p.tile0;
+    *m0 = (local / p.tiles_n) * GW_BM;
+    *n0 = (local % p.tiles_n) * BN;
+    *nk = (p.k + GW_BK - 1) / GW_BK;
+}
+
+template <class T16, int AMN, int BNM>
+__global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_args g)
+{
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    return; /* never: CMakeLists.txt builds this file for sm_90a alone */
+#else
+    extern __shared__ unsigned char gw_smem[];
+    const unsigned base = fw_align1024(gw_smem);
+    const unsigned bars = base + GT_STAGES * GT_STAGE_BYTES; /* full[s], then empty[s] */
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < GT_STAGES; s++) {
+            gt_bar_init(bars + 8 * s, 1);
+            gt_bar_init(bars + 8 * (GT_STAGES + s), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) { /* the producer: one thread */
+        if (threadIdx.x != 0)
+            return;
+        int s = 0, ph = 0, pi = 0;
+        for (int t = blockIdx.x; t < g.total; t += gridDim.x) {
+            int m0, n0, nk;
+            gt_locate<256>(g, t, &pi, &m0, &n0, &nk);
+            const gt_problem &p = g.p[pi];
+            for (int kt = 0; kt < nk; kt++) {
+                const unsigned full = bars + 8 * s, sa = base + (unsigned)s * GT_STAGE_BYTES,
+                               sb = sa + GW_A_BYTES;
+                gt_bar_wait(bars + 8 * (GT_STAGES + s), ph ^ 1);
+                gt_bar_expect(full, GT_STAGE_BYTES);
+                const int k0 = kt * GW_BK;
+                if (!AMN) {
+                    gt_load(sa, &p.ta, k0, m0, full);
+                } else {
+                    gt_load(sa, &p.ta, m0, k0, full);
+                    gt_load(sa + 8192u, &p.ta, m0 + 64, k0, full);
+                }
+                if (!BNM) {
+                    gt_load(sb, &p.tb, k0, n0, full);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        gt_load(sb + 8192u * j, &p.tb, n0 + 64 * j, k0, full);
+                }
+                if (++s == GT_STAGES)
+                    s = 0, ph ^= 1;
+            }
+        }
+        return;
+    }
+    /* the two computing warpgroups */
+    const int cw = (threadIdx.x >> 7) - 1, lane = threadIdx.x & 31;
+    float d[128];
+#pragma unroll
+    for (int i = 0; i < 128; i++)
+        d[i] = 0.f;
+    int s = 0, ph = 0, prev = -1, pi = 0;
+    for (int t = blockIdx.x; t < g.total; t += gridDim.x) {
+        int m0, n0, nk;
+        gt_locate<256>(g, t, &pi, &m0, &n0, &nk);
+        for (int kt = 0; kt < nk; kt++) {
+            gt_bar_wait(bars + 8 * s, ph);
+            const unsigned sa = base + (unsigned)s * GT_STAGE_BYTES + (unsigned)cw * 8192u,
+                           sb = base + (unsigned)s * GT_STAGE_BYTES + GW_A_BYTES;
+            fw_keep(d);
+            fw_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                const uint64_t da = AMN ? gw_desc(sa + 2048u * kk, 16) : gw_desc(sa + 32u * kk, 16);
+                const uint64_t db =
+                    BNM ? gw_desc(sb + 2048u * kk, 8192) : gw_desc(sb + 32u * kk, 16);
+                gw_mma<T16, AMN, BNM, 128>(d, da, db, kt > 0 || kk > 0);
+            }
+            fw_commit();
+            fw_wait<1>(); /* the products of the slice before are done: its buffer is free */
+            if (prev >= 0 && lane == 0)
+                gt_bar_arrive(bars + 8 * (GT_STAGES + prev));
+            prev = s;
+            if (++s == GT_STAGES)
+                s = 0, ph ^= 1;
+        }
+        fw_wait<0>();
+        fw_keep(d);
+        if (prev >= 0 && lane == 0)
+            gt_bar_arrive(bars + 8 * (GT_STAGES + prev));
+        prev = -1;
+        gw_store<T16, 128>(g.p[pi].c, g.p[pi].m, g.p[pi].n, g.p[pi].ldc, g.p[pi].flags, d,
+                           m0 + 64 * cw, n0);
+    }
+#endif
+}
+
+typedef CUresult (*gt_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                 const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                 const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* The driver's cuTensorMapEncodeTiled, through the runtime (no link to libcuda). */
+static gt_encode_fn gt_encoder(void)
+{
+    static gt_encode_fn fn;
+    static int tried;
+    if (!tried) {
+        tried = 1;
+        void *f = NULL;
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        if (MOE_CUDA_OK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
+                                                         cudaEnableDefault, &q)) &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (gt_encode_fn)f;
+    }
+    return fn;
+}
+
+/* The map of a rows x cols 16-bit matrix at ptr (row stride ld values) in boxes of 64
+ * columns by box_rows rows, 128-byte swizzled as wgmma reads them; 0 on failure. */
+static int gt_map(gt_encode_fn fn, CUtensorMap *map, int bf16, const void *ptr, int rows, int cols,
+                  int ld, int box_rows)
+{
+    const cuuint64_t dim[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+    const cuuint64_t stride[1] = {(cuuint64_t)ld * 2};
+    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, es[2] = {1, 1};
+    return fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+              (void *)ptr, dim, stride, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+#define GT_PICK                                                                                    \
+    (v == 0   ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 0> : gt_kernel<__half, 0, 0>)                  \
+     : v == 1 ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 1> : gt_kernel<__half, 0, 1>)                  \
+              : (bf16 ? gt_kernel<__nv_bfloat16, 1, 1> : gt_kernel<__half, 1, 1>))
+
+/* The TMA form of cuda_wgmma_grouped (128 x 256 tiles, a block an SM): g's problems (at
+ * most GW_MAX) in launches of GT_MAX, every map encoded before the first launch, so that
+ * a failure (0, with nothing queued) leaves the batch to the caller whole. */
+extern "C" int cuda_wgmma_grouped_tma(int bf16, int amn, int bnm, const gw_args *g, int sms,
+                                      cudaStream_t s)
+{
+    static gt_args args[(GW_MAX + GT_MAX - 1) / GT_MAX];
+    static int ready[2][3];
+    bf16 = bf16 != 0;
+    const gt_encode_fn fn = gt_encoder();
+    if ((amn && !bnm) || !fn || g->count > GW_MAX)
+        return 0;
+    const int v = amn + bnm;
+    void (*k)(gt_args) = GT_PICK;
+    if (!ready[bf16][v]) {
+        if (!MOE_CUDA_OK(
+                cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, GT_SMEM)))
+            return 0;
+        ready[bf16][v] = 1;
+    }
+    const int chunks = (g->count + GT_MAX - 1) / GT_MAX;
+    for (int c = 0; c < chunks; c++) {
+        gt_args *a = &args[c];
+        a->count = g->count - c * GT_MAX < GT_MAX ? g->count - c * GT_MAX : GT_MAX;
+        a->total = 0;
+        for (int i = 0; i < a->count; i++) {
+            const gw_problem *q = &g->p[c * GT_MAX + i];
+            gt_problem *p = &a->p[i];
+            const int ok = (amn ? gt_map(fn, &p->ta, bf16, q->a, q->k, q->m, q->lda, 64)
+                                : gt_map(fn, &p->ta, bf16, q->a, q->m, q->k, q->lda, GW_BM)) &&
+                           (bnm ? gt_map(fn, &p->tb, bf16, q->b, q->k, q->n, q->ldb, 64)
+                                : gt_map(fn, &p->tb, bf16, q->b, q->n, q->k, q->ldb, 256));
+            if (!ok)
+                return 0;
+            p->c = q->c;
+            p->m = q->m;
+            p->n = q->n;
+            p->k = q->k;
+            p->ldc = q->ldc;
+            p->flags = q->flags;
+            p->tiles_n = (p->n + 255) / 256;
+            p->tile0 = a->total;
+            a->total += (p->m + GW_BM - 1) / GW_BM * p->tiles_n;
+        }
+    }
+    for (int c = 0; c < chunks; c++) {
+        if (args[c].total <= 0)
+            continue;
+        const int grid = args[c].total < sms ? args[c].total : sms;
+        k<<<grid, 384, GT_SMEM, s>>>(args[c]);
+        if (!MOE_CUDA_OK(cudaGetLastError()))
+            return 0;
+    }
+    return 1;
 }
