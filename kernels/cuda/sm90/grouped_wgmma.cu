@@ -344,7 +344,7 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, int bn, gw_args *g
 #define GT_STAGES 4
 #define GT_MAX 64 /* problems a launch: 64 x 384 bytes of parameters (CUDA >= 12.1) */
 #define GT_STAGE_BYTES (GW_A_BYTES + GW_B_BYTES(256))
-#define GT_SMEM (GT_STAGES * GT_STAGE_BYTES + 1024 + 64)
+#define GT_SMEM (GT_STAGES * GT_STAGE_BYTES + 1024 + 128) /* + barriers and tile slots */
 
 typedef struct {
     CUtensorMap ta, tb; /* A's and B's maps: 128 bytes each, 128-byte aligned */
@@ -355,6 +355,7 @@ typedef struct {
 typedef struct {
     gt_problem p[GT_MAX];
     int count, total;
+    int *next; /* the tiles handed out past the first gridDim.x (zeroed before the launch) */
 } gt_args;
 
 static __device__ __forceinline__ void gt_bar_init(unsigned bar, unsigned count)
@@ -407,6 +408,10 @@ static __device__ __forceinline__ void gt_locate(const gt_args &g, int t, int *p
     *nk = (p.k + GW_BK - 1) / GW_BK;
 }
 
+/* Tiles are handed out as blocks ask (an atomic counter after each block's first), so that
+ * a block that started late, its SM held by another stream's work, takes fewer. The
+ * producer writes each slice's tile into its buffer's slot before the copies; a slot of -1
+ * (its full barrier completed without bytes) ends the computing warpgroups' walk. */
 template <class T16, int AMN, int BNM>
 __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_args g)
 {
@@ -416,6 +421,9 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
     extern __shared__ unsigned char gw_smem[];
     const unsigned base = fw_align1024(gw_smem);
     const unsigned bars = base + GT_STAGES * GT_STAGE_BYTES; /* full[s], then empty[s] */
+    volatile int *slot =
+        (volatile int *)(gw_smem + (bars - (unsigned)__cvta_generic_to_shared(gw_smem)) +
+                         16 * GT_STAGES);
     if (threadIdx.x == 0) {
         for (int s = 0; s < GT_STAGES; s++) {
             gt_bar_init(bars + 8 * s, 1);
@@ -428,7 +436,13 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
         if (threadIdx.x != 0)
             return;
         int s = 0, ph = 0, pi = 0;
-        for (int t = blockIdx.x; t < g.total; t += gridDim.x) {
+        for (int t = blockIdx.x;; t = gridDim.x + atomicAdd(g.next, 1)) {
+            if (t >= g.total) { /* the end: a slot of -1, its barrier completed */
+                gt_bar_wait(bars + 8 * (GT_STAGES + s), ph ^ 1);
+                slot[s] = -1;
+                gt_bar_arrive(bars + 8 * s);
+                return;
+            }
             int m0, n0, nk;
             gt_locate<256>(g, t, &pi, &m0, &n0, &nk);
             const gt_problem &p = g.p[pi];
@@ -436,6 +450,7 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
                 const unsigned full = bars + 8 * s, sa = base + (unsigned)s * GT_STAGE_BYTES,
                                sb = sa + GW_A_BYTES;
                 gt_bar_wait(bars + 8 * (GT_STAGES + s), ph ^ 1);
+                slot[s] = t;
                 gt_bar_expect(full, GT_STAGE_BYTES);
                 const int k0 = kt * GW_BK;
                 if (!AMN) {
@@ -455,7 +470,6 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
                     s = 0, ph ^= 1;
             }
         }
-        return;
     }
     /* the two computing warpgroups */
     const int cw = (threadIdx.x >> 7) - 1, lane = threadIdx.x & 31;
@@ -464,11 +478,16 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
     for (int i = 0; i < 128; i++)
         d[i] = 0.f;
     int s = 0, ph = 0, prev = -1, pi = 0;
-    for (int t = blockIdx.x; t < g.total; t += gridDim.x) {
+    for (;;) {
+        gt_bar_wait(bars + 8 * s, ph);
+        const int t = slot[s];
+        if (t < 0)
+            break;
         int m0, n0, nk;
         gt_locate<256>(g, t, &pi, &m0, &n0, &nk);
         for (int kt = 0; kt < nk; kt++) {
-            gt_bar_wait(bars + 8 * s, ph);
+            if (kt > 0)
+                gt_bar_wait(bars + 8 * s, ph);
             const unsigned sa = base + (unsigned)s * GT_STAGE_BYTES + (unsigned)cw * 8192u,
                            sb = base + (unsigned)s * GT_STAGE_BYTES + GW_A_BYTES;
             fw_keep(d);
@@ -548,9 +567,13 @@ extern "C" int cuda_wgmma_grouped_tma(int bf16, int amn, int bnm, const gw_args 
 {
     static gt_args args[(GW_MAX + GT_MAX - 1) / GT_MAX];
     static int ready[2][3];
+    static int *counters, turn; /* 64 tile counters, taken in turn: a flush joins its lanes,
+                                 * so a counter's last launch has ended when it comes again */
     bf16 = bf16 != 0;
     const gt_encode_fn fn = gt_encoder();
     if ((amn && !bnm) || !fn || g->count > GW_MAX)
+        return 0;
+    if (!counters && !MOE_CUDA_OK(cudaMalloc((void **)&counters, 64 * sizeof(int))))
         return 0;
     const int v = amn + bnm;
     void (*k)(gt_args) = GT_PICK;
@@ -589,6 +612,10 @@ extern "C" int cuda_wgmma_grouped_tma(int bf16, int amn, int bnm, const gw_args 
         if (args[c].total <= 0)
             continue;
         const int grid = args[c].total < sms ? args[c].total : sms;
+        args[c].next = counters + turn;
+        turn = (turn + 1) % 64;
+        if (!MOE_CUDA_OK(cudaMemsetAsync(args[c].next, 0, sizeof(int), s)))
+            return 0;
         k<<<grid, 384, GT_SMEM, s>>>(args[c]);
         if (!MOE_CUDA_OK(cudaGetLastError()))
             return 0;
