@@ -854,10 +854,8 @@ static int prec_slot(void) { return prec == MOE_PREC_BF16 ? 1 : prec == MOE_PREC
 
 #if MOE_HAVE_SM90A
 #include "kernels/cuda/sm90/grouped_wgmma.h"
-extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, int bn, gw_args *g, int sms,
+extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, int sms,
                                   cudaStream_t s);
-extern "C" int cuda_wgmma_grouped_tma(int bf16, int amn, int bnm, const gw_args *g, int sms,
-                                      cudaStream_t s);
 #endif
 static long n_wgmma; /* launches of the wgmma grouped kernel */
 
@@ -882,9 +880,7 @@ static int wgmma_grouped_on(int *blocks)
     const char *e = getenv("MOE_GROUPED_WGMMA_BLOCKS");
     const int want = e ? atoi(e) : 0;
     *blocks = want > 0 && want < n_sm ? want : n_sm;
-    return cc90 == 1 && prec != MOE_PREC_FP32 &&
-           (moe_cuda_env_is("MOE_GROUPED_GEMM", "wgmma") ||
-            moe_cuda_env_is("MOE_GROUPED_GEMM", "tma"));
+    return cc90 == 1 && prec != MOE_PREC_FP32 && moe_cuda_env_is("MOE_GROUPED_GEMM", "wgmma");
 #else
     *blocks = 0;
     return 0;
@@ -903,8 +899,6 @@ static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
  * K-major): the caller runs the batch through cuBLAS. */
 static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms)
 {
-    const int bn = moe_cuda_env_is("MOE_GROUPED_WGMMA_TILE", "256") ? 256 : 128;
-    const int tma = moe_cuda_env_is("MOE_GROUPED_GEMM", "tma");
     static gw_args args[3];
     int cls[GROUPED_MAX];
     for (int i = 0; i < n; i++) {
@@ -936,18 +930,17 @@ static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms)
         if (!used[c])
             continue;
         gw_args *a = &args[c];
-        a->count = a->total = 0;
+        a->count = 0;
         for (int i = 0; i <= n; i++) {
             if (i == n || a->count == GW_MAX) { /* launch what is gathered */
                 if (a->count > 0) {
                     const int bf16 = prec == MOE_PREC_BF16;
                     cudaStream_t st = lane_stream(lane % use);
-                    if (!(tma ? cuda_wgmma_grouped_tma(bf16, c == 2, c >= 1, a, sms, st)
-                              : cuda_wgmma_grouped(bf16, c == 2, c >= 1, bn, a, sms, st)))
+                    if (!cuda_wgmma_grouped(bf16, c == 2, c >= 1, a, sms, st))
                         MOE_CUDA_FAIL("the wgmma grouped GEMM could not be launched");
                     n_wgmma++;
                 }
-                a->count = a->total = 0;
+                a->count = 0;
                 if (i == n)
                     break;
             }

@@ -3,17 +3,19 @@
  * persistent launch, so that no expert's last wave leaves SMs idle and no call waits for
  * another's. matmul.cu takes it on compute capability 9.0 where MOE_GROUPED_GEMM=wgmma.
  *
- * A block of two warpgroups computes 128 x BN tiles of C, one after another (tile
- * blockIdx.x, then every gridDim.x-th: the problems' tiles numbered one after another).
- * Each warpgroup owns 64 rows: per 64-wide slice of k, 4 wgmma m64nBNk16 with both
- * operands in shared memory (128-byte swizzle, sm90/wgmma.cuh). The slices of A (128 x 64)
- * and B (64 x BN) arrive by cp.async into S buffers, two slices ahead of the products,
- * across the tiles' ends (the next tile's first slices load while this one finishes);
- * rows and columns past a problem's m, n and k are filled with zeros, so a slice never
- * reads another problem's rows. Two shapes: BN 256 with 4 buffers (192 KB, a block an
- * SM) and BN 128 with 3 (96 KB, two blocks an SM, each covering the other's waits).
- * Sums in a fixed order: deterministic. */
+ * A block of three warpgroups computes 128 x 256 tiles of C. The first warpgroup's thread
+ * 0 copies each 64-wide slice of k of A (128 x 64) and B (64 x 256) into one of 4 buffers
+ * by the tensor memory accelerator (TMA: cp.async.bulk.tensor, a tensor map a problem and
+ * operand, encoded here on the host, 128-byte swizzled as wgmma reads it); the tensor
+ * maps bound each operand to its problem, so the TMA fills rows and columns past m, n and
+ * k with zeros and a slice never reads another problem's rows. The other two warpgroups
+ * own 64 rows each: per slice, 4 wgmma m64n256k16 with both operands in shared memory
+ * (sm90/wgmma.cuh). Each buffer has two mbarriers: "full" (the copies' bytes landed) and
+ * "empty" (the 8 computing warps are done with it). The copies run up to 4 slices ahead
+ * of the products, across the tiles' ends. Sums in a fixed order: deterministic. */
 #include <stdint.h>
+
+#include <cuda.h>
 
 #include "kernels/cuda/cuda_common.cuh"
 
@@ -21,13 +23,15 @@
 #include "kernels/cuda/sm90/grouped_wgmma.h"
 #include "kernels/cuda/sm90/wgmma.cuh"
 
+#define GW_BM 128                      /* a tile's rows: two warpgroups of 64 */
+#define GW_BN 256                      /* its columns */
 #define GW_BK 64                       /* k a slice */
-#define GW_A_BYTES (GW_BM * GW_BK * 2) /* 16 KB: two 64 x 64 tiles */
-/* B's bytes a slice (BN / 64 tiles), a buffer's, the buffers of a tile width and all */
-#define GW_B_BYTES(BN) ((BN)*GW_BK * 2)
-#define GW_STAGE_BYTES(BN) (GW_A_BYTES + GW_B_BYTES(BN))
-#define GW_STAGES(BN) ((BN) == 256 ? 4 : 3)
-#define GW_SMEM(BN) (GW_STAGES(BN) * GW_STAGE_BYTES(BN) + 1024)
+#define GW_A_BYTES (GW_BM * GW_BK * 2) /* 16 KB a slice: two 64 x 64 tiles */
+#define GW_B_BYTES (GW_BN * GW_BK * 2) /* 32 KB: four */
+#define GT_STAGES 4
+#define GT_MAX 64 /* problems a launch: 64 x 384 bytes of parameters (CUDA >= 12.1) */
+#define GT_STAGE_BYTES (GW_A_BYTES + GW_B_BYTES)
+#define GT_SMEM (GT_STAGES * GT_STAGE_BYTES + 1024 + 128) /* + barriers and tile slots */
 
 /* A slice's descriptor: the 128-byte swizzle, 8-row groups 1024 bytes apart (SBO), lbo
  * the distance of 64-wide atoms along M or N in an MN-major operand (unused K-major). */
@@ -35,58 +39,6 @@ static __device__ __forceinline__ uint64_t gw_desc(unsigned a, unsigned lbo)
 {
     return (uint64_t)((a & 0x3FFFFu) >> 4) | ((uint64_t)(lbo >> 4) << 16) |
            ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
-}
-
-static __device__ __forceinline__ void gw_cp16(unsigned dst, const uint16_t *src, int ok)
-{
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(ok ? 16 : 0));
-}
-
-/* The 16-byte chunk c of row r of a 64 x 64 tile (rows of 128 bytes) under the swizzle. */
-static __device__ __forceinline__ unsigned gw_swz(int r, int c)
-{
-    return (unsigned)(r * 128 + ((c ^ (r & 7)) << 4));
-}
-
-/* Slice k0 .. k0 + 63 of tile (m0, n0) of problem p into the buffers sa (A) and sb (B),
- * 256 threads; zeros past m, n, k (a chunk is all in or all out: the contiguous sizes are
- * multiples of 8, which matmul.cu checks). */
-template <int AMN, int BNM, int BN>
-static __device__ __forceinline__ void gw_load(unsigned sa, unsigned sb, const gw_problem &p,
-                                               int m0, int n0, int k0)
-{
-    const int tid = threadIdx.x;
-#pragma unroll
-    for (int i = 0; i < 4; i++) { /* A: 1024 chunks */
-        const int e = tid + 256 * i;
-        int r, c, row, col;
-        unsigned dst;
-        if (!AMN) { /* 128 rows of m, 8 chunks of k: the tiles of the two warpgroups */
-            r = e >> 3, c = e & 7, row = m0 + r, col = k0 + 8 * c;
-            dst = sa + gw_swz(r, c);
-        } else { /* 64 rows of k, 16 chunks of m: chunks 0-7 the first tile, 8-15 the second */
-            r = e >> 4, c = e & 15, row = k0 + r, col = m0 + 8 * c;
-            dst = sa + (unsigned)(c >> 3) * 8192u + gw_swz(r, c & 7);
-        }
-        const int ok = AMN ? (row < p.k && col < p.m) : (row < p.m && col < p.k);
-        gw_cp16(dst, ok ? p.a + (size_t)row * p.lda + col : p.a, ok);
-    }
-#pragma unroll
-    for (int i = 0; i < BN / 32; i++) { /* B: 8 BN chunks */
-        const int e = tid + 256 * i;
-        int r, c, row, col;
-        unsigned dst;
-        if (!BNM) { /* BN rows of n, 8 chunks of k */
-            r = e >> 3, c = e & 7, row = n0 + r, col = k0 + 8 * c;
-            dst = sb + gw_swz(r, c);
-        } else { /* 64 rows of k, BN / 8 chunks of n: 8 to each of BN / 64 tiles */
-            r = e / (BN / 8), c = e % (BN / 8), row = k0 + r, col = n0 + 8 * c;
-            dst = sb + (unsigned)(c >> 3) * 8192u + gw_swz(r, c & 7);
-        }
-        const int ok = BNM ? (row < p.k && col < p.n) : (row < p.n && col < p.k);
-        gw_cp16(dst, ok ? p.b + (size_t)row * p.ldb + col : p.b, ok);
-    }
 }
 
 /* d (64 x 256 fp32, this thread's 128) = or += A (64 x 16) B (16 x 256), both at
@@ -108,13 +60,6 @@ static __device__ __forceinline__ void gw_load(unsigned sa, unsigned sb, const g
     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, " \
     "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, " \
     "%120, %121, %122, %123, %124, %125, %126, %127}, "
-#define GW_ACC64 \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, " \
-    "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
-    "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, " \
-    "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, " \
-    "%60, %61, %62, %63}, "
 /* clang-format on */
 #define GW_MMA(TY)                                                                                 \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                     \
@@ -123,28 +68,14 @@ static __device__ __forceinline__ void gw_load(unsigned sa, unsigned sb, const g
                  : GW_D16(0), GW_D16(16), GW_D16(32), GW_D16(48), GW_D16(64), GW_D16(80),          \
                    GW_D16(96), GW_D16(112)                                                         \
                  : "l"(a), "l"(b), "r"(acc), "n"(TA), "n"(TB))
-#define GW_MMA64(TY)                                                                               \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                      \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " GW_ACC64             \
-                 "%64, %65, p, 1, 1, %67, %68;\n}\n"                                               \
-                 : GW_D16(0), GW_D16(16), GW_D16(32), GW_D16(48)                                   \
-                 : "l"(a), "l"(b), "r"(acc), "n"(TA), "n"(TB))
 
-/* NA accumulators: m64n256 (128) or m64n128 (64) */
-template <class T16, int TA, int TB, int NA>
-static __device__ __forceinline__ void gw_mma(float (&d)[NA], uint64_t a, uint64_t b, int acc)
+template <class T16, int TA, int TB>
+static __device__ __forceinline__ void gw_mma(float (&d)[128], uint64_t a, uint64_t b, int acc)
 {
-    if constexpr (NA == 128) {
-        if constexpr (std::is_same<T16, __half>::value)
-            GW_MMA("f16");
-        else
-            GW_MMA("bf16");
-    } else {
-        if constexpr (std::is_same<T16, __half>::value)
-            GW_MMA64("f16");
-        else
-            GW_MMA64("bf16");
-    }
+    if constexpr (std::is_same<T16, __half>::value)
+        GW_MMA("f16");
+    else
+        GW_MMA("bf16");
 }
 
 /* This thread's NA values of a warpgroup's 64 x 2 NA part of a tile, rows from wm0 and
@@ -191,160 +122,6 @@ static __device__ __forceinline__ void gw_store(void *c, int m, int n, int ldc, 
         }
     }
 }
-
-/* Where tile t of the launch lies: its problem (from *pi on: tiles only grow), m0, n0 and
- * the slices of k. */
-template <int BN>
-static __device__ __forceinline__ void gw_locate(const gw_args &g, int t, int *pi, int *m0, int *n0,
-                                                 int *nk)
-{
-    while (*pi + 1 < g.count && g.p[*pi + 1].tile0 <= t)
-        ++*pi;
-    const gw_problem &p = g.p[*pi];
-    const int local = t - p.tile0;
-    *m0 = (local / p.tiles_n) * GW_BM;
-    *n0 = (local % p.tiles_n) * BN;
-    *nk = (p.k + GW_BK - 1) / GW_BK;
-}
-
-/* BN 256: 4 buffers, the products of one slice in flight while the next are issued (the
- * buffer of slice it + 2 held slice it - 2); BN 128: 3 buffers, each slice's products
- * waited for (the buffer of it + 2 held it - 1), the other block of the SM running. */
-template <class T16, int AMN, int BNM, int BN>
-__global__ void __launch_bounds__(256, BN == 256 ? 1 : 2)
-    gw_kernel(const __grid_constant__ gw_args g)
-{
-#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    return; /* never: CMakeLists.txt builds this file for sm_90a alone */
-#else
-    constexpr int S = GW_STAGES(BN), NA = BN / 2;
-    extern __shared__ unsigned char gw_smem[];
-    const unsigned base = fw_align1024(gw_smem);
-    const int wg = threadIdx.x >> 7;
-    /* the loader, two slices ahead of the products: tile lt, slice lk */
-    int lt = blockIdx.x, lk = 0, lp = 0, lm0 = 0, ln0 = 0, lnk = 0;
-    if (lt < g.total)
-        gw_locate<BN>(g, lt, &lp, &lm0, &ln0, &lnk);
-    auto load_next = [&](int stage) {
-        if (lt < g.total) {
-            const unsigned s = base + (unsigned)stage * GW_STAGE_BYTES(BN);
-            gw_load<AMN, BNM, BN>(s, s + GW_A_BYTES, g.p[lp], lm0, ln0, lk * GW_BK);
-            if (++lk == lnk) {
-                lk = 0;
-                lt += gridDim.x;
-                if (lt < g.total)
-                    gw_locate<BN>(g, lt, &lp, &lm0, &ln0, &lnk);
-            }
-        }
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
-    };
-    load_next(0);
-    load_next(1);
-    float d[NA];
-#pragma unroll
-    for (int i = 0; i < NA; i++)
-        d[i] = 0.f;
-    int it = 0, cp = 0;
-    for (int t = blockIdx.x; t < g.total; t += gridDim.x) {
-        int m0, n0, nk;
-        gw_locate<BN>(g, t, &cp, &m0, &n0, &nk);
-        for (int kt = 0; kt < nk; kt++, it++) {
-            /* slice it has landed (this thread's copies), then everyone's; the buffer of
-             * slice it + 2 is free in both warpgroups (above) */
-            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-            fw_proxy_fence();
-            __syncthreads();
-            load_next((it + 2) % S);
-            const unsigned s = base + (unsigned)(it % S) * GW_STAGE_BYTES(BN);
-            const unsigned sa = s + (unsigned)wg * 8192u, sb = s + GW_A_BYTES;
-            fw_keep(d);
-            fw_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                const uint64_t da = AMN ? gw_desc(sa + 2048u * kk, 16) : gw_desc(sa + 32u * kk, 16);
-                const uint64_t db =
-                    BNM ? gw_desc(sb + 2048u * kk, 8192) : gw_desc(sb + 32u * kk, 16);
-                gw_mma<T16, AMN, BNM, NA>(d, da, db, kt > 0 || kk > 0);
-            }
-            fw_commit();
-            if constexpr (S == 4)
-                fw_wait<1>();
-            else
-                fw_wait<0>();
-        }
-        fw_wait<0>();
-        fw_keep(d);
-        const gw_problem &p = g.p[cp];
-        gw_store<T16, NA>(p.c, p.m, p.n, p.ldc, p.flags, d, m0 + 64 * wg, n0);
-    }
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-#endif
-}
-
-static int gw_ready(const void *kernel, int smem, int *ready)
-{
-    if (*ready)
-        return 1;
-    if (!MOE_CUDA_OK(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)))
-        return 0;
-    *ready = 1;
-    return 1;
-}
-
-#define GW_PICK(BN)                                                                                \
-    (v == 0   ? (bf16 ? gw_kernel<__nv_bfloat16, 0, 0, BN> : gw_kernel<__half, 0, 0, BN>)          \
-     : v == 1 ? (bf16 ? gw_kernel<__nv_bfloat16, 0, 1, BN> : gw_kernel<__half, 0, 1, BN>)          \
-              : (bf16 ? gw_kernel<__nv_bfloat16, 1, 1, BN> : gw_kernel<__half, 1, 1, BN>))
-
-/* One launch over g's problems (their tiles numbered here) on stream s: bf16 or fp16
- * operands, amn / bnm the layouts of A and B (grouped_wgmma.h; amn without bnm is not
- * built: 0 returned), bn the tile's width (256, else 128), sms the SMs (a block each at
- * 256, two at 128). 0 when the kernel cannot run (recorded). Called by matmul.cu on
- * compute capability 9.0 only. */
-extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, int bn, gw_args *g, int sms,
-                                  cudaStream_t s)
-{
-    static int ready[2][3][2];
-    bf16 = bf16 != 0;
-    bn = bn == 256 ? 256 : 128;
-    if (amn && !bnm)
-        return 0;
-    const int v = amn + bnm;
-    void (*k)(gw_args) = bn == 256 ? GW_PICK(256) : GW_PICK(128);
-    const int smem = bn == 256 ? GW_SMEM(256) : GW_SMEM(128);
-    if (!gw_ready((const void *)k, smem, &ready[bf16][v][bn == 256]))
-        return 0;
-    g->total = 0;
-    for (int i = 0; i < g->count; i++) {
-        gw_problem *p = &g->p[i];
-        p->tiles_n = (p->n + bn - 1) / bn;
-        p->tile0 = g->total;
-        g->total += (p->m + GW_BM - 1) / GW_BM * p->tiles_n;
-    }
-    if (g->total <= 0)
-        return 1;
-    const int blocks = bn == 256 ? sms : 2 * sms;
-    const int grid = g->total < blocks ? g->total : blocks;
-    k<<<grid, 256, smem, s>>>(*g);
-    return MOE_CUDA_OK(cudaGetLastError());
-}
-
-/* ---- the same GEMMs with the tensor memory accelerator (TMA) and a producer warp ------
- *
- * A block of three warpgroups: the first's thread 0 copies each slice of A and B into one
- * of 4 buffers by TMA (cp.async.bulk.tensor, a tensor map a problem and operand, encoded
- * here on the host), the other two compute the 128 x 256 tile's halves as above. Each
- * buffer has two mbarriers: "full" (the copies' bytes landed) and "empty" (the 8
- * computing warps are done with it). The tensor maps bound each operand to its problem,
- * so the TMA fills rows and columns past m, n and k with zeros itself. */
-
-#include <cuda.h>
-
-#define GT_STAGES 4
-#define GT_MAX 64 /* problems a launch: 64 x 384 bytes of parameters (CUDA >= 12.1) */
-#define GT_STAGE_BYTES (GW_A_BYTES + GW_B_BYTES(256))
-#define GT_SMEM (GT_STAGES * GT_STAGE_BYTES + 1024 + 128) /* + barriers and tile slots */
 
 typedef struct {
     CUtensorMap ta, tb; /* A's and B's maps: 128 bytes each, 128-byte aligned */
@@ -395,7 +172,8 @@ static __device__ __forceinline__ void gt_load(unsigned dst, const CUtensorMap *
                  : "memory");
 }
 
-template <int BN>
+/* Where tile t of the launch lies: its problem (from *pi on: a block's tiles only grow),
+ * m0, n0 and the slices of k. */
 static __device__ __forceinline__ void gt_locate(const gt_args &g, int t, int *pi, int *m0, int *n0,
                                                  int *nk)
 {
@@ -404,7 +182,7 @@ static __device__ __forceinline__ void gt_locate(const gt_args &g, int t, int *p
     const gt_problem &p = g.p[*pi];
     const int local = t - p.tile0;
     *m0 = (local / p.tiles_n) * GW_BM;
-    *n0 = (local % p.tiles_n) * BN;
+    *n0 = (local % p.tiles_n) * GW_BN;
     *nk = (p.k + GW_BK - 1) / GW_BK;
 }
 
@@ -444,7 +222,7 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
                 return;
             }
             int m0, n0, nk;
-            gt_locate<256>(g, t, &pi, &m0, &n0, &nk);
+            gt_locate(g, t, &pi, &m0, &n0, &nk);
             const gt_problem &p = g.p[pi];
             for (int kt = 0; kt < nk; kt++) {
                 const unsigned full = bars + 8 * s, sa = base + (unsigned)s * GT_STAGE_BYTES,
@@ -484,7 +262,7 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
         if (t < 0)
             break;
         int m0, n0, nk;
-        gt_locate<256>(g, t, &pi, &m0, &n0, &nk);
+        gt_locate(g, t, &pi, &m0, &n0, &nk);
         for (int kt = 0; kt < nk; kt++) {
             if (kt > 0)
                 gt_bar_wait(bars + 8 * s, ph);
@@ -497,7 +275,7 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
                 const uint64_t da = AMN ? gw_desc(sa + 2048u * kk, 16) : gw_desc(sa + 32u * kk, 16);
                 const uint64_t db =
                     BNM ? gw_desc(sb + 2048u * kk, 8192) : gw_desc(sb + 32u * kk, 16);
-                gw_mma<T16, AMN, BNM, 128>(d, da, db, kt > 0 || kk > 0);
+                gw_mma<T16, AMN, BNM>(d, da, db, kt > 0 || kk > 0);
             }
             fw_commit();
             fw_wait<1>(); /* the products of the slice before are done: its buffer is free */
@@ -559,11 +337,13 @@ static int gt_map(gt_encode_fn fn, CUtensorMap *map, int bf16, const void *ptr, 
      : v == 1 ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 1> : gt_kernel<__half, 0, 1>)                  \
               : (bf16 ? gt_kernel<__nv_bfloat16, 1, 1> : gt_kernel<__half, 1, 1>))
 
-/* The TMA form of cuda_wgmma_grouped (128 x 256 tiles, a block an SM): g's problems (at
- * most GW_MAX) in launches of GT_MAX, every map encoded before the first launch, so that
- * a failure (0, with nothing queued) leaves the batch to the caller whole. */
-extern "C" int cuda_wgmma_grouped_tma(int bf16, int amn, int bnm, const gw_args *g, int sms,
-                                      cudaStream_t s)
+/* g's problems (at most GW_MAX) on stream s: bf16 or fp16 operands, amn / bnm the layouts
+ * of A and B (grouped_wgmma.h; amn without bnm is not built), sms the SMs (a block each),
+ * in launches of GT_MAX, every map encoded before the first launch, so that a failure (0,
+ * recorded where it was a CUDA call, nothing queued) leaves the batch to the caller
+ * whole. Called by matmul.cu on compute capability 9.0 only. */
+extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, int sms,
+                                  cudaStream_t s)
 {
     static gt_args args[(GW_MAX + GT_MAX - 1) / GT_MAX];
     static int ready[2][3];
@@ -594,7 +374,7 @@ extern "C" int cuda_wgmma_grouped_tma(int bf16, int amn, int bnm, const gw_args 
             const int ok = (amn ? gt_map(fn, &p->ta, bf16, q->a, q->k, q->m, q->lda, 64)
                                 : gt_map(fn, &p->ta, bf16, q->a, q->m, q->k, q->lda, GW_BM)) &&
                            (bnm ? gt_map(fn, &p->tb, bf16, q->b, q->k, q->n, q->ldb, 64)
-                                : gt_map(fn, &p->tb, bf16, q->b, q->n, q->k, q->ldb, 256));
+                                : gt_map(fn, &p->tb, bf16, q->b, q->n, q->k, q->ldb, GW_BN));
             if (!ok)
                 return 0;
             p->c = q->c;
@@ -603,7 +383,7 @@ extern "C" int cuda_wgmma_grouped_tma(int bf16, int amn, int bnm, const gw_args 
             p->k = q->k;
             p->ldc = q->ldc;
             p->flags = q->flags;
-            p->tiles_n = (p->n + 255) / 256;
+            p->tiles_n = (p->n + GW_BN - 1) / GW_BN;
             p->tile0 = a->total;
             a->total += (p->m + GW_BM - 1) / GW_BM * p->tiles_n;
         }

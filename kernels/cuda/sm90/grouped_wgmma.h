@@ -7,21 +7,18 @@
 #pragma once
 #include <stdint.h>
 
-#define GW_MAX 128 /* problems a launch (8 KB of kernel parameters: CUDA >= 12.1) */
+#define GW_MAX 128 /* problems a call */
 #define GW_OUT16 1 /* C holds 16-bit values */
 #define GW_ACC 2   /* C += A B (C's values read) */
-#define GW_BM 128  /* a block's tile: 128 rows (two warpgroups of 64) */
 
 typedef struct {
     const uint16_t *a, *b;
     void *c;
     int m, n, k, lda, ldb, ldc;
-    int tile0;   /* the launch's first tile of this problem (set by the launcher) */
-    int tiles_n; /* its tiles along n (likewise) */
-    int flags;   /* GW_OUT16, GW_ACC */
+    int flags; /* GW_OUT16, GW_ACC */
 } gw_problem;
 
 typedef struct {
-    int count, total; /* problems, tiles */
+    int count; /* problems */
     gw_problem p[GW_MAX];
 } gw_args;
