@@ -55,6 +55,8 @@ typedef struct {
     moe_precision prec;
     const char *op; /* NULL: every op */
     int copy_mib;
+    int rows_ratio; /* the grouped ops: largest expert's rows over the smallest's (1: even) */
+    int out16;      /* the grouped forwards write 16-bit outputs, as the model's */
 } bench_opts;
 
 static bench_opts opt = {
@@ -72,6 +74,8 @@ static bench_opts opt = {
     .prec = MOE_PREC_BF16,
     .op = NULL,
     .copy_mib = 1024,
+    .rows_ratio = 1,
+    .out16 = 0,
 };
 
 static const char *prec_name(moe_precision p)
@@ -480,6 +484,39 @@ static int *uniform_offsets(int G, int rows)
     return off;
 }
 
+/* The grouped ops' expert offsets: even (uniform_offsets) unless --rows-ratio R > 1 spreads
+ * the rows geometrically, expert g's share R^(g / (G - 1)) of the total, so that the last
+ * has R times the first's (the model's experts took about 256 to 4864 rows a layer at the
+ * bench shape, a ratio of 19; the geometric spread is a stand-in, not its histogram). */
+static int *expert_offsets(int G, int rows)
+{
+    if (opt.rows_ratio <= 1 || G < 2)
+        return uniform_offsets(G, rows);
+    static int off[4097];
+    static double share[4096];
+    double sum = 0.0, acc = 0.0;
+    for (int g = 0; g < G; g++)
+        sum += share[g] = pow((double)opt.rows_ratio, (double)g / (G - 1));
+    off[0] = 0;
+    for (int g = 0; g < G; g++) {
+        acc += share[g];
+        off[g + 1] = (int)llround((double)rows * acc / sum);
+    }
+    off[G] = rows;
+    return off;
+}
+
+/* The grouped benchmarks' shape: "G=32 rows=1024 D=1024 F=2816 bf16" and the spread and
+ * 16-bit outputs where asked. */
+static void grouped_shape(char *buf, size_t cap, int M)
+{
+    char spread[32] = "";
+    if (opt.rows_ratio > 1)
+        snprintf(spread, sizeof spread, " spread x%d", opt.rows_ratio);
+    snprintf(buf, cap, "G=%d rows=%d D=%d F=%d %s%s%s", opt.E, M / opt.E, opt.D, opt.F,
+             prec_name(opt.prec), spread, opt.out16 ? " out16" : "");
+}
+
 /* ---- the single-GPU benchmarks: buffers of the one running ------------------------------------
  */
 
@@ -708,11 +745,13 @@ static void bench_grouped(int bwd)
     const int M = M_, D = opt.D, F = opt.F, E = opt.E;
     const size_t W = (size_t)E * F * D;
     const ceiling *c = gemm_ceiling(M, D, F, bwd);
-    bf.offsets = uniform_offsets(E, M);
+    bf.offsets = expert_offsets(E, M);
     bf.x = dfill((size_t)M * D, 1.0, 0);
     bf.w = dfill(W, 0.02, 0);
     if (!bwd) {
         bf.out = dreal((size_t)M * F);
+        if (opt.out16)
+            mark(bf.out, (size_t)M * F);
     } else {
         bf.dout = dfill((size_t)M * F, 1.0, 0);
         bf.dx = dreal((size_t)M * D);
@@ -721,8 +760,8 @@ static void bench_grouped(int bwd)
     use_precision(bf.w, W, (size_t)M * (D > F ? D : F));
     double ms = time_gpu(bwd ? run_grouped_bwd : run_grouped);
     double flops = (bwd ? 4.0 : 2.0) * M * (double)D * F;
-    char shape[64];
-    snprintf(shape, sizeof shape, "G=%d rows=%d D=%d F=%d %s", E, M / E, D, F, prec_name(opt.prec));
+    char shape[96];
+    grouped_shape(shape, sizeof shape, M);
     report(bwd ? "grouped_gemm_bwd" : "grouped_gemm", shape, ms, flops, RATE_TFS, c);
     free_all();
 }
@@ -765,11 +804,15 @@ static void bench_grouped_pair(int bwd)
     const int M = M_, D = opt.D, F = opt.F, E = opt.E;
     const size_t W = (size_t)E * F * D, MF = (size_t)M * F;
     const ceiling *c = gemm_ceiling(M, D, 2 * F, bwd);
-    bf.offsets = uniform_offsets(E, M);
+    bf.offsets = expert_offsets(E, M);
     bf.x = dfill((size_t)M * D, 1.0, 0);
     bf.w = dfill(2 * W, 0.02, 0);
     if (!bwd) {
         bf.out = dreal(2 * MF);
+        if (opt.out16) {
+            mark(bf.out, MF);
+            mark(bf.out + MF, MF);
+        }
     } else {
         bf.da = dreal(2 * MF); /* da, db one after the other, as the model's */
         bf.db = bf.da + MF;
@@ -782,11 +825,11 @@ static void bench_grouped_pair(int bwd)
     }
     use_precision(bf.w, 2 * W, (size_t)M * (D > F ? D : F));
     const double flops = (bwd ? 8.0 : 4.0) * M * (double)D * F;
-    char shape[96];
+    char shape[160], base[96];
+    grouped_shape(base, sizeof base, M);
     for (pair_one = 1; pair_one >= 0; pair_one--) {
         double ms = time_gpu(bwd ? run_pair_bwd : run_pair);
-        snprintf(shape, sizeof shape, "G=%d rows=%d D=%d F=%d %s, %s", E, M / E, D, F,
-                 prec_name(opt.prec), pair_one ? "pair op" : "two grouped ops");
+        snprintf(shape, sizeof shape, "%s, %s", base, pair_one ? "pair op" : "two grouped ops");
         report(bwd ? "grouped_pair_bwd" : "grouped_pair", shape, ms, flops, RATE_TFS, c);
     }
     free_all();
@@ -829,7 +872,7 @@ static void bench_experts_ffn(int bwd)
     const int M = M_, D = opt.D, F = opt.F, E = opt.E;
     const size_t W = (size_t)E * F * D, MF = (size_t)M * F;
     const ceiling *c = gemm_ceiling(M, D, 3 * F, bwd);
-    bf.offsets = uniform_offsets(E, M);
+    bf.offsets = expert_offsets(E, M);
     bf.x = dfill((size_t)M * D, 1.0, 0);
     bf.w = dfill(3 * W, 0.02, 0);
     if (!bwd) {
@@ -837,6 +880,10 @@ static void bench_experts_ffn(int bwd)
         bf.b = dreal(MF);
         bf.h = dreal(MF);
         bf.out = dreal((size_t)M * D);
+        if (opt.out16) { /* the gate and up outputs in 16 bits, as the model's ea, eb */
+            mark(bf.a, MF);
+            mark(bf.b, MF);
+        }
     } else {
         bf.a = dfill(MF, 1.0, 0);
         bf.b = dfill(MF, 1.0, 0);
@@ -857,8 +904,8 @@ static void bench_experts_ffn(int bwd)
     }
     double ms = time_gpu(bwd ? run_experts_ffn_bwd : run_experts_ffn);
     double flops = (bwd ? 12.0 : 6.0) * M * (double)D * F; /* the GEMMs only */
-    char shape[64];
-    snprintf(shape, sizeof shape, "G=%d rows=%d D=%d F=%d %s", E, M / E, D, F, prec_name(opt.prec));
+    char shape[96];
+    grouped_shape(shape, sizeof shape, M);
     report(bwd ? "experts_ffn_bwd" : "experts_ffn", shape, ms, flops, RATE_TFS, c);
     free_all();
 }
@@ -1557,7 +1604,8 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: moe-bench [a2a] [--op NAME] [--precision fp32|bf16|fp16] [--reps N]\n"
                "                 [--warmup N] [--B n] [--T n] [--D n] [--H n] [--E n] [--K n]\n"
-               "                 [--F n] [--V n] [--L n] [--copy-mib n] [--list]\n"
+               "                 [--F n] [--V n] [--L n] [--copy-mib n] [--rows-ratio R]\n"
+               "                 [--out16 0|1] [--list]\n"
                "Times each op of the cuda backend (median of --reps runs) at the shape of\n"
                "configs/bench-h200.ini, against a copy-bandwidth or dense-GEMM ceiling measured\n"
                "in the same process. 'a2a' (under mpirun, one GPU per rank): dispatch and\n"
@@ -1596,12 +1644,20 @@ static int parse_args(int argc, char **argv)
         int *v;
         int lo, hi;
     } ints[] = {
-        {"--B", &opt.B, 1, 1 << 20},        {"--T", &opt.T, 1, 1 << 24},
-        {"--D", &opt.D, 1, 1 << 20},        {"--H", &opt.H, 1, 4096},
-        {"--E", &opt.E, 1, 4096},           {"--K", &opt.K, 1, 4096},
-        {"--F", &opt.F, 1, 1 << 20},        {"--V", &opt.V, 1, 1 << 24},
-        {"--L", &opt.L, 1, 1024},           {"--reps", &opt.reps, 1, 10000},
-        {"--warmup", &opt.warmup, 0, 1000}, {"--copy-mib", &opt.copy_mib, 1, 1 << 20},
+        {"--B", &opt.B, 1, 1 << 20},
+        {"--T", &opt.T, 1, 1 << 24},
+        {"--D", &opt.D, 1, 1 << 20},
+        {"--H", &opt.H, 1, 4096},
+        {"--E", &opt.E, 1, 4096},
+        {"--K", &opt.K, 1, 4096},
+        {"--F", &opt.F, 1, 1 << 20},
+        {"--V", &opt.V, 1, 1 << 24},
+        {"--L", &opt.L, 1, 1024},
+        {"--reps", &opt.reps, 1, 10000},
+        {"--warmup", &opt.warmup, 0, 1000},
+        {"--copy-mib", &opt.copy_mib, 1, 1 << 20},
+        {"--rows-ratio", &opt.rows_ratio, 1, 1000},
+        {"--out16", &opt.out16, 0, 1},
     };
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
