@@ -71,4 +71,16 @@ for path, world in ((sys.argv[1], 1), (sys.argv[2], 2)):
     assert ", 1 chunk per micro-batch, exchange sent 1x," in text, text.splitlines()[0]
 print("flops/token", want)
 PY
+# moe-bench (built with the CUDA toolkit) checks its options before it looks for a GPU
+MB="$(dirname "$MOE")/bench/moe-bench"
+if [ -x "$MB" ]; then
+  expect_exit 2 "moe-bench --rows-ratio 0" -- "$MB" --rows-ratio 0
+  expect_err "--rows-ratio wants an integer in \[1, 1000\], got '0'" "its message names the option"
+  expect_exit 2 "moe-bench --out16 2" -- "$MB" --out16 2
+  expect_err "--out16 wants an integer in \[0, 1\], got '2'" "its message names the option"
+  "$MB" --help | grep -q -- "--rows-ratio R" && "$MB" --help | grep -q -- "--out16 0|1" &&
+    pass "moe-bench --help lists --rows-ratio and --out16" || fail "moe-bench --help"
+else
+  echo "moe-bench not built here (no CUDA toolkit): its option checks skipped"
+fi
 finish
