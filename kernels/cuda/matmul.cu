@@ -868,6 +868,8 @@ static int wgmma_grouped_on(int *blocks)
 {
 #if MOE_HAVE_SM90A
     static int cc90 = -1, n_sm;
+    if (prec == MOE_PREC_FP32 || !moe_cuda_env_is("MOE_GROUPED_GEMM", "wgmma"))
+        return 0;
     if (cc90 < 0) {
         int dev = 0, major = 0, minor = 0;
         cc90 =
@@ -877,10 +879,12 @@ static int wgmma_grouped_on(int *blocks)
             MOE_CUDA_OK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev)) &&
             major == 9 && minor == 0 && n_sm > 0;
     }
+    if (cc90 != 1)
+        return 0;
     const char *e = getenv("MOE_GROUPED_WGMMA_BLOCKS");
     const int want = e ? atoi(e) : 0;
     *blocks = want > 0 && want < n_sm ? want : n_sm;
-    return cc90 == 1 && prec != MOE_PREC_FP32 && moe_cuda_env_is("MOE_GROUPED_GEMM", "wgmma");
+    return 1;
 #else
     *blocks = 0;
     return 0;
@@ -893,9 +897,9 @@ extern "C" long moe_cuda_grouped_wgmma_launches(void) { return n_wgmma; }
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 /* The batch on the wgmma kernel: its problems turned row-major (cuBLAS's column-major C
- * (m, n) = op(A) op(B) is C^T (n, m) = op(B)^T op(A)^T), by the layouts of A and B in up
- * to three launches, each on a lane of its own. 0, with nothing queued, where a problem
- * does not fit the kernel (alignment, a size not a multiple of 8, A M-major with B
+ * (m, n) = op(A) op(B) is C^T (n, m) = op(B)^T op(A)^T), by the layouts of A and B, each
+ * layout's launches (GW_MAX problems each) on a lane of its own. 0, with nothing queued, where a
+ * problem does not fit the kernel (alignment, a size not a multiple of 8, A M-major with B
  * K-major): the caller runs the batch through cuBLAS. */
 static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms)
 {

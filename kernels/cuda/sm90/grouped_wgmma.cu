@@ -29,7 +29,6 @@
 #define GW_A_BYTES (GW_BM * GW_BK * 2) /* 16 KB a slice: two 64 x 64 tiles */
 #define GW_B_BYTES (GW_BN * GW_BK * 2) /* 32 KB: four */
 #define GT_STAGES 4
-#define GT_MAX 64 /* problems a launch: 64 x 384 bytes of parameters (CUDA >= 12.1) */
 #define GT_STAGE_BYTES (GW_A_BYTES + GW_B_BYTES)
 #define GT_SMEM (GT_STAGES * GT_STAGE_BYTES + 1024 + 128) /* + barriers and tile slots */
 
@@ -78,13 +77,13 @@ static __device__ __forceinline__ void gw_mma(float (&d)[128], uint64_t a, uint6
         GW_MMA("bf16");
 }
 
-/* This thread's NA values of a warpgroup's 64 x 2 NA part of a tile, rows from wm0 and
+/* This thread's 128 values of a warpgroup's 64 x 256 part of a tile, rows from wm0 and
  * columns from n0 of C (m x n, row stride ldc, flags GW_OUT16 / GW_ACC): d[4 j + e] is row
  * 16 w + l / 4 + 8 (e / 2), column 8 j + 2 (l % 4) + e % 2 (warp w of the warpgroup, lane
  * l); rows past m and columns past n are not written. */
-template <class T16, int NA>
+template <class T16>
 static __device__ __forceinline__ void gw_store(void *c, int m, int n, int ldc, int flags,
-                                                const float (&d)[NA], int wm0, int n0)
+                                                const float (&d)[128], int wm0, int n0)
 {
     const int w = (threadIdx.x >> 5) & 3, l = threadIdx.x & 31;
     const int row0 = wm0 + 16 * w + (l >> 2);
@@ -97,7 +96,7 @@ static __device__ __forceinline__ void gw_store(void *c, int m, int n, int ldc, 
             continue;
         const size_t base = (size_t)row * ldc;
 #pragma unroll
-        for (int j = 0; j < NA / 4; j++) {
+        for (int j = 0; j < 32; j++) {
             const int col = n0 + 8 * j + 2 * (l & 3);
             if (col >= n)
                 continue;
@@ -130,7 +129,7 @@ typedef struct {
 } gt_problem;
 
 typedef struct {
-    gt_problem p[GT_MAX];
+    gt_problem p[GW_MAX];
     int count, total;
     int *next; /* the tiles handed out past the first gridDim.x (zeroed before the launch) */
 } gt_args;
@@ -290,8 +289,8 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
         if (prev >= 0 && lane == 0)
             gt_bar_arrive(bars + 8 * (GT_STAGES + prev));
         prev = -1;
-        gw_store<T16, 128>(g.p[pi].c, g.p[pi].m, g.p[pi].n, g.p[pi].ldc, g.p[pi].flags, d,
-                           m0 + 64 * cw, n0);
+        gw_store<T16>(g.p[pi].c, g.p[pi].m, g.p[pi].n, g.p[pi].ldc, g.p[pi].flags, d, m0 + 64 * cw,
+                      n0);
     }
 #endif
 }
@@ -337,15 +336,15 @@ static int gt_map(gt_encode_fn fn, CUtensorMap *map, int bf16, const void *ptr, 
      : v == 1 ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 1> : gt_kernel<__half, 0, 1>)                  \
               : (bf16 ? gt_kernel<__nv_bfloat16, 1, 1> : gt_kernel<__half, 1, 1>))
 
-/* g's problems (at most GW_MAX) on stream s: bf16 or fp16 operands, amn / bnm the layouts
- * of A and B (grouped_wgmma.h; amn without bnm is not built), sms the SMs (a block each),
- * in launches of GT_MAX, every map encoded before the first launch, so that a failure (0,
- * recorded where it was a CUDA call, nothing queued) leaves the batch to the caller
- * whole. Called by matmul.cu on compute capability 9.0 only. */
+/* g's problems (at most GW_MAX) in one launch on stream s: bf16 or fp16 operands, amn /
+ * bnm the layouts of A and B (grouped_wgmma.h; amn without bnm is not built), sms the SMs
+ * (a block each). 0 when it cannot run (recorded where a CUDA call failed); every map is
+ * encoded before the launch, so that then nothing is queued. Called by matmul.cu on
+ * compute capability 9.0 only. */
 extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, int sms,
                                   cudaStream_t s)
 {
-    static gt_args args[(GW_MAX + GT_MAX - 1) / GT_MAX];
+    static gt_args a;
     static int ready[2][3];
     static int *counters, turn; /* 64 tile counters, taken in turn: a flush joins its lanes,
                                  * so a counter's last launch has ended when it comes again */
@@ -363,42 +362,34 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
             return 0;
         ready[bf16][v] = 1;
     }
-    const int chunks = (g->count + GT_MAX - 1) / GT_MAX;
-    for (int c = 0; c < chunks; c++) {
-        gt_args *a = &args[c];
-        a->count = g->count - c * GT_MAX < GT_MAX ? g->count - c * GT_MAX : GT_MAX;
-        a->total = 0;
-        for (int i = 0; i < a->count; i++) {
-            const gw_problem *q = &g->p[c * GT_MAX + i];
-            gt_problem *p = &a->p[i];
-            const int ok = (amn ? gt_map(fn, &p->ta, bf16, q->a, q->k, q->m, q->lda, 64)
-                                : gt_map(fn, &p->ta, bf16, q->a, q->m, q->k, q->lda, GW_BM)) &&
-                           (bnm ? gt_map(fn, &p->tb, bf16, q->b, q->k, q->n, q->ldb, 64)
-                                : gt_map(fn, &p->tb, bf16, q->b, q->n, q->k, q->ldb, GW_BN));
-            if (!ok)
-                return 0;
-            p->c = q->c;
-            p->m = q->m;
-            p->n = q->n;
-            p->k = q->k;
-            p->ldc = q->ldc;
-            p->flags = q->flags;
-            p->tiles_n = (p->n + GW_BN - 1) / GW_BN;
-            p->tile0 = a->total;
-            a->total += (p->m + GW_BM - 1) / GW_BM * p->tiles_n;
-        }
-    }
-    for (int c = 0; c < chunks; c++) {
-        if (args[c].total <= 0)
-            continue;
-        const int grid = args[c].total < sms ? args[c].total : sms;
-        args[c].next = counters + turn;
-        turn = (turn + 1) % 64;
-        if (!MOE_CUDA_OK(cudaMemsetAsync(args[c].next, 0, sizeof(int), s)))
+    a.count = g->count;
+    a.total = 0;
+    for (int i = 0; i < a.count; i++) {
+        const gw_problem *q = &g->p[i];
+        gt_problem *p = &a.p[i];
+        const int ok = (amn ? gt_map(fn, &p->ta, bf16, q->a, q->k, q->m, q->lda, 64)
+                            : gt_map(fn, &p->ta, bf16, q->a, q->m, q->k, q->lda, GW_BM)) &&
+                       (bnm ? gt_map(fn, &p->tb, bf16, q->b, q->k, q->n, q->ldb, 64)
+                            : gt_map(fn, &p->tb, bf16, q->b, q->n, q->k, q->ldb, GW_BN));
+        if (!ok)
             return 0;
-        k<<<grid, 384, GT_SMEM, s>>>(args[c]);
-        if (!MOE_CUDA_OK(cudaGetLastError()))
-            return 0;
+        p->c = q->c;
+        p->m = q->m;
+        p->n = q->n;
+        p->k = q->k;
+        p->ldc = q->ldc;
+        p->flags = q->flags;
+        p->tiles_n = (p->n + GW_BN - 1) / GW_BN;
+        p->tile0 = a.total;
+        a.total += (p->m + GW_BM - 1) / GW_BM * p->tiles_n;
     }
-    return 1;
+    if (a.total <= 0)
+        return 1;
+    a.next = counters + turn;
+    turn = (turn + 1) % 64;
+    if (!MOE_CUDA_OK(cudaMemsetAsync(a.next, 0, sizeof(int), s)))
+        return 0;
+    const int grid = a.total < sms ? a.total : sms;
+    k<<<grid, 384, GT_SMEM, s>>>(a);
+    return MOE_CUDA_OK(cudaGetLastError());
 }
