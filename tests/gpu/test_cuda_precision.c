@@ -1426,6 +1426,12 @@ int main(void)
             check_grouped_large(MOE_PREC_BF16, "bf16 gw3", 1e-2);
             check_mode(MOE_PREC_BF16, "bf16 gw3", 1e-2);
             unsetenv("MOE_GROUPED_WGMMA_BLOCKS");
+            /* a warpgroup whose rows lie past m skips its products (groups of 130 and 679
+             * rows end in tiles of 2 and 39) */
+            setenv("MOE_GROUPED_WGMMA_SKIP", "1", 1);
+            check_grouped_large(MOE_PREC_FP16, "fp16 gw skip", 5e-3);
+            check_mode(MOE_PREC_BF16, "bf16 gw skip", 1e-2);
+            unsetenv("MOE_GROUPED_WGMMA_SKIP");
             unsetenv("MOE_GROUPED_GEMM");
             const long wg = moe_cuda_grouped_wgmma_launches() - wg0;
             printf("  wgmma grouped GEMM: %ld launches\n", wg);
