@@ -735,6 +735,14 @@ static void check_grouped_large(moe_precision p, const char *mode, double bound)
     gpu->grouped_matmul_forward(out, dx_, dw_, offsets, G, I, O);
     to_host(got, out, no);
     report("grouped_forward large", mode, rel_err(got, ref, no), bound);
+    /* into a marked buffer: 16-bit outputs (the wgmma kernel's tails of a stored tile) */
+    float *o16 = gpu->alloc(sizeof(float) * no);
+    const int st16 = gpu->mark_operand(o16, no) != MOE_OK;
+    gpu->grouped_matmul_forward(o16, dx_, dw_, offsets, G, I, O);
+    read_marked(p, got, o16, no);
+    report("grouped_forward large 16-bit", mode, st16 ? 1.0 : rel_err(got, ref, no), bound);
+    gpu->mark_operand(o16, 0);
+    gpu->release(o16);
     for (size_t i = 0; i < nw || i < ni; i++) {
         if (i < nw)
             got[i] = ref[i] = NAN;
@@ -1431,6 +1439,16 @@ int main(void)
             setenv("MOE_GROUPED_WGMMA_SKIP", "1", 1);
             check_grouped_large(MOE_PREC_FP16, "fp16 gw skip", 5e-3);
             check_mode(MOE_PREC_BF16, "bf16 gw skip", 1e-2);
+            /* 16-bit outputs staged in shared memory and stored by TMA (the forwards; an
+             * added-to output still from registers), with the skip, then on 3 blocks */
+            setenv("MOE_GROUPED_WGMMA_TMASTORE", "1", 1);
+            check_mode(MOE_PREC_FP16, "fp16 gw ts", 5e-3);
+            check_mode(MOE_PREC_BF16, "bf16 gw ts", 1e-2);
+            check_grouped_large(MOE_PREC_BF16, "bf16 gw ts", 1e-2);
+            setenv("MOE_GROUPED_WGMMA_BLOCKS", "3", 1);
+            check_grouped_large(MOE_PREC_FP16, "fp16 gw ts3", 5e-3);
+            unsetenv("MOE_GROUPED_WGMMA_BLOCKS");
+            unsetenv("MOE_GROUPED_WGMMA_TMASTORE");
             unsetenv("MOE_GROUPED_WGMMA_SKIP");
             unsetenv("MOE_GROUPED_GEMM");
             const long wg = moe_cuda_grouped_wgmma_launches() - wg0;

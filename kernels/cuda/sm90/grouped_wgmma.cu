@@ -28,9 +28,13 @@
 #define GW_BK 64                       /* k a slice */
 #define GW_A_BYTES (GW_BM * GW_BK * 2) /* 16 KB a slice: two 64 x 64 tiles */
 #define GW_B_BYTES (GW_BN * GW_BK * 2) /* 32 KB: four */
-#define GT_STAGES 4
 #define GT_STAGE_BYTES (GW_A_BYTES + GW_B_BYTES)
-#define GT_SMEM (GT_STAGES * GT_STAGE_BYTES + 1024 + 128) /* + barriers and tile slots */
+/* TS (a tile's 16-bit outputs staged in shared memory, 32 KB a warpgroup, and stored by
+ * TMA): 3 buffers of slices, else 4; then the barriers and the tile slots */
+#define GT_STAGES(TS) ((TS) ? 3 : 4)
+#define GT_STAGING(TS) ((TS) ? 65536 : 0)
+#define GT_SMEM(TS) (GT_STAGES(TS) * GT_STAGE_BYTES + GT_STAGING(TS) + 1024 + 128)
+#define GT_TMA_STORE 4 /* a problem's flag beside GW_OUT16: its map tc is encoded */
 
 /* A slice's descriptor: the 128-byte swizzle, 8-row groups 1024 bytes apart (SBO), lbo
  * the distance of 64-wide atoms along M or N in an MN-major operand (unused K-major). */
@@ -123,12 +127,14 @@ static __device__ __forceinline__ void gw_store(void *c, int m, int n, int ldc, 
 }
 
 typedef struct {
-    CUtensorMap ta, tb; /* A's and B's maps: 128 bytes each, 128-byte aligned */
     void *c;
     int m, n, k, ldc, tile0, tiles_n, flags;
 } gt_problem;
 
+/* 3 x 64 maps of 128 bytes and 64 x 40 bytes of problems: 27 KB of parameters */
 typedef struct {
+    CUtensorMap ta[GW_MAX], tb[GW_MAX]; /* A's and B's maps */
+    CUtensorMap tc[GW_MAX];             /* C's, where flags has GT_TMA_STORE */
     gt_problem p[GW_MAX];
     int count, total;
     int *next; /* the tiles handed out past the first gridDim.x (zeroed before the launch) */
@@ -190,22 +196,24 @@ static __device__ __forceinline__ void gt_locate(const gt_args &g, int t, int *p
  * a block that started late, its SM held by another stream's work, takes fewer. The
  * producer writes each slice's tile into its buffer's slot before the copies; a slot of -1
  * (its full barrier completed without bytes) ends the computing warpgroups' walk. */
-template <class T16, int AMN, int BNM>
+template <class T16, int AMN, int BNM, int TS>
 __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_args g)
 {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     return; /* never: CMakeLists.txt builds this file for sm_90a alone */
 #else
+    constexpr int NS = GT_STAGES(TS); /* buffers */
     extern __shared__ unsigned char gw_smem[];
     const unsigned base = fw_align1024(gw_smem);
-    const unsigned bars = base + GT_STAGES * GT_STAGE_BYTES; /* full[s], then empty[s] */
+    const unsigned staging = base + NS * GT_STAGE_BYTES; /* 32 KB a warpgroup (TS) */
+    const unsigned bars = staging + GT_STAGING(TS);             /* full[s], then empty[s] */
     volatile int *slot =
         (volatile int *)(gw_smem + (bars - (unsigned)__cvta_generic_to_shared(gw_smem)) +
-                         16 * GT_STAGES);
+                         16 * NS);
     if (threadIdx.x == 0) {
-        for (int s = 0; s < GT_STAGES; s++) {
+        for (int s = 0; s < NS; s++) {
             gt_bar_init(bars + 8 * s, 1);
-            gt_bar_init(bars + 8 * (GT_STAGES + s), 8);
+            gt_bar_init(bars + 8 * (NS + s), 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -216,35 +224,35 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
         int s = 0, ph = 0, pi = 0;
         for (int t = blockIdx.x;; t = gridDim.x + atomicAdd(g.next, 1)) {
             if (t >= g.total) { /* the end: a slot of -1, its barrier completed */
-                gt_bar_wait(bars + 8 * (GT_STAGES + s), ph ^ 1);
+                gt_bar_wait(bars + 8 * (NS + s), ph ^ 1);
                 slot[s] = -1;
                 gt_bar_arrive(bars + 8 * s);
                 return;
             }
             int m0, n0, nk;
             gt_locate(g, t, &pi, &m0, &n0, &nk);
-            const gt_problem &p = g.p[pi];
+            const CUtensorMap *ta = &g.ta[pi], *tb = &g.tb[pi];
             for (int kt = 0; kt < nk; kt++) {
                 const unsigned full = bars + 8 * s, sa = base + (unsigned)s * GT_STAGE_BYTES,
                                sb = sa + GW_A_BYTES;
-                gt_bar_wait(bars + 8 * (GT_STAGES + s), ph ^ 1);
+                gt_bar_wait(bars + 8 * (NS + s), ph ^ 1);
                 slot[s] = t;
                 gt_bar_expect(full, GT_STAGE_BYTES);
                 const int k0 = kt * GW_BK;
                 if (!AMN) {
-                    gt_load(sa, &p.ta, k0, m0, full);
+                    gt_load(sa, ta, k0, m0, full);
                 } else {
-                    gt_load(sa, &p.ta, m0, k0, full);
-                    gt_load(sa + 8192u, &p.ta, m0 + 64, k0, full);
+                    gt_load(sa, ta, m0, k0, full);
+                    gt_load(sa + 8192u, ta, m0 + 64, k0, full);
                 }
                 if (!BNM) {
-                    gt_load(sb, &p.tb, k0, n0, full);
+                    gt_load(sb, tb, k0, n0, full);
                 } else {
 #pragma unroll
                     for (int j = 0; j < 4; j++)
-                        gt_load(sb + 8192u * j, &p.tb, n0 + 64 * j, k0, full);
+                        gt_load(sb + 8192u * j, tb, n0 + 64 * j, k0, full);
                 }
-                if (++s == GT_STAGES)
+                if (++s == NS)
                     s = 0, ph ^= 1;
             }
         }
@@ -286,19 +294,56 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
             fw_commit();
             fw_wait<1>(); /* the products of the slice before are done: its buffer is free */
             if (prev >= 0 && lane == 0)
-                gt_bar_arrive(bars + 8 * (GT_STAGES + prev));
+                gt_bar_arrive(bars + 8 * (NS + prev));
             prev = s;
-            if (++s == GT_STAGES)
+            if (++s == NS)
                 s = 0, ph ^= 1;
         }
         fw_wait<0>();
         fw_keep(d);
         if (prev >= 0 && lane == 0)
-            gt_bar_arrive(bars + 8 * (GT_STAGES + prev));
+            gt_bar_arrive(bars + 8 * (NS + prev));
         prev = -1;
-        if (live)
-            gw_store<T16>(p.c, p.m, p.n, p.ldc, p.flags, d, m0 + 64 * cw, n0);
+        if (!live)
+            continue;
+        if (TS && p.flags == (GW_OUT16 | GT_TMA_STORE)) {
+            /* staged in this warpgroup's 32 KB as the map's four 64 x 64 boxes (128-byte
+             * swizzle), then stored by TMA, which writes nothing past m and n; not waited
+             * for, so the next tile's products start at once */
+            const unsigned stg = staging + (unsigned)cw * 32768u;
+            const int wt = threadIdx.x & 127, w = wt >> 5;
+            if (wt == 0) /* the last store from this staging has read it */
+                asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = 16 * w + (lane >> 2) + 8 * h; /* 0 .. 63 */
+#pragma unroll
+                for (int j = 0; j < 32; j++) { /* box j / 8, 16-byte chunk j % 8 of its row */
+                    const unsigned at = stg + (unsigned)(j >> 3) * 8192u + (unsigned)r * 128u +
+                                        (unsigned)(((j & 7) ^ (r & 7)) << 4) +
+                                        4u * (unsigned)(lane & 3);
+                    const unsigned v = fm_pack<T16>(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v) : "memory");
+                }
+            }
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+            if (wt == 0) {
+                for (int b = 0; b < 4 && n0 + 64 * b < p.n; b++)
+                    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group "
+                                 "[%0, {%1, %2}], [%3];\n" ::"l"((unsigned long long)&g.tc[pi]),
+                                 "r"(n0 + 64 * b), "r"(m0 + 64 * cw), "r"(stg + 8192u * b)
+                                 : "memory");
+                asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+            }
+        } else {
+            gw_store<T16>(p.c, p.m, p.n, p.ldc, p.flags & (GW_OUT16 | GW_ACC), d, m0 + 64 * cw,
+                          n0);
+        }
     }
+    if (TS && (threadIdx.x & 127) == 0) /* the stores have ended before the block does */
+        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 #endif
 }
 
@@ -338,10 +383,10 @@ static int gt_map(gt_encode_fn fn, CUtensorMap *map, int bf16, const void *ptr, 
               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-#define GT_PICK                                                                                    \
-    (v == 0   ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 0> : gt_kernel<__half, 0, 0>)                  \
-     : v == 1 ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 1> : gt_kernel<__half, 0, 1>)                  \
-              : (bf16 ? gt_kernel<__nv_bfloat16, 1, 1> : gt_kernel<__half, 1, 1>))
+#define GT_PICK(TS)                                                                                \
+    (v == 0   ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 0, TS> : gt_kernel<__half, 0, 0, TS>)          \
+     : v == 1 ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 1, TS> : gt_kernel<__half, 0, 1, TS>)          \
+              : (bf16 ? gt_kernel<__nv_bfloat16, 1, 1, TS> : gt_kernel<__half, 1, 1, TS>))
 
 /* g's problems (at most GW_MAX) in one launch on stream s: bf16 or fp16 operands, amn /
  * bnm the layouts of A and B (grouped_wgmma.h; amn without bnm is not built), sms the SMs
@@ -352,7 +397,7 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
                                   cudaStream_t s)
 {
     static gt_args a;
-    static int ready[2][3];
+    static int ready[2][3][2];
     static int *counters, turn; /* 64 tile counters, taken in turn: a flush joins its lanes,
                                  * so a counter's last launch has ended when it comes again */
     bf16 = bf16 != 0;
@@ -362,12 +407,15 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
     if (!counters && !MOE_CUDA_OK(cudaMalloc((void **)&counters, 64 * sizeof(int))))
         return 0;
     const int v = amn + bnm;
-    void (*k)(gt_args) = GT_PICK;
-    if (!ready[bf16][v]) {
-        if (!MOE_CUDA_OK(
-                cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, GT_SMEM)))
+    /* a trial's knob: MOE_GROUPED_WGMMA_TMASTORE=1 stores the tiles of 16-bit outputs
+     * (not added to) by TMA from shared memory, with 3 buffers of slices instead of 4 */
+    const int ts = moe_cuda_env_is("MOE_GROUPED_WGMMA_TMASTORE", "1");
+    void (*k)(gt_args) = ts ? GT_PICK(1) : GT_PICK(0);
+    const int smem = ts ? GT_SMEM(1) : GT_SMEM(0);
+    if (!ready[bf16][v][ts]) {
+        if (!MOE_CUDA_OK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)))
             return 0;
-        ready[bf16][v] = 1;
+        ready[bf16][v][ts] = 1;
     }
     a.count = g->count;
     a.total = 0;
@@ -377,10 +425,11 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
     for (int i = 0; i < a.count; i++) {
         const gw_problem *q = &g->p[i];
         gt_problem *p = &a.p[i];
-        const int ok = (amn ? gt_map(fn, &p->ta, bf16, q->a, q->k, q->m, q->lda, 64)
-                            : gt_map(fn, &p->ta, bf16, q->a, q->m, q->k, q->lda, GW_BM)) &&
-                       (bnm ? gt_map(fn, &p->tb, bf16, q->b, q->k, q->n, q->ldb, 64)
-                            : gt_map(fn, &p->tb, bf16, q->b, q->n, q->k, q->ldb, GW_BN));
+        CUtensorMap *ta = &a.ta[i], *tb = &a.tb[i];
+        const int ok = (amn ? gt_map(fn, ta, bf16, q->a, q->k, q->m, q->lda, 64)
+                            : gt_map(fn, ta, bf16, q->a, q->m, q->k, q->lda, GW_BM)) &&
+                       (bnm ? gt_map(fn, tb, bf16, q->b, q->k, q->n, q->ldb, 64)
+                            : gt_map(fn, tb, bf16, q->b, q->n, q->k, q->ldb, GW_BN));
         if (!ok)
             return 0;
         p->c = q->c;
@@ -389,6 +438,9 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
         p->k = q->k;
         p->ldc = q->ldc;
         p->flags = q->flags;
+        /* C's map where its tiles go by TMA (else, as for an unaligned C, from registers) */
+        if (ts && q->flags == GW_OUT16 && gt_map(fn, &a.tc[i], bf16, q->c, q->m, q->n, q->ldc, 64))
+            p->flags |= GT_TMA_STORE;
         p->tiles_n = (p->n + GW_BN - 1) / GW_BN;
         p->tile0 = a.total;
         a.total += (p->m + GW_BM - 1) / GW_BM * p->tiles_n;
@@ -400,6 +452,6 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
     if (!MOE_CUDA_OK(cudaMemsetAsync(a.next, 0, sizeof(int), s)))
         return 0;
     const int grid = a.total < sms ? a.total : sms;
-    k<<<grid, 384, GT_SMEM, s>>>(a);
+    k<<<grid, 384, smem, s>>>(a);
     return MOE_CUDA_OK(cudaGetLastError());
 }

@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define GW_MAX 64  /* problems a launch: 64 x 384 bytes of kernel parameters (CUDA >= 12.1) */
+#define GW_MAX 64  /* problems a launch: 27 KB of kernel parameters (CUDA >= 12.1) */
 #define GW_OUT16 1 /* C holds 16-bit values */
 #define GW_ACC 2   /* C += A B (C's values read) */
 
