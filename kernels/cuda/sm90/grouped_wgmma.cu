@@ -29,10 +29,11 @@
 #define GW_A_BYTES (GW_BM * GW_BK * 2) /* 16 KB a slice: two 64 x 64 tiles */
 #define GW_B_BYTES (GW_BN * GW_BK * 2) /* 32 KB: four */
 #define GT_STAGE_BYTES (GW_A_BYTES + GW_B_BYTES)
-/* TS (a tile's 16-bit outputs staged in shared memory, 32 KB a warpgroup, and stored by
- * TMA): 3 buffers of slices, else 4; then the barriers and the tile slots */
-#define GT_STAGES(TS) ((TS) ? 3 : 4)
-#define GT_STAGING(TS) ((TS) ? 65536 : 0)
+/* 4 buffers of slices; with TS (a tile's 16-bit outputs staged in shared memory, half a
+ * warpgroup's 64 x 256 at a time, 16 KB, and stored by TMA) the staging; then the barriers
+ * and the tile slots: 230528 bytes of the 232448 a block may have */
+#define GT_STAGES(TS) 4
+#define GT_STAGING(TS) ((TS) ? 32768 : 0)
 #define GT_SMEM(TS) (GT_STAGES(TS) * GT_STAGE_BYTES + GT_STAGING(TS) + 1024 + 128)
 #define GT_TMA_STORE 4 /* a problem's flag beside GW_OUT16: its map tc is encoded */
 
@@ -205,11 +206,10 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
     constexpr int NS = GT_STAGES(TS); /* buffers */
     extern __shared__ unsigned char gw_smem[];
     const unsigned base = fw_align1024(gw_smem);
-    const unsigned staging = base + NS * GT_STAGE_BYTES; /* 32 KB a warpgroup (TS) */
-    const unsigned bars = staging + GT_STAGING(TS);             /* full[s], then empty[s] */
+    const unsigned staging = base + NS * GT_STAGE_BYTES; /* 16 KB a warpgroup (TS) */
+    const unsigned bars = staging + GT_STAGING(TS);      /* full[s], then empty[s] */
     volatile int *slot =
-        (volatile int *)(gw_smem + (bars - (unsigned)__cvta_generic_to_shared(gw_smem)) +
-                         16 * NS);
+        (volatile int *)(gw_smem + (bars - (unsigned)__cvta_generic_to_shared(gw_smem)) + 16 * NS);
     if (threadIdx.x == 0) {
         for (int s = 0; s < NS; s++) {
             gt_bar_init(bars + 8 * s, 1);
@@ -307,39 +307,44 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
         if (!live)
             continue;
         if (TS && p.flags == (GW_OUT16 | GT_TMA_STORE)) {
-            /* staged in this warpgroup's 32 KB as the map's four 64 x 64 boxes (128-byte
-             * swizzle), then stored by TMA, which writes nothing past m and n; not waited
-             * for, so the next tile's products start at once */
-            const unsigned stg = staging + (unsigned)cw * 32768u;
+            /* staged in this warpgroup's 16 KB, 128 columns at a time, as two of the map's
+             * 64 x 64 boxes (128-byte swizzle), then stored by TMA, which writes nothing
+             * past m and n; the second half is not waited for, so the next tile's
+             * products start at once */
+            const unsigned stg = staging + (unsigned)cw * 16384u;
             const int wt = threadIdx.x & 127, w = wt >> 5;
-            if (wt == 0) /* the last store from this staging has read it */
-                asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = 16 * w + (lane >> 2) + 8 * h; /* 0 .. 63 */
+            for (int half = 0; half < 2; half++) {
+                if (wt == 0) /* the last store from this staging has read it */
+                    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+                asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
 #pragma unroll
-                for (int j = 0; j < 32; j++) { /* box j / 8, 16-byte chunk j % 8 of its row */
-                    const unsigned at = stg + (unsigned)(j >> 3) * 8192u + (unsigned)r * 128u +
-                                        (unsigned)(((j & 7) ^ (r & 7)) << 4) +
-                                        4u * (unsigned)(lane & 3);
-                    const unsigned v = fm_pack<T16>(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v) : "memory");
+                for (int h = 0; h < 2; h++) {
+                    const int r = 16 * w + (lane >> 2) + 8 * h; /* 0 .. 63 */
+#pragma unroll
+                    for (int jj = 0; jj < 16; jj++) { /* box jj / 8, 16-byte chunk jj % 8 */
+                        const int j = 16 * half + jj;
+                        const unsigned at = stg + (unsigned)(jj >> 3) * 8192u + (unsigned)r * 128u +
+                                            (unsigned)(((jj & 7) ^ (r & 7)) << 4) +
+                                            4u * (unsigned)(lane & 3);
+                        const unsigned v = fm_pack<T16>(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v) : "memory");
+                    }
+                }
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+                if (wt == 0) {
+                    for (int b = 0; b < 2 && n0 + 128 * half + 64 * b < p.n; b++)
+                        asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group "
+                                     "[%0, {%1, %2}], [%3];\n" ::"l"((unsigned long long)&g.tc[pi]),
+                                     "r"(n0 + 128 * half + 64 * b), "r"(m0 + 64 * cw),
+                                     "r"(stg + 8192u * b)
+                                     : "memory");
+                    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
                 }
             }
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
-            if (wt == 0) {
-                for (int b = 0; b < 4 && n0 + 64 * b < p.n; b++)
-                    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group "
-                                 "[%0, {%1, %2}], [%3];\n" ::"l"((unsigned long long)&g.tc[pi]),
-                                 "r"(n0 + 64 * b), "r"(m0 + 64 * cw), "r"(stg + 8192u * b)
-                                 : "memory");
-                asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-            }
         } else {
-            gw_store<T16>(p.c, p.m, p.n, p.ldc, p.flags & (GW_OUT16 | GW_ACC), d, m0 + 64 * cw,
-                          n0);
+            gw_store<T16>(p.c, p.m, p.n, p.ldc, p.flags & (GW_OUT16 | GW_ACC), d, m0 + 64 * cw, n0);
         }
     }
     if (TS && (threadIdx.x & 127) == 0) /* the stores have ended before the block does */
@@ -408,14 +413,17 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
         return 0;
     const int v = amn + bnm;
     /* a trial's knob: MOE_GROUPED_WGMMA_TMASTORE=1 stores the tiles of 16-bit outputs
-     * (not added to) by TMA from shared memory, with 3 buffers of slices instead of 4 */
-    const int ts = moe_cuda_env_is("MOE_GROUPED_WGMMA_TMASTORE", "1");
-    void (*k)(gt_args) = ts ? GT_PICK(1) : GT_PICK(0);
-    const int smem = ts ? GT_SMEM(1) : GT_SMEM(0);
-    if (!ready[bf16][v][ts]) {
-        if (!MOE_CUDA_OK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)))
-            return 0;
-        ready[bf16][v][ts] = 1;
+     * (not added to) by TMA from shared memory */
+    const int want_ts = moe_cuda_env_is("MOE_GROUPED_WGMMA_TMASTORE", "1");
+    int ts = 0;
+    /* the problems by k, the longest first (stable), so that the tiles handed out last
+     * are the shortest: the weight gradients' k is the expert's rows */
+    int order[GW_MAX];
+    for (int i = 0; i < g->count; i++) {
+        int j = i;
+        for (; j > 0 && g->p[order[j - 1]].k < g->p[i].k; j--)
+            order[j] = order[j - 1];
+        order[j] = i;
     }
     a.count = g->count;
     a.total = 0;
@@ -423,7 +431,7 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
      * rows all lie past m (an expert's last tile of fewer than 65 rows) */
     a.skip = moe_cuda_env_is("MOE_GROUPED_WGMMA_SKIP", "1");
     for (int i = 0; i < a.count; i++) {
-        const gw_problem *q = &g->p[i];
+        const gw_problem *q = &g->p[order[i]];
         gt_problem *p = &a.p[i];
         CUtensorMap *ta = &a.ta[i], *tb = &a.tb[i];
         const int ok = (amn ? gt_map(fn, ta, bf16, q->a, q->k, q->m, q->lda, 64)
@@ -439,14 +447,25 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
         p->ldc = q->ldc;
         p->flags = q->flags;
         /* C's map where its tiles go by TMA (else, as for an unaligned C, from registers) */
-        if (ts && q->flags == GW_OUT16 && gt_map(fn, &a.tc[i], bf16, q->c, q->m, q->n, q->ldc, 64))
+        if (want_ts && q->flags == GW_OUT16 &&
+            gt_map(fn, &a.tc[i], bf16, q->c, q->m, q->n, q->ldc, 64)) {
             p->flags |= GT_TMA_STORE;
+            ts = 1; /* the kernel with the staging */
+        }
         p->tiles_n = (p->n + GW_BN - 1) / GW_BN;
         p->tile0 = a.total;
         a.total += (p->m + GW_BM - 1) / GW_BM * p->tiles_n;
     }
     if (a.total <= 0)
         return 1;
+    void (*k)(gt_args) = ts ? GT_PICK(1) : GT_PICK(0);
+    const int smem = ts ? GT_SMEM(1) : GT_SMEM(0);
+    if (!ready[bf16][v][ts]) {
+        if (!MOE_CUDA_OK(
+                cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)))
+            return 0;
+        ready[bf16][v][ts] = 1;
+    }
     a.next = counters + turn;
     turn = (turn + 1) % 64;
     if (!MOE_CUDA_OK(cudaMemsetAsync(a.next, 0, sizeof(int), s)))
