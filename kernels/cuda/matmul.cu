@@ -901,7 +901,7 @@ static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
  * layout's launches (GW_MAX problems each) on a lane of its own. 0, with nothing queued, where a
  * problem does not fit the kernel (alignment, a size not a multiple of 8, A M-major with B
  * K-major): the caller runs the batch through cuBLAS. */
-static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms)
+static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms, cudaStream_t only)
 {
     static gw_args args[3];
     int cls[GROUPED_MAX];
@@ -922,7 +922,7 @@ static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms)
         used[cls[i]] = 1;
     for (int c = 0; c < 3; c++)
         launches += used[c];
-    const int use = launches < lanes ? launches : lanes;
+    const int use = only ? 1 : launches < lanes ? launches : lanes;
     MOE_CUDA_PROF_BEGIN("wgmma grouped GEMM");
     if (use > 1) {
         MOE_CUDA_OK(cudaEventRecord(fork_ev, moe_cuda_stream()));
@@ -939,7 +939,7 @@ static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms)
             if (i == n || a->count == GW_MAX) { /* launch what is gathered */
                 if (a->count > 0) {
                     const int bf16 = prec == MOE_PREC_BF16;
-                    cudaStream_t st = lane_stream(lane % use);
+                    cudaStream_t st = only ? only : lane_stream(lane % use);
                     if (!cuda_wgmma_grouped(bf16, c == 2, c >= 1, a, sms, st))
                         MOE_CUDA_FAIL("the wgmma grouped GEMM could not be launched");
                     n_wgmma++;
@@ -974,6 +974,71 @@ static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms)
 }
 #endif
 
+static void grouped_flush_cublas(grouped_batch *g, int n);
+
+#if MOE_HAVE_SM90A
+/* Problem i's layout class on the wgmma kernel: 0 the forward (A, B K-major), 1 an input
+ * gradient (B N-major), 2 a weight gradient (A M-major too). */
+static int wgmma_class(const grouped_batch *g, int i)
+{
+    return (g->tb[i] == CUBLAS_OP_T) + (g->ta[i] == CUBLAS_OP_N);
+}
+
+/* Moves problem i of g to slot j of d. */
+static void grouped_move(grouped_batch *d, int j, const grouped_batch *g, int i)
+{
+    d->ta[j] = g->ta[i], d->tb[j] = g->tb[i];
+    d->m[j] = g->m[i], d->nn[j] = g->nn[i], d->k[j] = g->k[i];
+    d->lda[j] = g->lda[i], d->ldb[j] = g->ldb[i], d->ldc[j] = g->ldc[i], d->size[j] = g->size[i];
+    d->alpha[j] = g->alpha[i], d->beta[j] = g->beta[i];
+    d->pair[j] = g->pair[i], d->stride[j] = g->stride[i], d->out16[j] = g->out16[i];
+    for (int s = 0; s < 3; s++)
+        d->ptr.p[s * GROUPED_MAX + j] = g->ptr.p[s * GROUPED_MAX + i];
+}
+
+/* A trial's knob, MOE_GROUPED_WGMMA_CLASSES=mask (1 forwards, 2 input gradients, 4 weight
+ * gradients; unset: all): the classes outside it go to cuBLAS. Where a batch holds both,
+ * its wgmma problems run on the last lane beside its cuBLAS ones on the others. 1 where
+ * the batch ran so, 0 where it holds one kind only (the caller runs it whole). */
+static int grouped_flush_split(grouped_batch *g, int n, int sms)
+{
+    static grouped_batch wg;
+    const char *e = getenv("MOE_GROUPED_WGMMA_CLASSES");
+    const int mask = e ? atoi(e) : 7;
+    int nw = 0, nc = 0;
+    for (int i = 0; i < n; i++)
+        (mask >> wgmma_class(g, i) & 1 ? nw : nc)++;
+    if (nc == 0)
+        return 0;               /* all on wgmma */
+    if (nw == 0 || lanes < 2) { /* all on cuBLAS: one lane cannot run both side by side */
+        grouped_flush_cublas(g, n);
+        return 1;
+    }
+    nw = nc = 0;
+    for (int i = 0; i < n; i++) { /* a pair's two problems share a class */
+        if (mask >> wgmma_class(g, i) & 1)
+            grouped_move(&wg, nw++, g, i);
+        else
+            grouped_move(g, nc++, g, i);
+    }
+    cudaStream_t st = side_stream[lanes - 2];
+    static cudaEvent_t fork2, join2;
+    if (!fork2 && (!MOE_CUDA_OK(cudaEventCreateWithFlags(&fork2, cudaEventDisableTiming)) ||
+                   !MOE_CUDA_OK(cudaEventCreateWithFlags(&join2, cudaEventDisableTiming))))
+        return 0;
+    MOE_CUDA_OK(cudaEventRecord(fork2, moe_cuda_stream()));
+    MOE_CUDA_OK(cudaStreamWaitEvent(st, fork2, 0));
+    if (!grouped_flush_wgmma(&wg, nw, sms, st))
+        grouped_flush_cublas(&wg, nw); /* a problem that does not fit: on cuBLAS after all */
+    lanes--;
+    grouped_flush_cublas(g, nc);
+    lanes++;
+    MOE_CUDA_OK(cudaEventRecord(join2, st));
+    MOE_CUDA_OK(cudaStreamWaitEvent(moe_cuda_stream(), join2, 0));
+    return 1;
+}
+#endif
+
 /* Runs the batch's problems (one by one when cuBLAS refuses the grouped form for this
  * precision: remembered, and counted), then empties it. */
 static void grouped_flush(grouped_batch *g)
@@ -985,10 +1050,16 @@ static void grouped_flush(grouped_batch *g)
     int sms = 0;
     if (wgmma_grouped_on(&sms) && grouped_ready()) {
 #if MOE_HAVE_SM90A
-        if (grouped_flush_wgmma(g, n, sms))
+        if (grouped_flush_split(g, n, sms) || grouped_flush_wgmma(g, n, sms, NULL))
             return;
 #endif
     }
+    grouped_flush_cublas(g, n);
+}
+
+/* The batch's n problems on cuBLAS. */
+static void grouped_flush_cublas(grouped_batch *g, int n)
+{
     int any16 = 0;
     for (int i = 0; i < n; i++)
         any16 |= g->out16[i];
