@@ -1428,44 +1428,55 @@ int main(void)
         check_grouped_large(MOE_PREC_BF16, "bf16", 1e-2);
         /* the mma.sync kernels of sm_80, which sm_90 replaces by wgmma at head dim 64 */
         if (cc >= 90) {
-            /* the experts' GEMMs on the wgmma grouped kernel (MOE_GROUPED_GEMM=wgmma), then
-             * with 3 blocks a launch, each walking many tiles and problems */
+            /* the experts' GEMMs on the wgmma grouped kernel (MOE_GROUPED_GEMM=wgmma), with its
+             * knobs (NULL: unset): 3 blocks a launch, each walking many tiles and problems; a
+             * warpgroup whose rows lie past m skipping its products (groups of 130 and 679
+             * rows end in tiles of 2 and 39); 16-bit outputs staged in shared memory and
+             * stored by TMA (an added-to output still from registers); some layouts on the
+             * kernel and the others on cuBLAS beside it */
+            static const struct {
+                const char *blocks, *skip, *tma_store, *classes;
+                int large; /* check_grouped_large, else check_mode */
+                moe_precision p;
+                const char *mode;
+            } gw[] = {
+                {NULL, NULL, NULL, NULL, 0, MOE_PREC_FP16, "fp16 gw"},
+                {NULL, NULL, NULL, NULL, 0, MOE_PREC_BF16, "bf16 gw"},
+                {NULL, NULL, NULL, NULL, 1, MOE_PREC_FP16, "fp16 gw"},
+                {NULL, NULL, NULL, NULL, 1, MOE_PREC_BF16, "bf16 gw"},
+                {"3", NULL, NULL, NULL, 1, MOE_PREC_BF16, "bf16 gw3"},
+                {"3", NULL, NULL, NULL, 0, MOE_PREC_BF16, "bf16 gw3"},
+                {NULL, "1", NULL, NULL, 1, MOE_PREC_FP16, "fp16 gw skip"},
+                {NULL, "1", NULL, NULL, 0, MOE_PREC_BF16, "bf16 gw skip"},
+                {NULL, "1", "1", NULL, 0, MOE_PREC_FP16, "fp16 gw ts"},
+                {NULL, "1", "1", NULL, 0, MOE_PREC_BF16, "bf16 gw ts"},
+                {NULL, "1", "1", NULL, 1, MOE_PREC_BF16, "bf16 gw ts"},
+                {"3", "1", "1", NULL, 1, MOE_PREC_FP16, "fp16 gw ts3"},
+                {NULL, "1", "1", "1", 1, MOE_PREC_BF16, "bf16 gw fwd"},
+                {NULL, "1", "1", "1", 0, MOE_PREC_FP16, "fp16 gw fwd"},
+                {NULL, "1", "1", "6", 1, MOE_PREC_FP16, "fp16 gw bwd"},
+                {NULL, "1", "1", "6", 0, MOE_PREC_BF16, "bf16 gw bwd"},
+                {NULL, "1", "1", "2", 1, MOE_PREC_BF16, "bf16 gw dx"},
+            };
+            const char *knob[4] = {"MOE_GROUPED_WGMMA_BLOCKS", "MOE_GROUPED_WGMMA_SKIP",
+                                   "MOE_GROUPED_WGMMA_TMASTORE", "MOE_GROUPED_WGMMA_CLASSES"};
             const long wg0 = moe_cuda_grouped_wgmma_launches();
             setenv("MOE_GROUPED_GEMM", "wgmma", 1);
-            check_mode(MOE_PREC_FP16, "fp16 gw", 5e-3);
-            check_mode(MOE_PREC_BF16, "bf16 gw", 1e-2);
-            check_grouped_large(MOE_PREC_FP16, "fp16 gw", 5e-3);
-            check_grouped_large(MOE_PREC_BF16, "bf16 gw", 1e-2);
-            setenv("MOE_GROUPED_WGMMA_BLOCKS", "3", 1);
-            check_grouped_large(MOE_PREC_BF16, "bf16 gw3", 1e-2);
-            check_mode(MOE_PREC_BF16, "bf16 gw3", 1e-2);
-            unsetenv("MOE_GROUPED_WGMMA_BLOCKS");
-            /* a warpgroup whose rows lie past m skips its products (groups of 130 and 679
-             * rows end in tiles of 2 and 39) */
-            setenv("MOE_GROUPED_WGMMA_SKIP", "1", 1);
-            check_grouped_large(MOE_PREC_FP16, "fp16 gw skip", 5e-3);
-            check_mode(MOE_PREC_BF16, "bf16 gw skip", 1e-2);
-            /* 16-bit outputs staged in shared memory and stored by TMA (the forwards; an
-             * added-to output still from registers), with the skip, then on 3 blocks */
-            setenv("MOE_GROUPED_WGMMA_TMASTORE", "1", 1);
-            check_mode(MOE_PREC_FP16, "fp16 gw ts", 5e-3);
-            check_mode(MOE_PREC_BF16, "bf16 gw ts", 1e-2);
-            check_grouped_large(MOE_PREC_BF16, "bf16 gw ts", 1e-2);
-            setenv("MOE_GROUPED_WGMMA_BLOCKS", "3", 1);
-            check_grouped_large(MOE_PREC_FP16, "fp16 gw ts3", 5e-3);
-            unsetenv("MOE_GROUPED_WGMMA_BLOCKS");
-            /* some classes on the kernel, the others on cuBLAS beside it */
-            setenv("MOE_GROUPED_WGMMA_CLASSES", "1", 1);
-            check_grouped_large(MOE_PREC_BF16, "bf16 gw fwd", 1e-2);
-            check_mode(MOE_PREC_FP16, "fp16 gw fwd", 5e-3);
-            setenv("MOE_GROUPED_WGMMA_CLASSES", "6", 1);
-            check_grouped_large(MOE_PREC_FP16, "fp16 gw bwd", 5e-3);
-            check_mode(MOE_PREC_BF16, "bf16 gw bwd", 1e-2);
-            setenv("MOE_GROUPED_WGMMA_CLASSES", "2", 1);
-            check_grouped_large(MOE_PREC_BF16, "bf16 gw dx", 1e-2);
-            unsetenv("MOE_GROUPED_WGMMA_CLASSES");
-            unsetenv("MOE_GROUPED_WGMMA_TMASTORE");
-            unsetenv("MOE_GROUPED_WGMMA_SKIP");
+            for (size_t r = 0; r < sizeof gw / sizeof gw[0]; r++) {
+                const char *value[4] = {gw[r].blocks, gw[r].skip, gw[r].tma_store, gw[r].classes};
+                for (int k = 0; k < 4; k++)
+                    if (value[k])
+                        setenv(knob[k], value[k], 1);
+                    else
+                        unsetenv(knob[k]);
+                const double bound = gw[r].p == MOE_PREC_FP16 ? 5e-3 : 1e-2;
+                if (gw[r].large)
+                    check_grouped_large(gw[r].p, gw[r].mode, bound);
+                else
+                    check_mode(gw[r].p, gw[r].mode, bound);
+            }
+            for (int k = 0; k < 4; k++)
+                unsetenv(knob[k]);
             unsetenv("MOE_GROUPED_GEMM");
             const long wg = moe_cuda_grouped_wgmma_launches() - wg0;
             printf("  wgmma grouped GEMM: %ld launches\n", wg);
