@@ -22,6 +22,10 @@ if [ "${MICRO:-1}" = 1 ]; then
 fi
 sed -n '/^bench:/,/^bench-result/p' "$OUT/bench.log"
 sed -n '/^kernels of/,$p' "$OUT/bench.log" | head -16
+# the micro-benchmarks: op, ms, rate and % of its ceiling (the columns past the shape)
+[ -f "$OUT/moe_bench.log" ] && awk 'NR > 3 { for (i = 2; i <= NF - 4; i++) if ($i ~ /^[0-9]+\.[0-9][0-9][0-9][0-9]$/) {
+  printf "  %-22s %s %s %s %s %s\n", $1, $i, $(i + 1), $(i + 2), $(i + 3), $(i + 4); break } }' \
+  "$OUT/moe_bench.log"
 tail -2 "$OUT/peer_eager.log"
 [ -f "$OUT/peer_compile.log" ] && tail -2 "$OUT/peer_compile.log"
 python3 - "$OUT" <<'PY'
