@@ -1429,42 +1429,39 @@ int main(void)
         /* the mma.sync kernels of sm_80, which sm_90 replaces by wgmma at head dim 64 */
         if (cc >= 90) {
             /* the experts' GEMMs on the wgmma grouped kernel (MOE_GROUPED_GEMM=wgmma), with its
-             * knobs (NULL: unset): 3 blocks a launch, each walking many tiles and problems; a
-             * warpgroup whose rows lie past m skipping its products (groups of 130 and 679
-             * rows end in tiles of 2 and 39); 16-bit outputs staged in shared memory and
-             * stored by TMA (an added-to output still from registers); some layouts on the
-             * kernel and the others on cuBLAS beside it */
+             * knobs (NULL: unset): 3 blocks a launch, each walking many tiles and problems;
+             * 16-bit outputs staged in shared memory and stored by TMA (an added-to output
+             * still from registers; groups of 130 and 679 rows end in tiles of 2 and 39
+             * rows); some layouts on the kernel and the others on cuBLAS beside it */
             static const struct {
-                const char *blocks, *skip, *tma_store, *classes;
+                const char *blocks, *tma_store, *classes;
                 int large; /* check_grouped_large, else check_mode */
                 moe_precision p;
                 const char *mode;
             } gw[] = {
-                {NULL, NULL, NULL, NULL, 0, MOE_PREC_FP16, "fp16 gw"},
-                {NULL, NULL, NULL, NULL, 0, MOE_PREC_BF16, "bf16 gw"},
-                {NULL, NULL, NULL, NULL, 1, MOE_PREC_FP16, "fp16 gw"},
-                {NULL, NULL, NULL, NULL, 1, MOE_PREC_BF16, "bf16 gw"},
-                {"3", NULL, NULL, NULL, 1, MOE_PREC_BF16, "bf16 gw3"},
-                {"3", NULL, NULL, NULL, 0, MOE_PREC_BF16, "bf16 gw3"},
-                {NULL, "1", NULL, NULL, 1, MOE_PREC_FP16, "fp16 gw skip"},
-                {NULL, "1", NULL, NULL, 0, MOE_PREC_BF16, "bf16 gw skip"},
-                {NULL, "1", "1", NULL, 0, MOE_PREC_FP16, "fp16 gw ts"},
-                {NULL, "1", "1", NULL, 0, MOE_PREC_BF16, "bf16 gw ts"},
-                {NULL, "1", "1", NULL, 1, MOE_PREC_BF16, "bf16 gw ts"},
-                {"3", "1", "1", NULL, 1, MOE_PREC_FP16, "fp16 gw ts3"},
-                {NULL, "1", "1", "1", 1, MOE_PREC_BF16, "bf16 gw fwd"},
-                {NULL, "1", "1", "1", 0, MOE_PREC_FP16, "fp16 gw fwd"},
-                {NULL, "1", "1", "6", 1, MOE_PREC_FP16, "fp16 gw bwd"},
-                {NULL, "1", "1", "6", 0, MOE_PREC_BF16, "bf16 gw bwd"},
-                {NULL, "1", "1", "2", 1, MOE_PREC_BF16, "bf16 gw dx"},
+                {NULL, NULL, NULL, 0, MOE_PREC_FP16, "fp16 gw"},
+                {NULL, NULL, NULL, 0, MOE_PREC_BF16, "bf16 gw"},
+                {NULL, NULL, NULL, 1, MOE_PREC_FP16, "fp16 gw"},
+                {NULL, NULL, NULL, 1, MOE_PREC_BF16, "bf16 gw"},
+                {"3", NULL, NULL, 1, MOE_PREC_BF16, "bf16 gw3"},
+                {"3", NULL, NULL, 0, MOE_PREC_BF16, "bf16 gw3"},
+                {NULL, "1", NULL, 0, MOE_PREC_FP16, "fp16 gw ts"},
+                {NULL, "1", NULL, 0, MOE_PREC_BF16, "bf16 gw ts"},
+                {NULL, "1", NULL, 1, MOE_PREC_BF16, "bf16 gw ts"},
+                {"3", "1", NULL, 1, MOE_PREC_FP16, "fp16 gw ts3"},
+                {NULL, "1", "1", 1, MOE_PREC_BF16, "bf16 gw fwd"},
+                {NULL, "1", "1", 0, MOE_PREC_FP16, "fp16 gw fwd"},
+                {NULL, "1", "6", 1, MOE_PREC_FP16, "fp16 gw bwd"},
+                {NULL, "1", "6", 0, MOE_PREC_BF16, "bf16 gw bwd"},
+                {NULL, "1", "2", 1, MOE_PREC_BF16, "bf16 gw dx"},
             };
-            const char *knob[4] = {"MOE_GROUPED_WGMMA_BLOCKS", "MOE_GROUPED_WGMMA_SKIP",
-                                   "MOE_GROUPED_WGMMA_TMASTORE", "MOE_GROUPED_WGMMA_CLASSES"};
+            const char *knob[3] = {"MOE_GROUPED_WGMMA_BLOCKS", "MOE_GROUPED_WGMMA_TMASTORE",
+                                   "MOE_GROUPED_WGMMA_CLASSES"};
             const long wg0 = moe_cuda_grouped_wgmma_launches();
             setenv("MOE_GROUPED_GEMM", "wgmma", 1);
             for (size_t r = 0; r < sizeof gw / sizeof gw[0]; r++) {
-                const char *value[4] = {gw[r].blocks, gw[r].skip, gw[r].tma_store, gw[r].classes};
-                for (int k = 0; k < 4; k++)
+                const char *value[3] = {gw[r].blocks, gw[r].tma_store, gw[r].classes};
+                for (int k = 0; k < 3; k++)
                     if (value[k])
                         setenv(knob[k], value[k], 1);
                     else
@@ -1475,7 +1472,7 @@ int main(void)
                 else
                     check_mode(gw[r].p, gw[r].mode, bound);
             }
-            for (int k = 0; k < 4; k++)
+            for (int k = 0; k < 3; k++)
                 unsetenv(knob[k]);
             unsetenv("MOE_GROUPED_GEMM");
             const long wg = moe_cuda_grouped_wgmma_launches() - wg0;

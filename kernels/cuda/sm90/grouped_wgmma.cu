@@ -139,7 +139,6 @@ typedef struct {
     gt_problem p[GW_MAX];
     int count, total;
     int *next; /* the tiles handed out past the first gridDim.x (zeroed before the launch) */
-    int skip;  /* a warpgroup whose 64 rows all lie past m skips the products */
 } gt_args;
 
 static __device__ __forceinline__ void gt_bar_init(unsigned bar, unsigned count)
@@ -272,24 +271,23 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
         int m0, n0, nk;
         gt_locate(g, t, &pi, &m0, &n0, &nk);
         const gt_problem &p = g.p[pi];
-        /* this warpgroup's 64 rows lie past the problem's: no stores, and (skip) no products */
-        const int live = m0 + 64 * cw < p.m, mma = live || !g.skip;
+        /* this warpgroup's 64 rows lie past the problem's: no stores. Its products still
+         * run: a branch around wgmma makes ptxas serialize every wgmma of the kernel
+         * (C7520; tests/build/wgmma_serial.sh) */
+        const int live = m0 + 64 * cw < p.m;
         for (int kt = 0; kt < nk; kt++) {
             if (kt > 0)
                 gt_bar_wait(bars + 8 * s, ph);
             const unsigned sa = base + (unsigned)s * GT_STAGE_BYTES + (unsigned)cw * 8192u,
                            sb = base + (unsigned)s * GT_STAGE_BYTES + GW_A_BYTES;
-            if (mma) {
-                fw_keep(d);
-                fw_fence();
+            fw_keep(d);
+            fw_fence();
 #pragma unroll
-                for (int kk = 0; kk < 4; kk++) {
-                    const uint64_t da =
-                        AMN ? gw_desc(sa + 2048u * kk, 16) : gw_desc(sa + 32u * kk, 16);
-                    const uint64_t db =
-                        BNM ? gw_desc(sb + 2048u * kk, 8192) : gw_desc(sb + 32u * kk, 16);
-                    gw_mma<T16, AMN, BNM>(d, da, db, kt > 0 || kk > 0);
-                }
+            for (int kk = 0; kk < 4; kk++) {
+                const uint64_t da = AMN ? gw_desc(sa + 2048u * kk, 16) : gw_desc(sa + 32u * kk, 16);
+                const uint64_t db =
+                    BNM ? gw_desc(sb + 2048u * kk, 8192) : gw_desc(sb + 32u * kk, 16);
+                gw_mma<T16, AMN, BNM>(d, da, db, kt > 0 || kk > 0);
             }
             fw_commit();
             fw_wait<1>(); /* the products of the slice before are done: its buffer is free */
@@ -427,9 +425,6 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
     }
     a.count = g->count;
     a.total = 0;
-    /* a trial's knob: MOE_GROUPED_WGMMA_SKIP=1 skips the products of a warpgroup whose
-     * rows all lie past m (an expert's last tile of fewer than 65 rows) */
-    a.skip = moe_cuda_env_is("MOE_GROUPED_WGMMA_SKIP", "1");
     for (int i = 0; i < a.count; i++) {
         const gw_problem *q = &g->p[order[i]];
         gt_problem *p = &a.p[i];
