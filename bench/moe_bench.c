@@ -57,6 +57,7 @@ typedef struct {
     int copy_mib;
     int rows_ratio; /* the grouped ops: largest expert's rows over the smallest's (1: even) */
     int out16;      /* the grouped forwards write 16-bit outputs, as the model's */
+    int grads16;    /* the grouped backwards write bf16 weight gradients, as the model's */
 } bench_opts;
 
 static bench_opts opt = {
@@ -76,6 +77,7 @@ static bench_opts opt = {
     .copy_mib = 1024,
     .rows_ratio = 1,
     .out16 = 0,
+    .grads16 = 0,
 };
 
 static const char *prec_name(moe_precision p)
@@ -248,6 +250,17 @@ static void use_precision(const real *w, size_t nw, size_t max_operand)
     MOE_CK(gpu->set_precision(opt.prec, w, nw, max_operand));
     MOE_CK(gpu->refresh_shadow());
     sync_or_die("set_precision");
+}
+
+/* --grads16 1: the weights w are bf16 master weights and their gradients dw (as many)
+ * live in bf16, which the grouped backwards write, as the model's with [precision]
+ * expert_grads = bf16 (after use_precision, which ends it). */
+static void use_grads16(real *dw)
+{
+    if (!opt.grads16)
+        return;
+    MOE_CK(gpu->master_in_shadow(0));
+    MOE_CK(gpu->grads_in_shadow(dw));
 }
 
 /* ---- timing --------------------------------------------------------------------------------- */
@@ -513,8 +526,8 @@ static void grouped_shape(char *buf, size_t cap, int M)
     char spread[32] = "";
     if (opt.rows_ratio > 1)
         snprintf(spread, sizeof spread, " spread x%d", opt.rows_ratio);
-    snprintf(buf, cap, "G=%d rows=%d D=%d F=%d %s%s%s", opt.E, M / opt.E, opt.D, opt.F,
-             prec_name(opt.prec), spread, opt.out16 ? " out16" : "");
+    snprintf(buf, cap, "G=%d rows=%d D=%d F=%d %s%s%s%s", opt.E, M / opt.E, opt.D, opt.F,
+             prec_name(opt.prec), spread, opt.out16 ? " out16" : "", opt.grads16 ? " grads16" : "");
 }
 
 /* ---- the single-GPU benchmarks: buffers of the one running ------------------------------------
@@ -758,6 +771,8 @@ static void bench_grouped(int bwd)
         bf.dw = dreal(W);
     }
     use_precision(bf.w, W, (size_t)M * (D > F ? D : F));
+    if (bwd)
+        use_grads16(bf.dw);
     double ms = time_gpu(bwd ? run_grouped_bwd : run_grouped);
     double flops = (bwd ? 4.0 : 2.0) * M * (double)D * F;
     char shape[96];
@@ -824,6 +839,8 @@ static void bench_grouped_pair(int bwd)
         bf.dw = dreal(2 * W);
     }
     use_precision(bf.w, 2 * W, (size_t)M * (D > F ? D : F));
+    if (bwd)
+        use_grads16(bf.dw);
     const double flops = (bwd ? 8.0 : 4.0) * M * (double)D * F;
     char shape[160], base[96];
     grouped_shape(base, sizeof base, M);
@@ -896,6 +913,8 @@ static void bench_experts_ffn(int bwd)
         bf.dw = dreal(3 * W);
     }
     use_precision(bf.w, 3 * W, MF);
+    if (bwd)
+        use_grads16(bf.dw);
     mark(bf.h, MF);
     if (bwd) { /* h holds its operand, written as the forward writes it */
         mark(bf.da, MF);
@@ -1605,7 +1624,7 @@ static void usage(FILE *f)
     fprintf(f, "usage: moe-bench [a2a] [--op NAME] [--precision fp32|bf16|fp16] [--reps N]\n"
                "                 [--warmup N] [--B n] [--T n] [--D n] [--H n] [--E n] [--K n]\n"
                "                 [--F n] [--V n] [--L n] [--copy-mib n] [--rows-ratio R]\n"
-               "                 [--out16 0|1] [--list]\n"
+               "                 [--out16 0|1] [--grads16 0|1] [--list]\n"
                "Times each op of the cuda backend (median of --reps runs) at the shape of\n"
                "configs/bench-h200.ini, against a copy-bandwidth or dense-GEMM ceiling measured\n"
                "in the same process. 'a2a' (under mpirun, one GPU per rank): dispatch and\n"
@@ -1658,6 +1677,7 @@ static int parse_args(int argc, char **argv)
         {"--copy-mib", &opt.copy_mib, 1, 1 << 20},
         {"--rows-ratio", &opt.rows_ratio, 1, 1000},
         {"--out16", &opt.out16, 0, 1},
+        {"--grads16", &opt.grads16, 0, 1},
     };
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
@@ -1710,6 +1730,8 @@ static int parse_args(int argc, char **argv)
         bad = "K must not exceed E";
     else if ((long long)opt.B * opt.T * opt.K > INT_MAX / 2)
         bad = "B*T*K is too large for the ops' int sizes";
+    else if (opt.grads16 && opt.prec != MOE_PREC_BF16)
+        bad = "--grads16 1 needs --precision bf16 (bf16 gradients are those of bf16 weights)";
     if (bad) {
         fprintf(stderr, "moe-bench: %s\n", bad);
         exit(EXIT_USAGE);

@@ -78,8 +78,11 @@ if [ -x "$MB" ]; then
   expect_err "--rows-ratio wants an integer in \[1, 1000\], got '0'" "its message names the option"
   expect_exit 2 "moe-bench --out16 2" -- "$MB" --out16 2
   expect_err "--out16 wants an integer in \[0, 1\], got '2'" "its message names the option"
+  expect_exit 2 "moe-bench --grads16 1 in fp16" -- "$MB" --grads16 1 --precision fp16
+  expect_err "--grads16 1 needs --precision bf16" "its message names the option and the precision"
   "$MB" --help | grep -q -- "--rows-ratio R" && "$MB" --help | grep -q -- "--out16 0|1" &&
-    pass "moe-bench --help lists --rows-ratio and --out16" || fail "moe-bench --help"
+    "$MB" --help | grep -q -- "--grads16 0|1" &&
+    pass "moe-bench --help lists --rows-ratio, --out16 and --grads16" || fail "moe-bench --help"
 else
   echo "moe-bench not built here (no CUDA toolkit): its option checks skipped"
 fi
