@@ -1026,6 +1026,8 @@ static int grouped_flush_split(grouped_batch *g, int n, int sms)
     if (!fork2 && (!MOE_CUDA_OK(cudaEventCreateWithFlags(&fork2, cudaEventDisableTiming)) ||
                    !MOE_CUDA_OK(cudaEventCreateWithFlags(&join2, cudaEventDisableTiming))))
         return 0;
+    /* the kernel's work lies outside the brackets within (on st): this one holds both */
+    MOE_CUDA_PROF_BEGIN("grouped GEMMs, wgmma beside cuBLAS");
     MOE_CUDA_OK(cudaEventRecord(fork2, moe_cuda_stream()));
     MOE_CUDA_OK(cudaStreamWaitEvent(st, fork2, 0));
     if (!grouped_flush_wgmma(&wg, nw, sms, st))
@@ -1035,6 +1037,7 @@ static int grouped_flush_split(grouped_batch *g, int n, int sms)
     lanes++;
     MOE_CUDA_OK(cudaEventRecord(join2, st));
     MOE_CUDA_OK(cudaStreamWaitEvent(moe_cuda_stream(), join2, 0));
+    MOE_CUDA_PROF_END();
     return 1;
 }
 #endif

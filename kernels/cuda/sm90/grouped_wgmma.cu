@@ -32,9 +32,9 @@
 /* 4 buffers of slices; with TS (a tile's 16-bit outputs staged in shared memory, half a
  * warpgroup's 64 x 256 at a time, 16 KB, and stored by TMA) the staging; then the barriers
  * and the tile slots: 230528 bytes of the 232448 a block may have */
-#define GT_STAGES(TS) 4
+#define GT_STAGES 4
 #define GT_STAGING(TS) ((TS) ? 32768 : 0)
-#define GT_SMEM(TS) (GT_STAGES(TS) * GT_STAGE_BYTES + GT_STAGING(TS) + 1024 + 128)
+#define GT_SMEM(TS) (GT_STAGES * GT_STAGE_BYTES + GT_STAGING(TS) + 1024 + 128)
 #define GT_TMA_STORE 4 /* a problem's flag beside GW_OUT16: its map tc is encoded */
 
 /* A slice's descriptor: the 128-byte swizzle, 8-row groups 1024 bytes apart (SBO), lbo
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     return; /* never: CMakeLists.txt builds this file for sm_90a alone */
 #else
-    constexpr int NS = GT_STAGES(TS); /* buffers */
+    constexpr int NS = GT_STAGES; /* buffers */
     extern __shared__ unsigned char gw_smem[];
     const unsigned base = fw_align1024(gw_smem);
     const unsigned staging = base + NS * GT_STAGE_BYTES; /* 16 KB a warpgroup (TS) */
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
         const gt_problem &p = g.p[pi];
         /* this warpgroup's 64 rows lie past the problem's: no stores. Its products still
          * run: a branch around wgmma makes ptxas serialize every wgmma of the kernel
-         * (C7520; tests/build/wgmma_serial.sh) */
+         * (C7520, which scripts/wgmma-guard.sh turns into a failed build) */
         const int live = m0 + 64 * cw < p.m;
         for (int kt = 0; kt < nk; kt++) {
             if (kt > 0)
