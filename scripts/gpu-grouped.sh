@@ -23,9 +23,12 @@ path_env() {
   cublas) echo "MOE_GROUPED_GEMM=cublas" ;;
   wgmma) echo "MOE_GROUPED_GEMM=wgmma" ;;
   ts) echo "MOE_GROUPED_GEMM=wgmma MOE_GROUPED_WGMMA_TMASTORE=1" ;;
-  *) echo "gpu-grouped.sh: unknown path '$1'" >&2 && exit 2 ;;
+  *) echo "gpu-grouped.sh: unknown path '$1' (cublas, wgmma, ts)" >&2 && return 2 ;;
   esac
 }
+for run in $PATHS $BENCH_RUNS; do # an unknown path stops the script before any run
+  path_env "${run%%:*}" >/dev/null || exit 2
+done
 IFS=, read -ra conds <<<"$CONDS"
 for cond in "${conds[@]}"; do
   set -- $cond
