@@ -896,6 +896,13 @@ extern "C" long moe_cuda_grouped_wgmma_launches(void) { return n_wgmma; }
 #if MOE_HAVE_SM90A
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
+/* Problem i's layout class on the wgmma kernel: 0 the forward (A, B K-major), 1 an input
+ * gradient (B N-major), 2 a weight gradient (A M-major too). */
+static int wgmma_class(const grouped_batch *g, int i)
+{
+    return (g->tb[i] == CUBLAS_OP_T) + (g->ta[i] == CUBLAS_OP_N);
+}
+
 /* The batch on the wgmma kernel: its problems turned row-major (cuBLAS's column-major C
  * (m, n) = op(A) op(B) is C^T (n, m) = op(B)^T op(A)^T), by the layouts of A and B, each
  * layout's launches (GW_MAX problems each) on a lane of its own. 0, with nothing queued, where a
@@ -915,7 +922,7 @@ static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms, cudaStrea
             ((uintptr_t)C & 7u) || g->beta[i] != (g->beta[i] != 0.0f ? 1.0f : 0.0f) ||
             g->alpha[i] != 1.0f)
             return 0;
-        cls[i] = amn + bnm; /* 0: K, K; 1: K, N; 2: M, N */
+        cls[i] = wgmma_class(g, i); /* amn + bnm */
     }
     int used[3] = {0, 0, 0}, launches = 0;
     for (int i = 0; i < n; i++)
@@ -977,13 +984,6 @@ static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms, cudaStrea
 static void grouped_flush_cublas(grouped_batch *g, int n);
 
 #if MOE_HAVE_SM90A
-/* Problem i's layout class on the wgmma kernel: 0 the forward (A, B K-major), 1 an input
- * gradient (B N-major), 2 a weight gradient (A M-major too). */
-static int wgmma_class(const grouped_batch *g, int i)
-{
-    return (g->tb[i] == CUBLAS_OP_T) + (g->ta[i] == CUBLAS_OP_N);
-}
-
 /* Moves problem i of g to slot j of d. */
 static void grouped_move(grouped_batch *d, int j, const grouped_batch *g, int i)
 {
