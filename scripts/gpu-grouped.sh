@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU host (after `. .device-kit/setup.sh` and a build in $B): the experts' grouped
-# GEMMs on cuBLASLt (the default) against the wgmma kernel (MOE_GROUPED_GEMM=wgmma, sm_90)
-# and the kernel with its 16-bit tiles stored by TMA (ts: MOE_GROUPED_WGMMA_TMASTORE=1),
+# GEMMs on cuBLASLt (cublas: MOE_GROUPED_GEMM=cublas) against the wgmma kernel with its
+# 16-bit tiles stored from registers (wgmma: MOE_GROUPED_WGMMA_TMASTORE=0) and stored by
+# TMA (ts: sm_90's default since the twenty-fourth session),
 # under conditions "rows-ratio out16 grads16" (moe-bench's --rows-ratio, --out16,
 # --grads16; "19 1 1" is the model's: spread rows, 16-bit forward outputs, bf16 weight
 # gradients), then the bench for each of BENCH_RUNS (PATH or PATH:MASK, the mask
@@ -21,7 +22,7 @@ table="$OUT/grouped.tsv"
 path_env() {
   case "$1" in
   cublas) echo "MOE_GROUPED_GEMM=cublas" ;;
-  wgmma) echo "MOE_GROUPED_GEMM=wgmma" ;;
+  wgmma) echo "MOE_GROUPED_GEMM=wgmma MOE_GROUPED_WGMMA_TMASTORE=0" ;;
   ts) echo "MOE_GROUPED_GEMM=wgmma MOE_GROUPED_WGMMA_TMASTORE=1" ;;
   *) echo "gpu-grouped.sh: unknown path '$1' (cublas, wgmma, ts)" >&2 && return 2 ;;
   esac

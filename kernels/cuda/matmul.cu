@@ -859,16 +859,17 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
 #endif
 static long n_wgmma; /* launches of the wgmma grouped kernel */
 
-/* Whether a batch of 16-bit operands runs on the wgmma kernel: compute capability 9.0,
- * the kernel built in, and MOE_GROUPED_GEMM=wgmma in the environment (read at each call,
- * so that a test compares both; cuBLASLt, one GEMM a problem over the lanes, otherwise).
+/* Whether a batch of 16-bit operands runs on the wgmma kernel: compute capability 9.0
+ * and the kernel built in (the default since the twenty-fourth session), unless
+ * MOE_GROUPED_GEMM=cublas in the environment (read at each call, so that a test compares
+ * both) puts it on cuBLASLt, one GEMM a problem over the lanes, as on other GPUs.
  * *blocks: a launch's blocks, the SMs (MOE_GROUPED_WGMMA_BLOCKS=n fewer: a test's knob,
  * so that each block walks many tiles). */
 static int wgmma_grouped_on(int *blocks)
 {
 #if MOE_HAVE_SM90A
     static int cc90 = -1, n_sm;
-    if (prec == MOE_PREC_FP32 || !moe_cuda_env_is("MOE_GROUPED_GEMM", "wgmma"))
+    if (prec == MOE_PREC_FP32 || moe_cuda_env_is("MOE_GROUPED_GEMM", "cublas"))
         return 0;
     if (cc90 < 0) {
         int dev = 0, major = 0, minor = 0;

@@ -495,7 +495,8 @@ int moe_cuda_attention_wgmma(void);
 /* launches of the 8-element SwiGLU kernels so far (swiglu.cu) */
 long moe_cuda_swiglu_vec8_launches(void);
 void moe_cuda_grouped_counts(long *grouped_calls, long *single_gemms);
-/* launches of the wgmma grouped GEMM so far (matmul.cu, MOE_GROUPED_GEMM=wgmma) */
+/* launches of the wgmma grouped GEMM so far (matmul.cu: on sm_90 unless
+ * MOE_GROUPED_GEMM=cublas) */
 long moe_cuda_grouped_wgmma_launches(void);
 
 /* The experts' gate and up projections as one op (grouped_matmul_forward_pair and its
@@ -984,8 +985,9 @@ static void check_grads16(void)
     to_host(got, ga, gw);
     report("grads16: grouped dw added to", "bf16",
            rel_err(got, ref, gw) + (double)not_bf16(got, gw), 1e-2);
-    /* the pair: both weight gradients, one strided batch of 2 per non-empty group */
-    const long pairs0 = moe_cuda_batched_pairs();
+    /* the pair: both weight gradients, one strided batch of 2 per non-empty group on
+     * cuBLAS, none where the wgmma kernel ran them (sm_90) */
+    const long pairs0 = moe_cuda_batched_pairs(), wg0 = moe_cuda_grouped_wgmma_launches();
     for (size_t i = 0; i < ni; i++)
         refx[i] = NAN;
     for (size_t i = 0; i < 2 * gw; i++)
@@ -996,11 +998,15 @@ static void check_grads16(void)
                                             MOE_WRITE_DW);
     gpu->grouped_matmul_backward_pair(dgx, ga, gb, d16, d16 + no, dx_, dp + nd, dp + nd + gw,
                                       offsets, G, I, O, MOE_WRITE_DW | MOE_WRITE_DX);
-    const long pairs = moe_cuda_batched_pairs() - pairs0;
+    const long pairs = moe_cuda_batched_pairs() - pairs0,
+               want_pairs = moe_cuda_grouped_wgmma_launches() > wg0 ? 0 : 4;
     gpu->sync_master();
     to_host(got, ga, 2 * gw);
-    report("grads16: pair dw", "bf16",
-           rel_err(got, ref, 2 * gw) + (double)not_bf16(got, 2 * gw) + (pairs != 4), 1e-2);
+    report("grads16: pair dw", "bf16", rel_err(got, ref, 2 * gw) + (double)not_bf16(got, 2 * gw),
+           1e-2);
+    char what[64];
+    snprintf(what, sizeof what, "grads16: %ld batches of 2 (want %ld)", pairs, want_pairs);
+    report(what, "bf16", pairs != want_pairs ? 1.0 : 0.0, 0.0);
     /* the sums over them (the bf16 values, widened: got holds them) */
     double want = 0;
     for (size_t i = 0; i < 2 * gw; i++)
@@ -1362,7 +1368,8 @@ static void check_attention_mode(moe_precision p, const char *mode, double bound
  * GEMM whose problems run one by one over several streams (fp16: cuBLAS refuses its
  * grouped call) is one piece, "cuBLASLt GEMMs on several streams", and none of its
  * GEMMs a piece of its own (their events on the backend's stream would time nothing of
- * theirs). Needs the default lanes (MOE_GEMM_STREAMS unset). */
+ * theirs). Needs the default lanes (MOE_GEMM_STREAMS unset); on cuBLAS (sm_90 would take
+ * the wgmma kernel). */
 static void check_profile_nesting(void)
 {
     enum { G = 6, R = 40, I = 64, O = 48 };
@@ -1374,6 +1381,7 @@ static void check_profile_nesting(void)
     fill(hw, (size_t)G * O * I, 22, 0.1);
     float *x = dev_copy(hx, (size_t)G * R * I), *w = dev_copy(hw, (size_t)G * O * I);
     float *out = gpu->alloc(sizeof(float) * G * R * O);
+    setenv("MOE_GROUPED_GEMM", "cublas", 1);
     gpu->set_precision(MOE_PREC_FP16, w, (size_t)G * O * I, (size_t)G * R * I);
     gpu->refresh_shadow();
     gpu->grouped_matmul_forward(out, x, w, offsets, G, I, O); /* cuBLAS's refusal, once */
@@ -1398,6 +1406,7 @@ static void check_profile_nesting(void)
            lanes_calls, gemm_lines);
     report("profile: nested brackets", "fp16", lanes_calls == 1 && gemm_lines == 0 ? 0.0 : 1.0,
            0.0);
+    unsetenv("MOE_GROUPED_GEMM");
     gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0);
     gpu->release(x);
     gpu->release(w);
@@ -1424,60 +1433,71 @@ int main(void)
         check_mode(MOE_PREC_BF16, "bf16", 1e-2);
         check_attention_mode(MOE_PREC_BF16, "bf16", 1e-2);
         check_grads16();
+        if (cc >= 90) { /* that on the wgmma kernel: again on cuBLAS */
+            setenv("MOE_GROUPED_GEMM", "cublas", 1);
+            check_grads16();
+            unsetenv("MOE_GROUPED_GEMM");
+        }
         check_grouped_large(MOE_PREC_FP16, "fp16", 5e-3);
         check_grouped_large(MOE_PREC_BF16, "bf16", 1e-2);
         /* the mma.sync kernels of sm_80, which sm_90 replaces by wgmma at head dim 64 */
         if (cc >= 90) {
-            /* the experts' GEMMs on the wgmma grouped kernel (MOE_GROUPED_GEMM=wgmma), with its
-             * knobs (NULL: unset): 3 blocks a launch, each walking many tiles and problems;
-             * 16-bit outputs staged in shared memory and stored by TMA (an added-to output
-             * still from registers; groups of 130 and 679 rows end in tiles of 2 and 39
-             * rows); some layouts on the kernel and the others on cuBLAS beside it */
+            /* the experts' GEMMs on the wgmma grouped kernel (sm_90's default; the checks
+             * above ran on it) with its knobs (NULL: unset): MOE_GROUPED_GEMM=cublas, which
+             * must launch none of it (cuBLAS's grouped path, the default of other GPUs);
+             * 3 blocks a launch, each walking many tiles and problems; 16-bit outputs
+             * stored from registers (MOE_GROUPED_WGMMA_TMASTORE=0) rather than staged in
+             * shared memory and stored by TMA (an added-to output always from registers;
+             * groups of 130 and 679 rows end in tiles of 2 and 39 rows); some layouts on
+             * the kernel and the others on cuBLAS beside it */
             static const struct {
-                const char *blocks, *tma_store, *classes;
+                const char *path, *blocks, *tma_store, *classes;
                 int large; /* check_grouped_large, else check_mode */
                 moe_precision p;
                 const char *mode;
             } gw[] = {
-                {NULL, NULL, NULL, 0, MOE_PREC_FP16, "fp16 gw"},
-                {NULL, NULL, NULL, 0, MOE_PREC_BF16, "bf16 gw"},
-                {NULL, NULL, NULL, 1, MOE_PREC_FP16, "fp16 gw"},
-                {NULL, NULL, NULL, 1, MOE_PREC_BF16, "bf16 gw"},
-                {"3", NULL, NULL, 1, MOE_PREC_BF16, "bf16 gw3"},
-                {"3", NULL, NULL, 0, MOE_PREC_BF16, "bf16 gw3"},
-                {NULL, "1", NULL, 0, MOE_PREC_FP16, "fp16 gw ts"},
-                {NULL, "1", NULL, 0, MOE_PREC_BF16, "bf16 gw ts"},
-                {NULL, "1", NULL, 1, MOE_PREC_BF16, "bf16 gw ts"},
-                {"3", "1", NULL, 1, MOE_PREC_FP16, "fp16 gw ts3"},
-                {NULL, "1", "1", 1, MOE_PREC_BF16, "bf16 gw fwd"},
-                {NULL, "1", "1", 0, MOE_PREC_FP16, "fp16 gw fwd"},
-                {NULL, "1", "6", 1, MOE_PREC_FP16, "fp16 gw bwd"},
-                {NULL, "1", "6", 0, MOE_PREC_BF16, "bf16 gw bwd"},
-                {NULL, "1", "2", 1, MOE_PREC_BF16, "bf16 gw dx"},
+                {"cublas", NULL, NULL, NULL, 0, MOE_PREC_FP16, "fp16 cublas"},
+                {"cublas", NULL, NULL, NULL, 0, MOE_PREC_BF16, "bf16 cublas"},
+                {"cublas", NULL, NULL, NULL, 1, MOE_PREC_FP16, "fp16 cublas"},
+                {"cublas", NULL, NULL, NULL, 1, MOE_PREC_BF16, "bf16 cublas"},
+                {NULL, NULL, "0", NULL, 0, MOE_PREC_FP16, "fp16 gw regs"},
+                {NULL, NULL, "0", NULL, 0, MOE_PREC_BF16, "bf16 gw regs"},
+                {NULL, NULL, "0", NULL, 1, MOE_PREC_FP16, "fp16 gw regs"},
+                {NULL, NULL, "0", NULL, 1, MOE_PREC_BF16, "bf16 gw regs"},
+                {NULL, "3", "0", NULL, 1, MOE_PREC_BF16, "bf16 gw regs3"},
+                {NULL, "3", "0", NULL, 0, MOE_PREC_BF16, "bf16 gw regs3"},
+                {NULL, NULL, NULL, NULL, 1, MOE_PREC_BF16, "bf16 gw"},
+                {NULL, "3", NULL, NULL, 1, MOE_PREC_FP16, "fp16 gw3"},
+                {NULL, NULL, NULL, "1", 1, MOE_PREC_BF16, "bf16 gw fwd"},
+                {NULL, NULL, NULL, "1", 0, MOE_PREC_FP16, "fp16 gw fwd"},
+                {NULL, NULL, NULL, "6", 1, MOE_PREC_FP16, "fp16 gw bwd"},
+                {NULL, NULL, NULL, "6", 0, MOE_PREC_BF16, "bf16 gw bwd"},
+                {NULL, NULL, NULL, "2", 1, MOE_PREC_BF16, "bf16 gw dx"},
             };
-            const char *knob[3] = {"MOE_GROUPED_WGMMA_BLOCKS", "MOE_GROUPED_WGMMA_TMASTORE",
-                                   "MOE_GROUPED_WGMMA_CLASSES"};
-            const long wg0 = moe_cuda_grouped_wgmma_launches();
-            setenv("MOE_GROUPED_GEMM", "wgmma", 1);
+            const char *knob[4] = {"MOE_GROUPED_GEMM", "MOE_GROUPED_WGMMA_BLOCKS",
+                                   "MOE_GROUPED_WGMMA_TMASTORE", "MOE_GROUPED_WGMMA_CLASSES"};
+            long wg = 0, wg_cublas = 0;
             for (size_t r = 0; r < sizeof gw / sizeof gw[0]; r++) {
-                const char *value[3] = {gw[r].blocks, gw[r].tma_store, gw[r].classes};
-                for (int k = 0; k < 3; k++)
+                const char *value[4] = {gw[r].path, gw[r].blocks, gw[r].tma_store, gw[r].classes};
+                for (int k = 0; k < 4; k++)
                     if (value[k])
                         setenv(knob[k], value[k], 1);
                     else
                         unsetenv(knob[k]);
                 const double bound = gw[r].p == MOE_PREC_FP16 ? 5e-3 : 1e-2;
+                const long wg0 = moe_cuda_grouped_wgmma_launches();
                 if (gw[r].large)
                     check_grouped_large(gw[r].p, gw[r].mode, bound);
                 else
                     check_mode(gw[r].p, gw[r].mode, bound);
+                *(gw[r].path ? &wg_cublas : &wg) += moe_cuda_grouped_wgmma_launches() - wg0;
             }
-            for (int k = 0; k < 3; k++)
+            for (int k = 0; k < 4; k++)
                 unsetenv(knob[k]);
-            unsetenv("MOE_GROUPED_GEMM");
-            const long wg = moe_cuda_grouped_wgmma_launches() - wg0;
-            printf("  wgmma grouped GEMM: %ld launches\n", wg);
+            printf("  wgmma grouped GEMM: %ld launches (%ld under MOE_GROUPED_GEMM=cublas)\n", wg,
+                   wg_cublas);
             report("wgmma grouped kernel ran", "16", wg > 0 ? 0.0 : 1.0, 0.0);
+            report("MOE_GROUPED_GEMM=cublas: no wgmma", "16", wg_cublas == 0 ? 0.0 : 1.0, 0.0);
             /* the wgmma kernels' other block shapes (1 warpgroup for the forward, 2 for
              * dq and dk/dv) */
             setenv("MOE_ATTENTION_WG", "1", 1);

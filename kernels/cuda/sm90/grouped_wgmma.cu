@@ -1,7 +1,7 @@
 /* kernels/cuda/sm90/grouped_wgmma.cu: the experts' grouped GEMMs on Hopper's warpgroup
  * MMA (wgmma, sm_90a) in bf16 / fp16: every problem of a call (grouped_wgmma.h) in one
  * persistent launch, so that no expert's last wave leaves SMs idle and no call waits for
- * another's. matmul.cu takes it on compute capability 9.0 where MOE_GROUPED_GEMM=wgmma.
+ * another's. matmul.cu takes it on compute capability 9.0 unless MOE_GROUPED_GEMM=cublas.
  *
  * A block of three warpgroups computes 128 x 256 tiles of C. The first warpgroup's thread
  * 0 copies each 64-wide slice of k of A (128 x 64) and B (64 x 256) into one of 4 buffers
@@ -410,9 +410,9 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
     if (!counters && !MOE_CUDA_OK(cudaMalloc((void **)&counters, 64 * sizeof(int))))
         return 0;
     const int v = amn + bnm;
-    /* a trial's knob: MOE_GROUPED_WGMMA_TMASTORE=1 stores the tiles of 16-bit outputs
-     * (not added to) by TMA from shared memory */
-    const int want_ts = moe_cuda_env_is("MOE_GROUPED_WGMMA_TMASTORE", "1");
+    /* the tiles of 16-bit outputs (not added to) are stored by TMA from shared memory;
+     * MOE_GROUPED_WGMMA_TMASTORE=0 (a benchmark's knob) stores them from registers */
+    const int want_ts = !moe_cuda_env_is("MOE_GROUPED_WGMMA_TMASTORE", "0");
     int ts = 0;
     /* the problems by k, the longest first (stable), so that the tiles handed out last
      * are the shortest: the weight gradients' k is the expert's rows */
