@@ -1006,6 +1006,8 @@ static int grouped_flush_split(grouped_batch *g, int n, int sms)
     static grouped_batch wg;
     const char *e = getenv("MOE_GROUPED_WGMMA_CLASSES");
     const int mask = e ? atoi(e) : 7;
+    if ((mask & 7) == 7)
+        return 0; /* every class on wgmma (the default): no split, nothing counted */
     int nw = 0, nc = 0;
     for (int i = 0; i < n; i++)
         (mask >> wgmma_class(g, i) & 1 ? nw : nc)++;
