@@ -852,6 +852,48 @@ static void bench_grouped_pair(int bwd)
     free_all();
 }
 
+/* The experts' gate and up projections and SwiGLU of them, all three outputs marked
+ * (16-bit, as the model's ea, eb, eh): grouped_matmul_forward_pair_swiglu as the two ops
+ * (the pair, then SwiGLU's kernel), then with MOE_SWIGLU_EPILOGUE=1 (on sm_90 h computed
+ * in the wgmma kernel's epilogue), two lines. The rate counts the GEMMs' FLOPs only. */
+static int pair_epilogue;
+
+static void run_pair_swiglu(void)
+{
+    const size_t W = (size_t)opt.E * opt.F * opt.D, MF = (size_t)M_ * opt.F;
+    if (pair_epilogue)
+        setenv("MOE_SWIGLU_EPILOGUE", "1", 1);
+    gpu->grouped_matmul_forward_pair_swiglu(bf.h, bf.out, bf.out + MF, bf.x, bf.w, bf.w + W,
+                                            bf.offsets, opt.E, opt.D, opt.F);
+    unsetenv("MOE_SWIGLU_EPILOGUE");
+}
+
+static void bench_pair_swiglu(void)
+{
+    const int M = M_, D = opt.D, F = opt.F, E = opt.E;
+    const size_t W = (size_t)E * F * D, MF = (size_t)M * F;
+    const ceiling *c = gemm_ceiling(M, D, 2 * F, 0);
+    bf.offsets = expert_offsets(E, M);
+    bf.x = dfill((size_t)M * D, 1.0, 0);
+    bf.w = dfill(2 * W, 0.02, 0);
+    bf.out = dreal(2 * MF);
+    bf.h = dreal(MF);
+    mark(bf.out, MF);
+    mark(bf.out + MF, MF);
+    mark(bf.h, MF);
+    use_precision(bf.w, 2 * W, (size_t)M * (D > F ? D : F));
+    const double flops = 4.0 * M * (double)D * F;
+    char shape[160], base[96];
+    grouped_shape(base, sizeof base, M);
+    for (pair_epilogue = 0; pair_epilogue < 2; pair_epilogue++) {
+        double ms = time_gpu(run_pair_swiglu);
+        snprintf(shape, sizeof shape, "%s, %s", base,
+                 pair_epilogue ? "SwiGLU in the epilogue" : "pair then SwiGLU");
+        report("pair_swiglu", shape, ms, flops, RATE_TFS, c);
+    }
+    free_all();
+}
+
 static void bench_grouped_fwd(void) { bench_grouped(0); }
 static void bench_grouped_bwd(void) { bench_grouped(1); }
 static void bench_grouped_pair_fwd(void) { bench_grouped_pair(0); }
@@ -1383,6 +1425,7 @@ static const bench_op single_ops[] = {
     {"grouped_gemm_bwd", bench_grouped_bwd},
     {"grouped_pair", bench_grouped_pair_fwd},
     {"grouped_pair_bwd", bench_grouped_pair_bwd},
+    {"pair_swiglu", bench_pair_swiglu},
     {"experts_ffn", bench_experts_ffn_fwd},
     {"experts_ffn_bwd", bench_experts_ffn_bwd},
     {"attention", bench_attention_fwd},

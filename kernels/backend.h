@@ -35,6 +35,7 @@ extern "C" {
     X(grouped_matmul_forward)                                                                      \
     X(grouped_matmul_backward)                                                                     \
     X(grouped_matmul_forward_pair)                                                                 \
+    X(grouped_matmul_forward_pair_swiglu)                                                          \
     X(grouped_matmul_backward_pair)                                                                \
     X(swiglu_forward)                                                                              \
     X(swiglu_backward)                                                                             \

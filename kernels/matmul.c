@@ -139,6 +139,14 @@ void grouped_matmul_forward_pair(real *out_a, real *out_b, const real *x, const 
     grouped_matmul_forward(out_b, x, wb, offsets, G, I, O);
 }
 
+void grouped_matmul_forward_pair_swiglu(real *h, real *out_a, real *out_b, const real *x,
+                                        const real *wa, const real *wb, const int *offsets, int G,
+                                        int I, int O)
+{
+    grouped_matmul_forward_pair(out_a, out_b, x, wa, wb, offsets, G, I, O);
+    swiglu_forward(h, out_a, out_b, (size_t)offsets[G] * O);
+}
+
 void grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb, const real *dout_a,
                                   const real *dout_b, const real *x, const real *wa, const real *wb,
                                   const int *offsets, int G, int I, int O, int write)

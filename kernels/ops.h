@@ -94,6 +94,13 @@ void grouped_matmul_backward(real *dx, real *dw, const real *dout, const real *x
  * A backend may run each group's two products as one batched GEMM. */
 void grouped_matmul_forward_pair(real *out_a, real *out_b, const real *x, const real *wa,
                                  const real *wb, const int *offsets, int G, int I, int O);
+/* The pair, then SwiGLU of its outputs: the same as grouped_matmul_forward_pair(out_a,
+ * out_b, x, wa, wb, ...) then swiglu_forward(h, out_a, out_b, offsets[G] * O) (the
+ * experts' forward up to the down projection). A backend may compute h where the
+ * products end (a GEMM's epilogue). */
+void grouped_matmul_forward_pair_swiglu(real *h, real *out_a, real *out_b, const real *x,
+                                        const real *wa, const real *wb, const int *offsets, int G,
+                                        int I, int O);
 /* Their backward: the same as grouped_matmul_backward(dx, dwa, dout_a, x, wa, ..., write)
  * then grouped_matmul_backward(dx, dwb, dout_b, x, wb, ..., write & ~MOE_WRITE_DX):
  * dx gets both products (dx_a's first, then dx_b's added), dwa and dwb one each. */

@@ -978,9 +978,8 @@ static void moe_experts_forward(moe_model *m, int l, real *out)
                               a->lidx, a->lw, R, m->El, K, R > 0 ? R : 1, -1);
     const int M = a->n_rows;
     m->be->moe_permute(a->xperm, direct ? a->h2 : a->xrecv, a->row_token, M, D);
-    m->be->grouped_matmul_forward_pair(a->ea, a->eb, a->xperm, w->ew1, w->ew3, a->offsets, m->El, D,
-                                       F);
-    m->be->swiglu_forward(a->eh, a->ea, a->eb, (size_t)M * F);
+    m->be->grouped_matmul_forward_pair_swiglu(a->eh, a->ea, a->eb, a->xperm, w->ew1, w->ew3,
+                                              a->offsets, m->El, D, F);
     m->be->grouped_matmul_forward(a->eout, a->eh, w->ew2, a->offsets, m->El, F, D);
     m->be->moe_combine_forward(out, NULL, a->eout, experts_slot_w(m, a), a->row_token, a->row_slot,
                                M, D, K, a->lslot_row, R);

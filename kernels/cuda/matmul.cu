@@ -856,6 +856,8 @@ static int prec_slot(void) { return prec == MOE_PREC_BF16 ? 1 : prec == MOE_PREC
 #include "kernels/cuda/sm90/grouped_wgmma.h"
 extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, int sms,
                                   cudaStream_t s);
+extern "C" int cuda_wgmma_grouped_swiglu(int bf16, const gw_args *g, const uint16_t *const *up_w,
+                                         void *const *up, void *const *h, int sms, cudaStream_t s);
 #endif
 static long n_wgmma; /* launches of the wgmma grouped kernel */
 
@@ -1289,6 +1291,84 @@ extern "C" void cuda_grouped_matmul_forward_pair(real *out_a, real *out_b, const
                              out16, s);
     }
     grouped_flush(&batch);
+}
+
+extern "C" void cuda_swiglu_forward(real *h, const real *a, const real *b, size_t n);
+
+static long n_swiglu_epilogue; /* launches of the wgmma kernel with SwiGLU in its epilogue */
+
+extern "C" long moe_cuda_swiglu_epilogue_launches(void) { return n_swiglu_epilogue; }
+
+/* The pair, then SwiGLU (ops.h). With MOE_SWIGLU_EPILOGUE=1 (a trial's knob, read each
+ * call), where the pair would run on the wgmma kernel (its forward class in
+ * MOE_GROUPED_WGMMA_CLASSES) and out_a, out_b and h are marked as holding 16-bit values,
+ * as the model's are: the kernel computes h in its epilogue from the rounded gate and up
+ * values it stores (grouped_wgmma.cu), GW_SW groups a launch, so that SwiGLU's pass (which
+ * reads both outputs back) goes. Else the two ops. */
+extern "C" void cuda_grouped_matmul_forward_pair_swiglu(real *h, real *out_a, real *out_b,
+                                                        const real *x, const real *wa,
+                                                        const real *wb, const int *offsets, int G,
+                                                        int I, int O)
+{
+    const size_t MO = (size_t)offsets[G] * O;
+#if MOE_HAVE_SM90A
+    int sms = 0;
+    const char *classes = getenv("MOE_GROUPED_WGMMA_CLASSES");
+    const int o16 = output16(out_a, MO, 0);
+    if (moe_cuda_env_is("MOE_SWIGLU_EPILOGUE", "1") && (!classes || (atoi(classes) & 1)) &&
+        MO > 0 && o16 && output16(out_b, MO, 0) == o16 && output16(h, MO, 0) == o16 &&
+        wgmma_grouped_on(&sms) && I % 8 == 0 && O % 8 == 0 && aligned16(x) && aligned16(out_a) &&
+        aligned16(out_b) && aligned16(h)) {
+        const void *xo = rounded_operand(x, (size_t)offsets[G] * I, 0);
+        const void *wao = weight_operand(wa), *wbo = weight_operand(wb);
+        static gw_args args;
+        static const uint16_t *up_w[GW_SW];
+        static void *up[GW_SW], *hh[GW_SW];
+        const int bf16 = prec == MOE_PREC_BF16;
+        int ok = aligned16(xo) && aligned16(wao) && aligned16(wbo);
+        if (!ok)
+            goto separate;
+        MOE_CUDA_PROF_BEGIN("wgmma grouped GEMM, SwiGLU epilogue");
+        args.count = 0;
+        for (int g = 0; ok; g++) {
+            if (g == G || args.count == GW_SW) { /* launch what is gathered */
+                if (args.count > 0) {
+                    ok = cuda_wgmma_grouped_swiglu(bf16, &args, up_w, up, hh, sms,
+                                                   moe_cuda_stream());
+                    n_wgmma++;
+                    n_swiglu_epilogue++;
+                }
+                args.count = 0;
+                if (g == G)
+                    break;
+            }
+            const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
+            if (rows <= 0)
+                continue;
+            const int c = args.count++;
+            gw_problem *p = &args.p[c];
+            p->a = (const uint16_t *)at(xo, (size_t)m0 * I);
+            p->b = (const uint16_t *)at(wao, (size_t)g * O * I);
+            p->c = out_at(out_a, (size_t)m0 * O, o16);
+            p->m = rows;
+            p->n = O;
+            p->k = I;
+            p->lda = p->ldb = I;
+            p->ldc = O;
+            p->flags = GW_OUT16;
+            up_w[c] = (const uint16_t *)at(wbo, (size_t)g * O * I);
+            up[c] = out_at(out_b, (size_t)m0 * O, o16);
+            hh[c] = out_at(h, (size_t)m0 * O, o16);
+        }
+        MOE_CUDA_PROF_END();
+        if (!ok)
+            MOE_CUDA_FAIL("the wgmma grouped GEMM with SwiGLU could not be launched");
+        return;
+    }
+separate:
+#endif
+    cuda_grouped_matmul_forward_pair(out_a, out_b, x, wa, wb, offsets, G, I, O);
+    cuda_swiglu_forward(h, out_a, out_b, MO);
 }
 
 /* dwa and dwb of each group as one strided batch of 2 (where both output gradients hold

@@ -9,6 +9,7 @@
  * instead, rounded as the GEMM would have rounded the fp32 one: the same operand bits
  * without the fp32 write and the rounding pass's read and write. */
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/swiglu.cuh"
 
 static_assert(sizeof(real) == sizeof(float), "the float4 forms read real as float");
 
@@ -16,19 +17,6 @@ static_assert(sizeof(real) == sizeof(float), "the float4 forms read real as floa
  * are marked (AB16 1: fp16, 2: bf16), so that widening and rounding compile to one form
  * instead of both and a select; else the argument (an output alone may be marked). */
 #define AB16_FORMAT(AB16, arg) ((AB16) ? (int)((AB16) == 2) : (arg))
-
-/* F: float or double, the type of the arithmetic */
-template <typename F> static __device__ __forceinline__ F sigmoid(F a)
-{
-    return F(1) / (F(1) + exp(-a)); /* exp(float) is expf */
-}
-
-/* h of one element. */
-template <typename F> static __device__ __forceinline__ real swiglu_h(real a, real b)
-{
-    const F x = a, s = sigmoid(x);
-    return (real)(x * s * (F)b);
-}
 
 /* The increments of one element, from g = dh, x = a and s = sigmoid(x):
  * da += g * b * s * (1 + x (1 - s)), db += g * x * s. */

@@ -489,6 +489,16 @@ static void test_grouped(int G, const int *rows, int I, int O, const char *name)
     gpu_done();
     check_f("out", HOSTF(dpout, 2 * MO), pout, 2 * MO, O, GEMM_K(I));
 
+    /* and SwiGLU of it: h, then the two outputs, in one buffer over NaN */
+    begin("grouped_matmul_forward_pair_swiglu", name);
+    float *ph = fnan(3 * MO), *dph = DEVF(ph, 3 * MO);
+    cpu->grouped_matmul_forward_pair_swiglu(ph, ph + MO, ph + 2 * MO, x, pw, pw + GOI, offsets, G,
+                                            I, O);
+    gpu->grouped_matmul_forward_pair_swiglu(dph, dph + MO, dph + 2 * MO, dx_, dpw, dpw + GOI,
+                                            offsets, G, I, O);
+    gpu_done();
+    check_f("h, out a, out b", HOSTF(dph, 3 * MO), ph, 3 * MO, O, GEMM_K(I));
+
     begin("grouped_matmul_backward_pair", name);
     float *pg = frand(2 * MO, -0.5, 0.5), *dpg = DEVF(pg, 2 * MO);
     for (int variant = 0; variant < 2; variant++) { /* added to; written over NaN */

@@ -608,6 +608,72 @@ static void read_marked(moe_precision p, float *h, const void *d, size_t n)
     free(t);
 }
 
+long moe_cuda_swiglu_epilogue_launches(void);
+static int cc_main; /* the GPU's compute capability (main) */
+
+/* grouped_matmul_forward_pair_swiglu into outputs marked as 16-bit, as the model's ea, eb
+ * and eh (fp32 ones in fp32), filled with NaN first: with MOE_SWIGLU_EPILOGUE=1 (on
+ * compute capability 9.0 in 16 bits, h computed in the wgmma kernel's epilogue: one
+ * launch per 32 non-empty groups, and no SwiGLU kernel) against the op without it (the
+ * pair, then SwiGLU's kernel): the same bits in all three outputs, and no value left
+ * unstored. Weights: the arena's groups [0, G) and [G, 2 G) as (G, O, I). */
+static void check_pair_swiglu(moe_precision p, const char *mode, const float *dx_, const float *dw_,
+                              const int *offsets, int G, int N, int I, int O)
+{
+    const size_t no = (size_t)N * O, elem = p == MOE_PREC_FP32 ? 4 : 2;
+    float *nan_buf = malloc(sizeof(float) * 3 * no), *o[2];
+    unsigned char *bits[2];
+    memset(nan_buf, 0xff, sizeof(float) * 3 * no);
+    int st = 0, groups = 0;
+    for (int g = 0; g < G; g++)
+        groups += offsets[g + 1] > offsets[g];
+    const char *classes = getenv("MOE_GROUPED_WGMMA_CLASSES");
+    const char *path = getenv("MOE_GROUPED_GEMM");
+    const int on = cc_main == 90 && p != MOE_PREC_FP32 && (!classes || (atoi(classes) & 1)) &&
+                   !(path && strcmp(path, "cublas") == 0);
+    long launches[2], vec8[2];
+    for (int form = 0; form < 2; form++) {
+        o[form] = dev_copy(nan_buf, 3 * no);
+        for (int c = 0; c < 3; c++)
+            st += gpu->mark_operand(o[form] + c * no, no) != MOE_OK;
+        if (form)
+            setenv("MOE_SWIGLU_EPILOGUE", "1", 1);
+        else
+            unsetenv("MOE_SWIGLU_EPILOGUE");
+        const long l0 = moe_cuda_swiglu_epilogue_launches(), v0 = moe_cuda_swiglu_vec8_launches();
+        gpu->grouped_matmul_forward_pair_swiglu(o[form] + 2 * no, o[form], o[form] + no, dx_, dw_,
+                                                dw_ + (size_t)G * O * I, offsets, G, I, O);
+        launches[form] = moe_cuda_swiglu_epilogue_launches() - l0;
+        vec8[form] = moe_cuda_swiglu_vec8_launches() - v0;
+        unsetenv("MOE_SWIGLU_EPILOGUE");
+        bits[form] = malloc(elem * 3 * no);
+        for (int c = 0; c < 3; c++)
+            gpu->copy(bits[form] + elem * c * no, o[form] + c * no, elem * no, MOE_COPY_D2H);
+        for (int c = 0; c < 3; c++)
+            gpu->mark_operand(o[form] + c * no, 0);
+    }
+    size_t unstored = 0; /* NaN: all bits 1 (random inputs make none) */
+    for (size_t i = 0; i < elem * 3 * no; i += elem)
+        unstored += (elem == 2 ? *(const uint16_t *)(bits[1] + i) == 0xffff
+                               : *(const uint32_t *)(bits[1] + i) == 0xffffffffu);
+    char what[96];
+    snprintf(what, sizeof what, "pair+swiglu epilogue = two ops, bits (G=%d, %zu unstored)", G,
+             unstored);
+    report(what, mode, (double)(memcmp(bits[0], bits[1], elem * 3 * no) != 0) + (double)unstored,
+           0.0);
+    const long want = on ? (groups + 31) / 32 : 0;
+    snprintf(what, sizeof what,
+             "pair+swiglu epilogue: %ld launches (want %ld), swiglu kernels %ld then %ld",
+             launches[1], want, vec8[0], vec8[1]);
+    report(what, mode,
+           (double)(launches[0] != 0 || launches[1] != want || (on && vec8[1] != 0)) + st, 0.0);
+    for (int form = 0; form < 2; form++) {
+        gpu->release(o[form]);
+        free(bits[form]);
+    }
+    free(nan_buf);
+}
+
 /* GEMM outputs marked as 16-bit (the experts' ea, eb and deh): the pair's forward writes
  * both outputs and the grouped backward its dx (written, MOE_WRITE_DX) in 16 bits, each
  * against the CPU's products (the bound of the mode); SwiGLU forward and backward read
@@ -869,6 +935,14 @@ static void check_mode(moe_precision p, const char *mode, double bound)
     check_pair(mode, bound, x, w, dw_, pair_offsets[1], 2, N, I, O);
     check_outputs16(p, mode, bound, x, w, dw_, pair_offsets[0], 2, N, I, O);
     check_outputs16(p, mode, bound, x, w, dw_, pair_offsets[1], 2, N, I, O);
+    check_pair_swiglu(p, mode, dx_, dw_, pair_offsets[0], 2, N, I, O);
+    check_pair_swiglu(p, mode, dx_, dw_, pair_offsets[1], 2, N, I, O);
+    { /* 40 groups (two launches of the epilogue's kernel), one empty, rows 0 .. 14 */
+        int off40[41];
+        for (int g = 0; g <= 40; g++)
+            off40[g] = (g == 8 ? 7 : g) * N / 40; /* group 7 empty */
+        check_pair_swiglu(p, mode, dx_, dw_, off40, 40, N, 32, 24);
+    }
     check_ce_in_place(p, mode, dw_, 60, 1000, I); /* (V, I) weights: the arena's start */
     check_ce_in_place(p, mode, dw_, 60, 999, I);
     check_ce_logits16(p, mode, bound, dw_, 60, 1000, I); /* (V, I) weights: the arena */
@@ -1424,6 +1498,7 @@ int main(void)
         return 77;
     }
     int cc = gpu->compute_capability();
+    cc_main = cc;
     printf("GPU sm_%d\n", cc);
     check_mode(MOE_PREC_FP32, "fp32", 1e-5);
     check_mode(MOE_PREC_FP16, "fp16", 5e-3);

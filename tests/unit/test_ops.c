@@ -1014,6 +1014,18 @@ static void test_grouped_matmul_pair_naive(void **state)
     grouped_matmul_forward_pair(out[0], out[1], x, wa, wb, offsets, G, I, O);
     assert_true(close_to("pair out a", out[0], want_out[0], M * O, 1e-5, 1e-5));
     assert_true(close_to("pair out b", out[1], want_out[1], M * O, 1e-5, 1e-5));
+    /* with SwiGLU: h = silu(a) b of the products, in double, and the products, over NaN */
+    real h[M * O];
+    double want_h[M * O];
+    for (int i = 0; i < M * O; i++) {
+        const double a = want_out[0][i];
+        want_h[i] = a / (1.0 + exp(-a)) * want_out[1][i];
+        h[i] = out[0][i] = out[1][i] = NAN;
+    }
+    grouped_matmul_forward_pair_swiglu(h, out[0], out[1], x, wa, wb, offsets, G, I, O);
+    assert_true(close_to("pair+swiglu h", h, want_h, M * O, 1e-5, 1e-5));
+    assert_true(close_to("pair+swiglu out a", out[0], want_out[0], M * O, 1e-5, 1e-5));
+    assert_true(close_to("pair+swiglu out b", out[1], want_out[1], M * O, 1e-5, 1e-5));
     for (int i = 0; i < M * I; i++)
         dx[i] = NAN;
     for (int i = 0; i < G * O * I; i++)

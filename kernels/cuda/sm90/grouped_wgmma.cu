@@ -21,6 +21,7 @@
 
 #include "kernels/cuda/attention_mma.cuh"
 #include "kernels/cuda/sm90/grouped_wgmma.h"
+#include "kernels/cuda/swiglu.cuh"
 #include "kernels/cuda/sm90/wgmma.cuh"
 
 #define GW_BM 128                      /* a tile's rows: two warpgroups of 64 */
@@ -180,6 +181,7 @@ static __device__ __forceinline__ void gt_load(unsigned dst, const CUtensorMap *
 
 /* Where tile t of the launch lies: its problem (from *pi on: a block's tiles only grow),
  * m0, n0 and the slices of k. */
+template <int SW>
 static __device__ __forceinline__ void gt_locate(const gt_args &g, int t, int *pi, int *m0, int *n0,
                                                  int *nk)
 {
@@ -188,7 +190,7 @@ static __device__ __forceinline__ void gt_locate(const gt_args &g, int t, int *p
     const gt_problem &p = g.p[*pi];
     const int local = t - p.tile0;
     *m0 = (local / p.tiles_n) * GW_BM;
-    *n0 = (local % p.tiles_n) * GW_BN;
+    *n0 = (local % p.tiles_n) * (SW ? GW_BN / 2 : GW_BN);
     *nk = (p.k + GW_BK - 1) / GW_BK;
 }
 
@@ -196,7 +198,7 @@ static __device__ __forceinline__ void gt_locate(const gt_args &g, int t, int *p
  * a block that started late, its SM held by another stream's work, takes fewer. The
  * producer writes each slice's tile into its buffer's slot before the copies; a slot of -1
  * (its full barrier completed without bytes) ends the computing warpgroups' walk. */
-template <class T16, int AMN, int BNM, int TS>
+template <class T16, int AMN, int BNM, int TS, int SW>
 __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_args g)
 {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -229,7 +231,7 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
                 return;
             }
             int m0, n0, nk;
-            gt_locate(g, t, &pi, &m0, &n0, &nk);
+            gt_locate<SW>(g, t, &pi, &m0, &n0, &nk);
             const CUtensorMap *ta = &g.ta[pi], *tb = &g.tb[pi];
             for (int kt = 0; kt < nk; kt++) {
                 const unsigned full = bars + 8 * s, sa = base + (unsigned)s * GT_STAGE_BYTES,
@@ -244,7 +246,10 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
                     gt_load(sa, ta, m0, k0, full);
                     gt_load(sa + 8192u, ta, m0 + 64, k0, full);
                 }
-                if (!BNM) {
+                if (SW) { /* the gate's 128 rows of B, then the up projection's */
+                    gt_load(sb, tb, k0, n0, full);
+                    gt_load(sb + GW_B_BYTES / 2, &g.tb[pi + GW_SW], k0, n0, full);
+                } else if (!BNM) {
                     gt_load(sb, tb, k0, n0, full);
                 } else {
 #pragma unroll
@@ -269,7 +274,7 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
         if (t < 0)
             break;
         int m0, n0, nk;
-        gt_locate(g, t, &pi, &m0, &n0, &nk);
+        gt_locate<SW>(g, t, &pi, &m0, &n0, &nk);
         const gt_problem &p = g.p[pi];
         /* this warpgroup's 64 rows lie past the problem's: no stores. Its products still
          * run: a branch around wgmma makes ptxas serialize every wgmma of the kernel
@@ -304,15 +309,18 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
         prev = -1;
         if (!live)
             continue;
-        if (TS && p.flags == (GW_OUT16 | GT_TMA_STORE)) {
+        if (SW || (TS && p.flags == (GW_OUT16 | GT_TMA_STORE))) {
             /* staged in this warpgroup's 16 KB, 128 columns at a time, as two of the map's
              * 64 x 64 boxes (128-byte swizzle), then stored by TMA, which writes nothing
-             * past m and n; the second half is not waited for, so the next tile's
-             * products start at once */
+             * past m and n; the last half is not waited for, so the next tile's products
+             * start at once. SW: the halves are the gate's 128 columns, the up
+             * projection's, and a third, h of both (each from its rounded 16-bit values,
+             * as swiglu.cu's kernels read them: the same bits), each to its own map */
             const unsigned stg = staging + (unsigned)cw * 16384u;
             const int wt = threadIdx.x & 127, w = wt >> 5;
+            constexpr int bf16 = !std::is_same<T16, __half>::value;
 #pragma unroll
-            for (int half = 0; half < 2; half++) {
+            for (int half = 0; half < (SW ? 3 : 2); half++) {
                 if (wt == 0) /* the last store from this staging has read it */
                     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
                 asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
@@ -325,18 +333,35 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
                         const unsigned at = stg + (unsigned)(jj >> 3) * 8192u + (unsigned)r * 128u +
                                             (unsigned)(((jj & 7) ^ (r & 7)) << 4) +
                                             4u * (unsigned)(lane & 3);
-                        const unsigned v = fm_pack<T16>(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                        unsigned v;
+                        if (SW && half == 2) {
+                            float e2[2];
+#pragma unroll
+                            for (int e = 0; e < 2; e++)
+                                e2[e] = swiglu_h<float>(
+                                    moe_widen16(moe_round16(d[4 * jj + 2 * h + e], bf16), bf16),
+                                    moe_widen16(moe_round16(d[4 * (16 + jj) + 2 * h + e], bf16),
+                                                bf16));
+                            v = (unsigned)moe_round16(e2[0], bf16) |
+                                (unsigned)moe_round16(e2[1], bf16) << 16;
+                        } else {
+                            v = fm_pack<T16>(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                        }
                         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v) : "memory");
                     }
                 }
                 asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
                 if (wt == 0) {
-                    for (int b = 0; b < 2 && n0 + 128 * half + 64 * b < p.n; b++)
+                    const CUtensorMap *map = !SW         ? &g.tc[pi]
+                                             : half == 0 ? &g.tc[pi]
+                                             : half == 1 ? &g.tc[pi + GW_SW]
+                                                         : &g.ta[pi + GW_SW];
+                    const int c0 = SW ? n0 : n0 + 128 * half;
+                    for (int b = 0; b < 2 && c0 + 64 * b < p.n; b++)
                         asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group "
-                                     "[%0, {%1, %2}], [%3];\n" ::"l"((unsigned long long)&g.tc[pi]),
-                                     "r"(n0 + 128 * half + 64 * b), "r"(m0 + 64 * cw),
-                                     "r"(stg + 8192u * b)
+                                     "[%0, {%1, %2}], [%3];\n" ::"l"((unsigned long long)map),
+                                     "r"(c0 + 64 * b), "r"(m0 + 64 * cw), "r"(stg + 8192u * b)
                                      : "memory");
                     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
                 }
@@ -387,9 +412,22 @@ static int gt_map(gt_encode_fn fn, CUtensorMap *map, int bf16, const void *ptr, 
 }
 
 #define GT_PICK(TS)                                                                                \
-    (v == 0   ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 0, TS> : gt_kernel<__half, 0, 0, TS>)          \
-     : v == 1 ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 1, TS> : gt_kernel<__half, 0, 1, TS>)          \
-              : (bf16 ? gt_kernel<__nv_bfloat16, 1, 1, TS> : gt_kernel<__half, 1, 1, TS>))
+    (v == 0   ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 0, TS, 0> : gt_kernel<__half, 0, 0, TS, 0>)    \
+     : v == 1 ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 1, TS, 0> : gt_kernel<__half, 0, 1, TS, 0>)    \
+              : (bf16 ? gt_kernel<__nv_bfloat16, 1, 1, TS, 0> : gt_kernel<__half, 1, 1, TS, 0>))
+
+static int *gt_counters, gt_turn; /* 64 tile counters, taken in turn: a flush joins its lanes,
+                                   * so a counter's last launch has ended when it comes again */
+
+/* The next tile counter, zeroed on stream s (NULL on failure). */
+static int *gt_counter(cudaStream_t s)
+{
+    if (!gt_counters && !MOE_CUDA_OK(cudaMalloc((void **)&gt_counters, 64 * sizeof(int))))
+        return NULL;
+    int *c = gt_counters + gt_turn;
+    gt_turn = (gt_turn + 1) % 64;
+    return MOE_CUDA_OK(cudaMemsetAsync(c, 0, sizeof(int), s)) ? c : NULL;
+}
 
 /* g's problems (at most GW_MAX) in one launch on stream s: bf16 or fp16 operands, amn /
  * bnm the layouts of A and B (grouped_wgmma.h; amn without bnm is not built), sms the SMs
@@ -401,13 +439,9 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
 {
     static gt_args a;
     static int ready[2][3][2];
-    static int *counters, turn; /* 64 tile counters, taken in turn: a flush joins its lanes,
-                                 * so a counter's last launch has ended when it comes again */
     bf16 = bf16 != 0;
     const gt_encode_fn fn = gt_encoder();
     if ((amn && !bnm) || !fn || g->count > GW_MAX)
-        return 0;
-    if (!counters && !MOE_CUDA_OK(cudaMalloc((void **)&counters, 64 * sizeof(int))))
         return 0;
     const int v = amn + bnm;
     /* the tiles of 16-bit outputs (not added to) are stored by TMA from shared memory;
@@ -461,11 +495,64 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
             return 0;
         ready[bf16][v][ts] = 1;
     }
-    a.next = counters + turn;
-    turn = (turn + 1) % 64;
-    if (!MOE_CUDA_OK(cudaMemsetAsync(a.next, 0, sizeof(int), s)))
+    if (!(a.next = gt_counter(s)))
         return 0;
     const int grid = a.total < sms ? a.total : sms;
     k<<<grid, 384, smem, s>>>(a);
+    return MOE_CUDA_OK(cudaGetLastError());
+}
+
+/* The experts' gate and up projections with SwiGLU in the epilogue, in one launch on
+ * stream s: problem i of g (at most GW_SW, the forward's layout: A and B K-major, 16-bit
+ * C) is the gate's, C = x_i wa_i^T; up_w[i] is the up projection's B (as problem i's),
+ * up[i] its C and h[i] SwiGLU's of both (each as problem i's C: 16-bit, ldc apart). A
+ * tile is 128 columns of both (B's buffer holds wa's 128 rows, then wb's). 0 where it
+ * cannot run (recorded where a CUDA call failed); every map is encoded before the launch,
+ * so that then nothing is queued. Called by matmul.cu on compute capability 9.0 only. */
+extern "C" int cuda_wgmma_grouped_swiglu(int bf16, const gw_args *g, const uint16_t *const *up_w,
+                                         void *const *up, void *const *h, int sms, cudaStream_t s)
+{
+    static gt_args a;
+    static int ready[2];
+    bf16 = bf16 != 0;
+    const gt_encode_fn fn = gt_encoder();
+    if (!fn || g->count > GW_SW)
+        return 0;
+    a.count = g->count;
+    a.total = 0;
+    for (int i = 0; i < a.count; i++) {
+        const gw_problem *q = &g->p[i];
+        gt_problem *p = &a.p[i];
+        if (q->flags != GW_OUT16 || !gt_map(fn, &a.ta[i], bf16, q->a, q->m, q->k, q->lda, GW_BM) ||
+            !gt_map(fn, &a.tb[i], bf16, q->b, q->n, q->k, q->ldb, GW_BN / 2) ||
+            !gt_map(fn, &a.tb[i + GW_SW], bf16, up_w[i], q->n, q->k, q->ldb, GW_BN / 2) ||
+            !gt_map(fn, &a.tc[i], bf16, q->c, q->m, q->n, q->ldc, 64) ||
+            !gt_map(fn, &a.tc[i + GW_SW], bf16, up[i], q->m, q->n, q->ldc, 64) ||
+            !gt_map(fn, &a.ta[i + GW_SW], bf16, h[i], q->m, q->n, q->ldc, 64))
+            return 0;
+        p->c = q->c;
+        p->m = q->m;
+        p->n = q->n;
+        p->k = q->k;
+        p->ldc = q->ldc;
+        p->flags = GW_OUT16 | GT_TMA_STORE;
+        p->tiles_n = (p->n + GW_BN / 2 - 1) / (GW_BN / 2);
+        p->tile0 = a.total;
+        a.total += (p->m + GW_BM - 1) / GW_BM * p->tiles_n;
+    }
+    if (a.total <= 0)
+        return 1;
+    void (*k)(gt_args) =
+        bf16 ? gt_kernel<__nv_bfloat16, 0, 0, 1, 1> : gt_kernel<__half, 0, 0, 1, 1>;
+    if (!ready[bf16]) {
+        if (!MOE_CUDA_OK(
+                cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, GT_SMEM(1))))
+            return 0;
+        ready[bf16] = 1;
+    }
+    if (!(a.next = gt_counter(s)))
+        return 0;
+    const int grid = a.total < sms ? a.total : sms;
+    k<<<grid, 384, GT_SMEM(1), s>>>(a);
     return MOE_CUDA_OK(cudaGetLastError());
 }
