@@ -656,11 +656,14 @@ static void check_pair_swiglu(moe_precision p, const char *mode, const float *dx
     for (size_t i = 0; i < elem * 3 * no; i += elem)
         unstored += (elem == 2 ? *(const uint16_t *)(bits[1] + i) == 0xffff
                                : *(const uint32_t *)(bits[1] + i) == 0xffffffffu);
-    char what[96];
-    snprintf(what, sizeof what, "pair+swiglu epilogue = two ops, bits (G=%d, %zu unstored)", G,
-             unstored);
-    report(what, mode, (double)(memcmp(bits[0], bits[1], elem * 3 * no) != 0) + (double)unstored,
-           0.0);
+    size_t differ3[3] = {0, 0, 0}; /* values of out a, out b, h whose bits differ */
+    for (size_t i = 0; i < 3 * no; i++)
+        differ3[i / no] += memcmp(bits[0] + elem * i, bits[1] + elem * i, elem) != 0;
+    char what[128];
+    snprintf(what, sizeof what,
+             "pair+swiglu epilogue = two ops, bits (G=%d; differ a %zu b %zu h %zu; %zu unstored)",
+             G, differ3[0], differ3[1], differ3[2], unstored);
+    report(what, mode, (double)(differ3[0] + differ3[1] + differ3[2] + unstored), 0.0);
     const long want = on ? (groups + 31) / 32 : 0;
     snprintf(what, sizeof what,
              "pair+swiglu epilogue: %ld launches (want %ld), swiglu kernels %ld then %ld",
