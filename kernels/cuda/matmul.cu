@@ -800,6 +800,11 @@ typedef struct {
     int pair[GROUPED_MAX];
     gemm_batch stride[GROUPED_MAX];
     int out16[GROUPED_MAX]; /* C's type (gemm_on); a batch with one 16-bit C runs one by one */
+    /* k2[i] > 0: problem i is C = op(A) op(B) + op(A2) op(B2) (+ C), the second product's A2
+     * and B2 (at a2, b2) laid out as A and B with k2 for k: one sum on the wgmma kernel,
+     * else the second product added after the batch (grouped_flush_cublas) */
+    int k2[GROUPED_MAX];
+    const void *a2[GROUPED_MAX], *b2[GROUPED_MAX];
     grouped_ptrs ptr;
 } grouped_batch;
 
@@ -808,6 +813,7 @@ static void **ptr_table;         /* device, 3 * GROUPED_MAX pointers */
 static int grouped_refused[3];   /* per operand precision: cuBLAS refused the grouped form */
 static long n_grouped, n_single; /* grouped calls made; GEMMs made one by one */
 static long n_pairs;             /* of those, strided batches of 2 (each counted 2 above) */
+static long n_k2_one;            /* problems of two products run as one sum (the wgmma kernel) */
 
 static __global__ void fill_pointers_kernel(void **dst, grouped_ptrs src, int n3)
 {
@@ -923,13 +929,17 @@ static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms, cudaStrea
         if ((amn && !bnm) || (amn ? M : K) % 8 || (bnm ? N : K) % 8 || g->ldb[i] % 8 ||
             g->lda[i] % 8 || g->ldc[i] % 2 || !aligned16(A) || !aligned16(B) ||
             ((uintptr_t)C & 7u) || g->beta[i] != (g->beta[i] != 0.0f ? 1.0f : 0.0f) ||
-            g->alpha[i] != 1.0f)
+            g->alpha[i] != 1.0f ||
+            (g->k2[i] > 0 && (g->k2[i] % 8 || !aligned16(g->a2[i]) || !aligned16(g->b2[i]))))
             return 0;
         cls[i] = wgmma_class(g, i); /* amn + bnm */
     }
-    int used[3] = {0, 0, 0}, launches = 0;
-    for (int i = 0; i < n; i++)
+    int used[3] = {0, 0, 0}, launches = 0, cap[3] = {GW_MAX, GW_MAX, GW_MAX};
+    for (int i = 0; i < n; i++) {
         used[cls[i]] = 1;
+        if (g->k2[i] > 0) /* a launch with second products: their maps at i + GW_SW */
+            cap[cls[i]] = GW_SW;
+    }
     for (int c = 0; c < 3; c++)
         launches += used[c];
     const int use = only ? 1 : launches < lanes ? launches : lanes;
@@ -946,7 +956,7 @@ static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms, cudaStrea
         gw_args *a = &args[c];
         a->count = 0;
         for (int i = 0; i <= n; i++) {
-            if (i == n || a->count == GW_MAX) { /* launch what is gathered */
+            if (i == n || a->count == cap[c]) { /* launch what is gathered */
                 if (a->count > 0) {
                     const int bf16 = prec == MOE_PREC_BF16;
                     cudaStream_t st = only ? only : lane_stream(lane % use);
@@ -971,6 +981,10 @@ static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms, cudaStrea
             p->ldb = g->lda[i];
             p->ldc = g->ldc[i];
             p->flags = (g->out16[i] ? GW_OUT16 : 0) | (g->beta[i] != 0.0f ? GW_ACC : 0);
+            p->k2 = g->k2[i];
+            p->a2 = (const uint16_t *)g->b2[i];
+            p->b2 = (const uint16_t *)g->a2[i];
+            n_k2_one += g->k2[i] > 0;
         }
         lane++;
     }
@@ -986,7 +1000,6 @@ static int grouped_flush_wgmma(const grouped_batch *g, int n, int sms, cudaStrea
 
 static void grouped_flush_cublas(grouped_batch *g, int n);
 
-#if MOE_HAVE_SM90A
 /* Moves problem i of g to slot j of d. */
 static void grouped_move(grouped_batch *d, int j, const grouped_batch *g, int i)
 {
@@ -995,10 +1008,12 @@ static void grouped_move(grouped_batch *d, int j, const grouped_batch *g, int i)
     d->lda[j] = g->lda[i], d->ldb[j] = g->ldb[i], d->ldc[j] = g->ldc[i], d->size[j] = g->size[i];
     d->alpha[j] = g->alpha[i], d->beta[j] = g->beta[i];
     d->pair[j] = g->pair[i], d->stride[j] = g->stride[i], d->out16[j] = g->out16[i];
+    d->k2[j] = g->k2[i], d->a2[j] = g->a2[i], d->b2[j] = g->b2[i];
     for (int s = 0; s < 3; s++)
         d->ptr.p[s * GROUPED_MAX + j] = g->ptr.p[s * GROUPED_MAX + i];
 }
 
+#if MOE_HAVE_SM90A
 /* A trial's knob, MOE_GROUPED_WGMMA_CLASSES=mask (1 forwards, 2 input gradients, 4 weight
  * gradients; unset: all): the classes outside it go to cuBLAS. Where a batch holds both,
  * its wgmma problems run on the last lane beside its cuBLAS ones on the others. 1 where
@@ -1065,8 +1080,34 @@ static void grouped_flush(grouped_batch *g)
     grouped_flush_cublas(g, n);
 }
 
-/* The batch's n problems on cuBLAS. */
+static void grouped_flush_cublas_one(grouped_batch *g, int n);
+
+/* The batch's n problems on cuBLAS: the problems' second products (k2) after the first
+ * ones, added to C, as a batch of their own (so their sums are the two products' sums
+ * added: C = (A B) + (A2 B2)). */
 static void grouped_flush_cublas(grouped_batch *g, int n)
+{
+    static grouped_batch second;
+    grouped_flush_cublas_one(g, n);
+    int n2 = 0;
+    for (int i = 0; i < n; i++) {
+        if (g->k2[i] <= 0)
+            continue;
+        grouped_move(&second, n2, g, i);
+        second.k[n2] = g->k2[i];
+        second.k2[n2] = 0;
+        second.pair[n2] = 0;
+        second.beta[n2] = 1.0f;
+        second.ptr.p[n2] = g->a2[i];
+        second.ptr.p[GROUPED_MAX + n2] = g->b2[i];
+        n2++;
+    }
+    if (n2 > 0)
+        grouped_flush_cublas_one(&second, n2);
+}
+
+/* The batch's n problems on cuBLAS, their first products only. */
+static void grouped_flush_cublas_one(grouped_batch *g, int n)
 {
     int any16 = 0;
     for (int i = 0; i < n; i++)
@@ -1146,6 +1187,7 @@ static void grouped_add(grouped_batch *g, int ta, int tb, int m, int n, int k, c
     g->beta[i] = accumulate ? 1.0f : 0.0f;
     g->pair[i] = 0;
     g->out16[i] = out16;
+    g->k2[i] = 0;
     g->ptr.p[i] = A;
     g->ptr.p[GROUPED_MAX + i] = B;
     g->ptr.p[2 * GROUPED_MAX + i] = C;
@@ -1170,6 +1212,29 @@ static void grouped_add_pair(grouped_batch *g, int ta, int tb, int m, int n, int
     grouped_add(g, ta, tb, m, n, k, at(A, (size_t)s.sa), lda, at(B, (size_t)s.sb), ldb,
                 out_at(C, (size_t)s.sc, out16), ldc, accumulate, out16);
 }
+
+/* Adds the problem C (m,n) = op(A) op(B) + op(A2) op(B2) (+ C): A2 and B2 laid out as A
+ * and B (k2 for k). */
+static void grouped_add_two(grouped_batch *g, int ta, int tb, int m, int n, int k, const void *A,
+                            int lda, const void *B, int ldb, int k2, const void *A2, const void *B2,
+                            void *C, int ldc, int accumulate, int out16)
+{
+    if (m <= 0 || n <= 0 || k <= 0 || k2 <= 0 || !A || !B || !A2 || !B2)
+        return;
+    const int i = g->n;
+    if (i + 1 == GROUPED_MAX) { /* set the second product before the add can flush */
+        grouped_flush(g);
+        grouped_add_two(g, ta, tb, m, n, k, A, lda, B, ldb, k2, A2, B2, C, ldc, accumulate, out16);
+        return;
+    }
+    grouped_add(g, ta, tb, m, n, k, A, lda, B, ldb, C, ldc, accumulate, out16);
+    g->k2[i] = k2;
+    g->a2[i] = A2;
+    g->b2[i] = B2;
+}
+
+/* Problems of two products that ran as one sum on the wgmma kernel (tests). */
+extern "C" long moe_cuda_grouped_two_product_sums(void) { return n_k2_one; }
 
 /* Strided batches of 2 run one by one so far (tests). */
 extern "C" long moe_cuda_batched_pairs(void) { return n_pairs; }
@@ -1313,12 +1378,13 @@ extern "C" void cuda_grouped_matmul_forward_pair_swiglu(real *h, real *out_a, re
     const size_t MO = (size_t)offsets[G] * O;
 #if MOE_HAVE_SM90A
     int sms = 0;
-    const char *classes = getenv("MOE_GROUPED_WGMMA_CLASSES");
-    const int o16 = output16(out_a, MO, 0);
-    if (moe_cuda_env_is("MOE_SWIGLU_EPILOGUE", "1") && (!classes || (atoi(classes) & 1)) &&
-        MO > 0 && o16 && output16(out_b, MO, 0) == o16 && output16(h, MO, 0) == o16 &&
-        wgmma_grouped_on(&sms) && I % 8 == 0 && O % 8 == 0 && aligned16(x) && aligned16(out_a) &&
-        aligned16(out_b) && aligned16(h)) {
+    const char *classes = NULL;
+    int o16 = 0;
+    if (moe_cuda_env_is("MOE_SWIGLU_EPILOGUE", "1") &&
+        (!(classes = getenv("MOE_GROUPED_WGMMA_CLASSES")) || (atoi(classes) & 1)) && MO > 0 &&
+        (o16 = output16(out_a, MO, 0)) && output16(out_b, MO, 0) == o16 &&
+        output16(h, MO, 0) == o16 && wgmma_grouped_on(&sms) && I % 8 == 0 && O % 8 == 0 &&
+        aligned16(x) && aligned16(out_a) && aligned16(out_b) && aligned16(h)) {
         const void *xo = rounded_operand(x, (size_t)offsets[G] * I, 0);
         const void *wao = weight_operand(wa), *wbo = weight_operand(wb);
         static gw_args args;
@@ -1372,8 +1438,10 @@ separate:
 }
 
 /* dwa and dwb of each group as one strided batch of 2 (where both output gradients hold
- * their operands, so that neither is rounded into the one workspace), with dx_a's
- * product; then dx_b's products added. Else the two backward calls. */
+ * their operands, so that neither is rounded into the one workspace), and dx of each group
+ * as one problem of two products (dout_a wa + dout_b wb: one sum and one store on the
+ * wgmma kernel; on cuBLAS dx_b's products are added after the batch). Else the two
+ * backward calls. */
 extern "C" void cuda_grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb,
                                                   const real *dout_a, const real *dout_b,
                                                   const real *x, const real *wa, const real *wb,
@@ -1399,31 +1467,24 @@ extern "C" void cuda_grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb
     }
     const void *xo = rounded_operand(x, M * I, 0);
     const void *wao = dx ? weight_operand(wa) : NULL, *wbo = dx ? weight_operand(wb) : NULL;
-    const int dx16 = output16(dx, M * I, 1); /* 0: pass 1 adds to it (a marked dx fails) */
-    for (int pass = 0; pass < 2; pass++) {   /* dx_b adds to dx_a: after the join of pass 0 */
-        for (int g = 0; g < G; g++) {
-            const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
-            if (rows <= 0) {
-                if (pass == 0 && dw_first) {
-                    zero_empty_run(dwat, dwa16, offsets, g, G, OI);
-                    zero_empty_run(dwbt, dwb16, offsets, g, G, OI);
-                }
-                continue;
+    const int dx16 = output16(dx, M * I, 1); /* 0: dx_b's products add to it on cuBLAS */
+    for (int g = 0; g < G; g++) {
+        const int m0 = offsets[g], rows = offsets[g + 1] - offsets[g];
+        if (rows <= 0) {
+            if (dw_first) {
+                zero_empty_run(dwat, dwa16, offsets, g, G, OI);
+                zero_empty_run(dwbt, dwb16, offsets, g, G, OI);
             }
-            const void *da = at(dout_a, (size_t)m0 * O), *db = at(dout_b, (size_t)m0 * O);
-            if (pass == 0) {
-                if (dx)
-                    grouped_add(&batch, 0, 0, I, rows, O, at(wao, (size_t)g * OI), I, da, O,
-                                dx + (size_t)m0 * I, I, !dx_first, dx16);
-                grouped_add_pair(&batch, 0, 1, I, O, rows, at(xo, (size_t)m0 * I), I, da, O,
-                                 out_at(dwat, (size_t)g * OI, dwa16), I, !dw_first, dwa16, s);
-            } else if (dx) {
-                grouped_add(&batch, 0, 0, I, rows, O, at(wbo, (size_t)g * OI), I, db, O,
-                            dx + (size_t)m0 * I, I, 1, 0);
-            }
+            continue;
         }
-        grouped_flush(&batch);
+        const void *da = at(dout_a, (size_t)m0 * O), *db = at(dout_b, (size_t)m0 * O);
+        if (dx)
+            grouped_add_two(&batch, 0, 0, I, rows, O, at(wao, (size_t)g * OI), I, da, O, O,
+                            at(wbo, (size_t)g * OI), db, dx + (size_t)m0 * I, I, !dx_first, dx16);
+        grouped_add_pair(&batch, 0, 1, I, O, rows, at(xo, (size_t)m0 * I), I, da, O,
+                         out_at(dwat, (size_t)g * OI, dwa16), I, !dw_first, dwa16, s);
     }
+    grouped_flush(&batch);
 }
 
 /* ---- the bench's GEMM ceiling -------------------------------------------------------- */

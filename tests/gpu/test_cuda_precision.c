@@ -488,6 +488,8 @@ static void check_combine16(moe_precision p, const char *mode, int N, int D)
 /* Strided batches of 2 run so far by the one-by-one grouped GEMMs; calls of cuBLAS's
  * grouped form and GEMMs run one by one (matmul.cu). */
 long moe_cuda_batched_pairs(void);
+/* problems of two products run as one sum on the wgmma kernel (matmul.cu: the pair's dx) */
+long moe_cuda_grouped_two_product_sums(void);
 /* attention_backward_qkv calls whose kernels wrote [dq | dk | dv] themselves, and whether
  * the attention runs on the wgmma kernels here (attention.cu). */
 long moe_cuda_attention_qkv_fused(void);
@@ -527,7 +529,7 @@ static void check_pair(const char *mode, double bound, const float *x, const flo
           *dgw = dev_copy(nan_buf, 2 * gw);
     int st = gpu->mark_operand(g16, no) != MOE_OK || gpu->mark_operand(g16 + no, no) != MOE_OK;
     const long pairs0 = moe_cuda_batched_pairs(), wg0 = moe_cuda_grouped_wgmma_launches();
-    long grouped0 = 0, grouped1 = 0, single = 0;
+    long grouped0 = 0, grouped1 = 0, single = 0, two0 = 0;
     moe_cuda_grouped_counts(&grouped0, &single);
     char what[96];
     /* forward */
@@ -549,8 +551,10 @@ static void check_pair(const char *mode, double bound, const float *x, const flo
                                             MOE_WRITE_DW | MOE_WRITE_DX);
     moe_backend_cpu.grouped_matmul_backward(refx, ref + 2 * no + gw, got + no, x, w + gw, offsets,
                                             G2, I, O, MOE_WRITE_DW);
+    two0 = moe_cuda_grouped_two_product_sums();
     gpu->grouped_matmul_backward_pair(dgx, dgw, dgw + gw, g16, g16 + no, dx_, dw_, dw_ + gw,
                                       offsets, G2, I, O, MOE_WRITE_DW | MOE_WRITE_DX);
+    const long two = moe_cuda_grouped_two_product_sums() - two0;
     to_host(gotx, dgx, ni);
     to_host(got + 2 * no, dgw, 2 * gw);
     report("backward_pair dx", mode, rel_err(gotx, refx, ni), bound);
@@ -572,6 +576,12 @@ static void check_pair(const char *mode, double bound, const float *x, const flo
                                           : 2L * groups;
     snprintf(what, sizeof what, "pair: %ld batches of 2 (want %ld)", pairs, want);
     report(what, mode, (double)(pairs != want) + st, 0.0);
+    /* each non-empty group's dx as one sum of its two products where the input gradients
+     * ran on the wgmma kernel (class 2 of the mask), else dx_b's added after */
+    const long want_two = wg > 0 && (mask & 2) ? groups : 0;
+    snprintf(what, sizeof what, "pair dx: %ld of two products as one sum (want %ld)", two,
+             want_two);
+    report(what, mode, (double)(two != want_two), 0.0);
     gpu->mark_operand(g16, 0);
     gpu->mark_operand(g16 + no, 0);
     gpu->release(dx_);

@@ -130,10 +130,10 @@ static __device__ __forceinline__ void gw_store(void *c, int m, int n, int ldc, 
 
 typedef struct {
     void *c;
-    int m, n, k, ldc, tile0, tiles_n, flags;
+    int m, n, k, k2, ldc, tile0, tiles_n, flags; /* k2: the second product's k (or 0) */
 } gt_problem;
 
-/* 3 x 64 maps of 128 bytes and 64 x 40 bytes of problems: 27 KB of parameters */
+/* 3 x 64 maps of 128 bytes and 64 x 44 bytes of problems: 27 KB of parameters */
 typedef struct {
     CUtensorMap ta[GW_MAX], tb[GW_MAX]; /* A's and B's maps */
     CUtensorMap tc[GW_MAX];             /* C's, where flags has GT_TMA_STORE */
@@ -180,10 +180,11 @@ static __device__ __forceinline__ void gt_load(unsigned dst, const CUtensorMap *
 }
 
 /* Where tile t of the launch lies: its problem (from *pi on: a block's tiles only grow),
- * m0, n0 and the slices of k. */
+ * m0, n0 and the slices of k: nk1 of the first product's, nk in all (a problem with k2
+ * walks the second product's slices after the first's, from the maps at pi + GW_SW). */
 template <int SW>
 static __device__ __forceinline__ void gt_locate(const gt_args &g, int t, int *pi, int *m0, int *n0,
-                                                 int *nk)
+                                                 int *nk1, int *nk)
 {
     while (*pi + 1 < g.count && g.p[*pi + 1].tile0 <= t)
         ++*pi;
@@ -191,7 +192,8 @@ static __device__ __forceinline__ void gt_locate(const gt_args &g, int t, int *p
     const int local = t - p.tile0;
     *m0 = (local / p.tiles_n) * GW_BM;
     *n0 = (local % p.tiles_n) * (SW ? GW_BN / 2 : GW_BN);
-    *nk = (p.k + GW_BK - 1) / GW_BK;
+    *nk1 = (p.k + GW_BK - 1) / GW_BK;
+    *nk = *nk1 + (p.k2 + GW_BK - 1) / GW_BK;
 }
 
 /* Tiles are handed out as blocks ask (an atomic counter after each block's first), so that
@@ -230,16 +232,18 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
                 gt_bar_arrive(bars + 8 * s);
                 return;
             }
-            int m0, n0, nk;
-            gt_locate<SW>(g, t, &pi, &m0, &n0, &nk);
-            const CUtensorMap *ta = &g.ta[pi], *tb = &g.tb[pi];
+            int m0, n0, nk1, nk;
+            gt_locate<SW>(g, t, &pi, &m0, &n0, &nk1, &nk);
             for (int kt = 0; kt < nk; kt++) {
                 const unsigned full = bars + 8 * s, sa = base + (unsigned)s * GT_STAGE_BYTES,
                                sb = sa + GW_A_BYTES;
                 gt_bar_wait(bars + 8 * (NS + s), ph ^ 1);
                 slot[s] = t;
                 gt_bar_expect(full, GT_STAGE_BYTES);
-                const int k0 = kt * GW_BK;
+                const int second = !SW && kt >= nk1; /* the second product's slices */
+                const CUtensorMap *ta = &g.ta[pi + (second ? GW_SW : 0)],
+                                  *tb = &g.tb[pi + (second ? GW_SW : 0)];
+                const int k0 = (second ? kt - nk1 : kt) * GW_BK;
                 if (!AMN) {
                     gt_load(sa, ta, k0, m0, full);
                 } else {
@@ -273,8 +277,8 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
         const int t = slot[s];
         if (t < 0)
             break;
-        int m0, n0, nk;
-        gt_locate<SW>(g, t, &pi, &m0, &n0, &nk);
+        int m0, n0, nk1, nk;
+        gt_locate<SW>(g, t, &pi, &m0, &n0, &nk1, &nk);
         const gt_problem &p = g.p[pi];
         /* this warpgroup's 64 rows lie past the problem's: no stores. Its products still
          * run: a branch around wgmma makes ptxas serialize every wgmma of the kernel
@@ -441,7 +445,10 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
     static int ready[2][3][2];
     bf16 = bf16 != 0;
     const gt_encode_fn fn = gt_encoder();
-    if ((amn && !bnm) || !fn || g->count > GW_MAX)
+    int second = 0; /* problems with a second product: their maps at i + GW_SW */
+    for (int i = 0; i < g->count; i++)
+        second |= g->p[i].k2 > 0;
+    if ((amn && !bnm) || !fn || g->count > (second ? GW_SW : GW_MAX))
         return 0;
     const int v = amn + bnm;
     /* the tiles of 16-bit outputs (not added to) are stored by TMA from shared memory;
@@ -453,7 +460,7 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
     int order[GW_MAX];
     for (int i = 0; i < g->count; i++) {
         int j = i;
-        for (; j > 0 && g->p[order[j - 1]].k < g->p[i].k; j--)
+        for (; j > 0 && g->p[order[j - 1]].k + g->p[order[j - 1]].k2 < g->p[i].k + g->p[i].k2; j--)
             order[j] = order[j - 1];
         order[j] = i;
     }
@@ -467,12 +474,19 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
                             : gt_map(fn, ta, bf16, q->a, q->m, q->k, q->lda, GW_BM)) &&
                        (bnm ? gt_map(fn, tb, bf16, q->b, q->k, q->n, q->ldb, 64)
                             : gt_map(fn, tb, bf16, q->b, q->n, q->k, q->ldb, GW_BN));
-        if (!ok)
+        CUtensorMap *ta2 = &a.ta[i + GW_SW], *tb2 = &a.tb[i + GW_SW];
+        const int ok2 =
+            q->k2 <= 0 || ((amn ? gt_map(fn, ta2, bf16, q->a2, q->k2, q->m, q->lda, 64)
+                                : gt_map(fn, ta2, bf16, q->a2, q->m, q->k2, q->lda, GW_BM)) &&
+                           (bnm ? gt_map(fn, tb2, bf16, q->b2, q->k2, q->n, q->ldb, 64)
+                                : gt_map(fn, tb2, bf16, q->b2, q->n, q->k2, q->ldb, GW_BN)));
+        if (!ok || !ok2)
             return 0;
         p->c = q->c;
         p->m = q->m;
         p->n = q->n;
         p->k = q->k;
+        p->k2 = q->k2 > 0 ? q->k2 : 0;
         p->ldc = q->ldc;
         p->flags = q->flags;
         /* C's map where its tiles go by TMA (else, as for an unaligned C, from registers) */
@@ -534,6 +548,7 @@ extern "C" int cuda_wgmma_grouped_swiglu(int bf16, const gw_args *g, const uint1
         p->m = q->m;
         p->n = q->n;
         p->k = q->k;
+        p->k2 = 0;
         p->ldc = q->ldc;
         p->flags = GW_OUT16 | GT_TMA_STORE;
         p->tiles_n = (p->n + GW_BN / 2 - 1) / (GW_BN / 2);

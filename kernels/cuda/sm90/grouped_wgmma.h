@@ -7,15 +7,20 @@
 #pragma once
 #include <stdint.h>
 
-#define GW_MAX 64  /* problems a launch: 27 KB of kernel parameters (CUDA >= 12.1) */
-#define GW_SW 32   /* problems a launch with SwiGLU in the epilogue (their maps at i + GW_SW) */
+#define GW_MAX 64 /* problems a launch: 27 KB of kernel parameters (CUDA >= 12.1) */
+#define GW_SW                                                                                      \
+    32             /* problems a launch with SwiGLU in the epilogue or a second product (their     \
+                    * maps at i + GW_SW) */
 #define GW_OUT16 1 /* C holds 16-bit values */
 #define GW_ACC 2   /* C += A B (C's values read) */
 
+/* With k2 > 0 the problem is C (=, or += with GW_ACC) A B + A2 B2: A2 (m x k2) and B2
+ * (k2 x n) laid out as A and B, with their strides; one sum over the k + k2 products, so
+ * that C is written once. */
 typedef struct {
-    const uint16_t *a, *b;
+    const uint16_t *a, *b, *a2, *b2;
     void *c;
-    int m, n, k, lda, ldb, ldc;
+    int m, n, k, k2, lda, ldb, ldc;
     int flags; /* GW_OUT16, GW_ACC */
 } gw_problem;
 
