@@ -415,6 +415,34 @@ static int gt_map(gt_encode_fn fn, CUtensorMap *map, int bf16, const void *ptr, 
               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+/* The maps of A (a) and B (b) of problem q's shape with k for its k, by the layouts amn
+ * and bnm; 0 on failure. */
+static int gt_maps_ab(gt_encode_fn fn, CUtensorMap *ta, CUtensorMap *tb, int bf16, int amn, int bnm,
+                      const void *a, const void *b, const gw_problem *q, int k)
+{
+    return (amn ? gt_map(fn, ta, bf16, a, k, q->m, q->lda, 64)
+                : gt_map(fn, ta, bf16, a, q->m, k, q->lda, GW_BM)) &&
+           (bnm ? gt_map(fn, tb, bf16, b, k, q->n, q->ldb, 64)
+                : gt_map(fn, tb, bf16, b, q->n, k, q->ldb, GW_BN));
+}
+
+/* Problem q as the kernel reads it (k2, flags), its tiles bn columns wide numbered from
+ * *total on (which grows by their count). */
+static void gt_problem_from(gt_problem *p, const gw_problem *q, int k2, int flags, int bn,
+                            int *total)
+{
+    p->c = q->c;
+    p->m = q->m;
+    p->n = q->n;
+    p->k = q->k;
+    p->k2 = k2;
+    p->ldc = q->ldc;
+    p->flags = flags;
+    p->tiles_n = (p->n + bn - 1) / bn;
+    p->tile0 = *total;
+    *total += (p->m + GW_BM - 1) / GW_BM * p->tiles_n;
+}
+
 #define GT_PICK(TS)                                                                                \
     (v == 0   ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 0, TS, 0> : gt_kernel<__half, 0, 0, TS, 0>)    \
      : v == 1 ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 1, TS, 0> : gt_kernel<__half, 0, 1, TS, 0>)    \
@@ -468,36 +496,19 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
     a.total = 0;
     for (int i = 0; i < a.count; i++) {
         const gw_problem *q = &g->p[order[i]];
-        gt_problem *p = &a.p[i];
-        CUtensorMap *ta = &a.ta[i], *tb = &a.tb[i];
-        const int ok = (amn ? gt_map(fn, ta, bf16, q->a, q->k, q->m, q->lda, 64)
-                            : gt_map(fn, ta, bf16, q->a, q->m, q->k, q->lda, GW_BM)) &&
-                       (bnm ? gt_map(fn, tb, bf16, q->b, q->k, q->n, q->ldb, 64)
-                            : gt_map(fn, tb, bf16, q->b, q->n, q->k, q->ldb, GW_BN));
-        CUtensorMap *ta2 = &a.ta[i + GW_SW], *tb2 = &a.tb[i + GW_SW];
-        const int ok2 =
-            q->k2 <= 0 || ((amn ? gt_map(fn, ta2, bf16, q->a2, q->k2, q->m, q->lda, 64)
-                                : gt_map(fn, ta2, bf16, q->a2, q->m, q->k2, q->lda, GW_BM)) &&
-                           (bnm ? gt_map(fn, tb2, bf16, q->b2, q->k2, q->n, q->ldb, 64)
-                                : gt_map(fn, tb2, bf16, q->b2, q->n, q->k2, q->ldb, GW_BN)));
-        if (!ok || !ok2)
+        const int k2 = q->k2 > 0 ? q->k2 : 0;
+        if (!gt_maps_ab(fn, &a.ta[i], &a.tb[i], bf16, amn, bnm, q->a, q->b, q, q->k) ||
+            (k2 && !gt_maps_ab(fn, &a.ta[i + GW_SW], &a.tb[i + GW_SW], bf16, amn, bnm, q->a2, q->b2,
+                               q, k2)))
             return 0;
-        p->c = q->c;
-        p->m = q->m;
-        p->n = q->n;
-        p->k = q->k;
-        p->k2 = q->k2 > 0 ? q->k2 : 0;
-        p->ldc = q->ldc;
-        p->flags = q->flags;
+        int flags = q->flags;
         /* C's map where its tiles go by TMA (else, as for an unaligned C, from registers) */
         if (want_ts && q->flags == GW_OUT16 &&
             gt_map(fn, &a.tc[i], bf16, q->c, q->m, q->n, q->ldc, 64)) {
-            p->flags |= GT_TMA_STORE;
+            flags |= GT_TMA_STORE;
             ts = 1; /* the kernel with the staging */
         }
-        p->tiles_n = (p->n + GW_BN - 1) / GW_BN;
-        p->tile0 = a.total;
-        a.total += (p->m + GW_BM - 1) / GW_BM * p->tiles_n;
+        gt_problem_from(&a.p[i], q, k2, flags, GW_BN, &a.total);
     }
     if (a.total <= 0)
         return 1;
@@ -536,7 +547,6 @@ extern "C" int cuda_wgmma_grouped_swiglu(int bf16, const gw_args *g, const uint1
     a.total = 0;
     for (int i = 0; i < a.count; i++) {
         const gw_problem *q = &g->p[i];
-        gt_problem *p = &a.p[i];
         if (q->flags != GW_OUT16 || !gt_map(fn, &a.ta[i], bf16, q->a, q->m, q->k, q->lda, GW_BM) ||
             !gt_map(fn, &a.tb[i], bf16, q->b, q->n, q->k, q->ldb, GW_BN / 2) ||
             !gt_map(fn, &a.tb[i + GW_SW], bf16, up_w[i], q->n, q->k, q->ldb, GW_BN / 2) ||
@@ -544,16 +554,7 @@ extern "C" int cuda_wgmma_grouped_swiglu(int bf16, const gw_args *g, const uint1
             !gt_map(fn, &a.tc[i + GW_SW], bf16, up[i], q->m, q->n, q->ldc, 64) ||
             !gt_map(fn, &a.ta[i + GW_SW], bf16, h[i], q->m, q->n, q->ldc, 64))
             return 0;
-        p->c = q->c;
-        p->m = q->m;
-        p->n = q->n;
-        p->k = q->k;
-        p->k2 = 0;
-        p->ldc = q->ldc;
-        p->flags = GW_OUT16 | GT_TMA_STORE;
-        p->tiles_n = (p->n + GW_BN / 2 - 1) / (GW_BN / 2);
-        p->tile0 = a.total;
-        a.total += (p->m + GW_BM - 1) / GW_BM * p->tiles_n;
+        gt_problem_from(&a.p[i], q, 0, GW_OUT16 | GT_TMA_STORE, GW_BN / 2, &a.total);
     }
     if (a.total <= 0)
         return 1;
