@@ -7,10 +7,10 @@
 #pragma once
 #include <stdint.h>
 
-#define GW_MAX 64 /* problems a launch: 27 KB of kernel parameters (CUDA >= 12.1) */
-#define GW_SW                                                                                      \
-    32             /* problems a launch with SwiGLU in the epilogue or a second product (their     \
-                    * maps at i + GW_SW) */
+/* problems a launch with SwiGLU in the epilogue or a second product (their second maps at
+ * i + GW_SW of the launch's arrays) */
+#define GW_SW 32
+#define GW_MAX 64  /* problems a launch: 27 KB of kernel parameters (CUDA >= 12.1) */
 #define GW_OUT16 1 /* C holds 16-bit values */
 #define GW_ACC 2   /* C += A B (C's values read) */
 
