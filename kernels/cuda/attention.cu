@@ -182,6 +182,44 @@ static __global__ void attention_dsum_kernel(float *dsum, const real *dout, cons
         dsum[(b * H + h) * T + i] = (float)s;
 }
 
+/* The same from 16-bit dout and out (Hd a multiple of 8, both 16-byte aligned): a lane
+ * takes 8 neighbouring values of each a load (16 bytes) and adds their products in
+ * order, in double; then the 8 lanes as above. */
+static __global__ void attention_dsum8_kernel(float *dsum, const uint4 *dout, const uint4 *out,
+                                              int B, int T, int H, int Hd, int bf16)
+{
+    const size_t g = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / DSUM_LANES;
+    const int sub = threadIdx.x % DSUM_LANES;
+    const bool live = g < (size_t)B * H * T; /* the whole group drops out together */
+    const size_t h = g % H, i = (g / H) % T, b = g / ((size_t)H * T);
+    const size_t off8 = ((b * T + i) * (size_t)H * Hd + h * Hd) / 8;
+    double s = 0.0;
+    for (int d8 = sub; live && d8 < Hd / 8; d8 += DSUM_LANES) {
+        const uint4 x = dout[off8 + d8], y = out[off8 + d8];
+        const float4 x0 = moe_widen16x4(make_uint2(x.x, x.y), bf16),
+                     x1 = moe_widen16x4(make_uint2(x.z, x.w), bf16),
+                     y0 = moe_widen16x4(make_uint2(y.x, y.y), bf16),
+                     y1 = moe_widen16x4(make_uint2(y.z, y.w), bf16);
+        s += (double)x0.x * y0.x;
+        s += (double)x0.y * y0.y;
+        s += (double)x0.z * y0.z;
+        s += (double)x0.w * y0.w;
+        s += (double)x1.x * y1.x;
+        s += (double)x1.y * y1.y;
+        s += (double)x1.z * y1.z;
+        s += (double)x1.w * y1.w;
+    }
+#pragma unroll
+    for (int o = DSUM_LANES / 2; o > 0; o >>= 1)
+        s += __shfl_xor_sync(MOE_CUDA_FULL_MASK, s, o);
+    if (live && sub == 0)
+        dsum[(b * H + h) * T + i] = (float)s;
+}
+
+static long n_dsum8; /* launches of attention_dsum8_kernel (tests) */
+
+extern "C" long moe_cuda_attention_dsum8(void) { return n_dsum8; }
+
 /* dq_i = scale * sum_{j <= i} p_ij (dout_i . v_j - D_i) k_j, one warp per query. */
 static __global__ void attention_dq_kernel(real *dq, const real *dout, const real *lse,
                                            const float *dsum, const real *q, const real *k,
@@ -335,13 +373,20 @@ static void attention_backward(real *dq, real *dk, real *dv, const real *dout, c
     const unsigned dsum_blocks = /* one group per row, no grid stride */
         (unsigned)((rows * DSUM_LANES + ATT_THREADS - 1) / ATT_THREADS);
     const int bf16 = cuda_gemm_precision() == MOE_PREC_BF16;
-    moe_cuda_pick(
-        [&](auto g16_, auto o16_) {
-            constexpr int G16 = decltype(g16_)::value, O16 = decltype(o16_)::value;
-            MOE_CUDA_LAUNCH((attention_dsum_kernel<G16, O16>), dsum_blocks, ATT_THREADS, 0, dsum,
-                            dout, out, B, T, H, Hd, bf16);
-        },
-        (m16 & ATT_DOUT16) != 0, (m16 & ATT_OUT16) != 0);
+    if ((m16 & ATT_DOUT16) && (m16 & ATT_OUT16) && Hd % 8 == 0 && moe_aligned16(dout) &&
+        moe_aligned16(out)) {
+        n_dsum8++;
+        MOE_CUDA_LAUNCH(attention_dsum8_kernel, dsum_blocks, ATT_THREADS, 0, dsum,
+                        (const uint4 *)dout, (const uint4 *)out, B, T, H, Hd, bf16);
+    } else {
+        moe_cuda_pick(
+            [&](auto g16_, auto o16_) {
+                constexpr int G16 = decltype(g16_)::value, O16 = decltype(o16_)::value;
+                MOE_CUDA_LAUNCH((attention_dsum_kernel<G16, O16>), dsum_blocks, ATT_THREADS, 0,
+                                dsum, dout, out, B, T, H, Hd, bf16);
+            },
+            (m16 & ATT_DOUT16) != 0, (m16 & ATT_OUT16) != 0);
+    }
     if (flash_backward(dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, Hd, c16, m16, ro))
         return;
     const dim3 grid((T + ATT_WARPS - 1) / ATT_WARPS, H, B);

@@ -493,6 +493,8 @@ long moe_cuda_grouped_two_product_sums(void);
 /* attention_backward_qkv calls whose kernels wrote [dq | dk | dv] themselves, and whether
  * the attention runs on the wgmma kernels here (attention.cu). */
 long moe_cuda_attention_qkv_fused(void);
+/* launches of the dsum kernel that reads 16-bit dout and out 8 values a load (attention.cu) */
+long moe_cuda_attention_dsum8(void);
 int moe_cuda_attention_wgmma(void);
 /* launches of the 8-element SwiGLU kernels so far (swiglu.cu) */
 long moe_cuda_swiglu_vec8_launches(void);
@@ -1314,8 +1316,15 @@ static void check_attention_marked(moe_precision p, const char *mode, int B, int
     float *out_w = dev_copy(got, n); /* the 16-bit output, widened */
     gpu->attention_backward(gr[0], gr[1], gr[2], dout_w, out_w, l[1], d16[0], d16[1], d16[2], B, T,
                             H, Hd);
+    const long ds0 = moe_cuda_attention_dsum8();
     gpu->attention_backward(g16[0], g16[1], g16[2], dout16, o16, l[1], d16[0], d16[1], d16[2], B, T,
                             H, Hd);
+    /* from the 16-bit dout and out, dsum's 8-value kernel (where Hd allows) against the
+     * fp32 copies' (the scalar one): the rounded gradients below must have the same bits */
+    const long ds8 = moe_cuda_attention_dsum8() - ds0, want8 = Hd % 8 == 0;
+    snprintf(what, sizeof what, "attention dsum 8 values a load: %ld launches (want %ld)", ds8,
+             want8);
+    report(what, mode, (double)(ds8 != want8), 0.0);
     int bad16 = st16 + round16_mismatches(p, o[1], o16, n) + differ(l16, l[1], nl);
     snprintf(what, sizeof what, "attention 16-bit out T=%d Hd=%d: rounded fp32 out", T, Hd);
     report(what, mode, bad16, 0.0);
