@@ -103,7 +103,8 @@ void grouped_matmul_forward_pair_swiglu(real *h, real *out_a, real *out_b, const
                                         int I, int O);
 /* Their backward: the same as grouped_matmul_backward(dx, dwa, dout_a, x, wa, ..., write)
  * then grouped_matmul_backward(dx, dwb, dout_b, x, wb, ..., write & ~MOE_WRITE_DX):
- * dx gets both products (dx_a's first, then dx_b's added), dwa and dwb one each. */
+ * dx gets both products, dwa and dwb one each. A backend may sum dx's two products as
+ * one (CUDA's wgmma kernel: one sum, one store), so its roundings may differ. */
 void grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb, const real *dout_a,
                                   const real *dout_b, const real *x, const real *wa, const real *wb,
                                   const int *offsets, int G, int I, int O, int write);

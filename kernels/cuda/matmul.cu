@@ -1221,12 +1221,9 @@ static void grouped_add_two(grouped_batch *g, int ta, int tb, int m, int n, int 
 {
     if (m <= 0 || n <= 0 || k <= 0 || k2 <= 0 || !A || !B || !A2 || !B2)
         return;
-    const int i = g->n;
-    if (i + 1 == GROUPED_MAX) { /* set the second product before the add can flush */
+    if (g->n + 1 == GROUPED_MAX) /* the add below would flush before the second is set */
         grouped_flush(g);
-        grouped_add_two(g, ta, tb, m, n, k, A, lda, B, ldb, k2, A2, B2, C, ldc, accumulate, out16);
-        return;
-    }
+    const int i = g->n;
     grouped_add(g, ta, tb, m, n, k, A, lda, B, ldb, C, ldc, accumulate, out16);
     g->k2[i] = k2;
     g->a2[i] = A2;
