@@ -23,7 +23,10 @@ static struct {
     cudaStream_t queue;  /* the backend's queue */
     cudaStream_t bg;     /* the background queue (made on first use) */
     cudaEvent_t bg_fork, bg_join;
-    int priority; /* the queue's priority (and the GEMM lanes'): moe_cuda_priority */
+    cudaStream_t aside; /* beside bg, for its small tails (moe_cuda_aside_begin) */
+    cudaEvent_t aside_fork, aside_join;
+    int aside_queued; /* aside_join recorded since the last join */
+    int priority;     /* the queue's priority (and the GEMM lanes'): moe_cuda_priority */
     cublasLtHandle_t lt;
     void *workspace;
     void *scratch; /* device */
@@ -245,6 +248,44 @@ static void cuda_background_join(void)
         cuda_background(0);
     if (g.bg)
         MOE_CUDA_OK(cudaStreamWaitEvent(g.queue, g.bg_join, 0));
+    if (g.aside_queued) {
+        MOE_CUDA_OK(cudaStreamWaitEvent(g.queue, g.aside_join, 0));
+        g.aside_queued = 0;
+    }
+}
+
+/* Between moe_cuda_aside_begin and _end the backend's stream is a stream beside the
+ * background queue (of the greatest priority), which starts after what the background
+ * has queued so far; the next join (background_join) and every sync wait for it too.
+ * Only while the stream is the background (else 0, nothing changed). */
+extern "C" int moe_cuda_aside_begin(void)
+{
+    if (!g.bg || g.stream != g.bg)
+        return 0;
+    if (!g.aside) {
+        int least = 0, greatest = 0;
+        if (!MOE_CUDA_OK(cudaDeviceGetStreamPriorityRange(&least, &greatest)) ||
+            !MOE_CUDA_OK(cudaStreamCreateWithPriority(&g.aside, cudaStreamNonBlocking, greatest)) ||
+            !MOE_CUDA_OK(cudaEventCreateWithFlags(&g.aside_fork, cudaEventDisableTiming)) ||
+            !MOE_CUDA_OK(cudaEventCreateWithFlags(&g.aside_join, cudaEventDisableTiming))) {
+            g.aside = NULL; /* the failure is recorded; the work stays on the background */
+            return 0;
+        }
+    }
+    if (!MOE_CUDA_OK(cudaEventRecord(g.aside_fork, g.bg)) ||
+        !MOE_CUDA_OK(cudaStreamWaitEvent(g.aside, g.aside_fork, 0)))
+        return 0;
+    g.stream = g.aside;
+    return 1;
+}
+
+extern "C" void moe_cuda_aside_end(void)
+{
+    if (g.stream != g.aside)
+        return;
+    if (MOE_CUDA_OK(cudaEventRecord(g.aside_join, g.aside)))
+        g.aside_queued = 1;
+    g.stream = g.bg;
 }
 
 int moe_cuda_priority(void) { return g.priority; }
@@ -348,6 +389,7 @@ static void prof_drain(void)
     /* the pieces may lie on the background queue too (an update queued there), which the
      * last one's completion does not imply */
     if ((g.bg && !MOE_CUDA_OK(cudaStreamSynchronize(g.bg))) ||
+        (g.aside && !MOE_CUDA_OK(cudaStreamSynchronize(g.aside))) ||
         !MOE_CUDA_OK(cudaEventSynchronize(prof.ev[2 * prof.n_pending - 1]))) {
         prof.n_pending = 0;
         return;
@@ -448,6 +490,8 @@ static moe_status cuda_sync(void)
     MOE_CUDA_OK(cudaStreamSynchronize(g.queue));
     if (g.bg) /* and what was queued in the background, joined or not */
         MOE_CUDA_OK(cudaStreamSynchronize(g.bg));
+    if (g.aside)
+        MOE_CUDA_OK(cudaStreamSynchronize(g.aside));
     MOE_CUDA_OK(cudaGetLastError());
     if (g.status != MOE_OK)
         moe_log_at(__FILE__, __LINE__, "cuda backend failed (%d failures), first: %s", g.failures,

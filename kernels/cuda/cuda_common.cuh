@@ -39,6 +39,11 @@ MOE_OPS_LIST(MOE_CUDA_DECLARE)
 cudaStream_t moe_cuda_stream(void);
 /* The priority of the backend's queue, which its GEMM lanes share (backend_cuda.cu). */
 int moe_cuda_priority(void);
+/* While the stream is the background queue: moe_cuda_stream() becomes a stream beside it
+ * until moe_cuda_aside_end (1), for a small tail that should not hold the background's
+ * next work; the step's join and the syncs wait for it. Else 0 and nothing changes. */
+extern "C" int moe_cuda_aside_begin(void);
+extern "C" void moe_cuda_aside_end(void);
 
 /* Checks a CUDA result: on failure logs "file:line: what: message" and keeps the first
  * failure for sync(). Returns 1 when err is cudaSuccess. */

@@ -589,11 +589,17 @@ static __global__ void adamw_square_final(double *out, const double *part, int b
 extern "C" uint16_t *cuda_gemm_shadow_for_update(const real *p, const real *g, size_t n, int *bf16,
                                                  size_t *from16, const uint16_t **g16);
 
-/* The blocks' partial sums of squares: a buffer of the update's own, not the backend's
+/* The blocks' partial sums of squares: buffers of the update's own, not the backend's
  * scratch, since the update may run on the background queue beside other ops
- * (backend.h background); every update is queued on one queue or the other, in the
- * order the trainer joins them. */
-static double *adamw_part;
+ * (backend.h background). On the background, adamw_square_final runs on the stream beside
+ * it (moe_cuda_aside_begin), so that the next piece of the update does not wait for one
+ * block adding 32768 partials (138 us a piece beside the backward's kernels at the bench
+ * shape on an H200, 10 pieces a step); so the pieces take the buffers in turn, and a
+ * piece waits for the sum that last read its buffer (done long before). */
+#define ADAMW_PART_RING 4
+static double *adamw_part[ADAMW_PART_RING];
+static cudaEvent_t adamw_part_read[ADAMW_PART_RING]; /* recorded after each buffer's sum */
+static int adamw_part_next;
 
 extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v, int moments16,
                                         size_t n, size_t lo, size_t hi, const int64_t *offsets,
@@ -641,11 +647,19 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
     if (blocks > ADAMW_MAX_BLOCKS)
         blocks = ADAMW_MAX_BLOCKS;
     double *part = NULL;
+    const int slot = adamw_part_next;
     if (sq_out) { /* a fixed grid, so the partials have a fixed count and order */
-        if (!adamw_part &&
-            !MOE_CUDA_OK(cudaMalloc((void **)&adamw_part, sizeof(double) * 2 * ADAMW_MAX_BLOCKS)))
+        if (!adamw_part[slot] &&
+            (!MOE_CUDA_OK(
+                 cudaMalloc((void **)&adamw_part[slot], sizeof(double) * 2 * ADAMW_MAX_BLOCKS)) ||
+             !MOE_CUDA_OK(
+                 cudaEventCreateWithFlags(&adamw_part_read[slot], cudaEventDisableTiming)) ||
+             !MOE_CUDA_OK(cudaEventRecord(adamw_part_read[slot], moe_cuda_stream()))))
             return;
-        part = adamw_part;
+        if (!MOE_CUDA_OK(cudaStreamWaitEvent(moe_cuda_stream(), adamw_part_read[slot], 0)))
+            return;
+        part = adamw_part[slot];
+        adamw_part_next = (slot + 1) % ADAMW_PART_RING;
     }
 #define ADAMW_LAUNCH(W, M16)                                                                       \
     do {                                                                                           \
@@ -663,6 +677,14 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
     else
         MOE_CUDA_PICK2(width == 4, moments16, ADAMW_LAUNCH, 4, 1, 1, 0);
 #undef ADAMW_LAUNCH
-    if (part)
+    if (part) {
+        static int use_aside = -1; /* MOE_ADAMW_ASIDE=0: on the update's own stream (a knob) */
+        if (use_aside < 0)
+            use_aside = !moe_cuda_env_is("MOE_ADAMW_ASIDE", "0");
+        const int aside = use_aside && moe_cuda_aside_begin();
         MOE_CUDA_LAUNCH(adamw_square_final, 1, MOE_CUDA_THREADS, 0, sq_out, part, (int)blocks);
+        MOE_CUDA_OK(cudaEventRecord(adamw_part_read[slot], moe_cuda_stream()));
+        if (aside)
+            moe_cuda_aside_end();
+    }
 }

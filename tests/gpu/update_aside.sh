@@ -1,0 +1,49 @@
+# The update in pieces on a GPU (grad_clip = 0, not fp16: runtime/trainer.c update_piece)
+# runs on the background queue, and each piece's sums of squares (adamw_square_final, the
+# logged norm's parts) on the stream beside it (optim.cu, moe_cuda_aside_begin); the
+# step's join must wait for them. 12 bf16 steps of the tiny config with the sums beside
+# the queue and with them on it (MOE_ADAMW_ASIDE=0) must log the same losses and norms
+# bit for bit, and the norm must be the whole-arena update's (grad_clip 1e30: the norm
+# summed by its own pass before the update) within 1e-12, with the same losses: a sum
+# read before it was written would show a stale or partial norm. On sm_75 (no bf16) fp16
+# is used, which takes the whole-arena update in all three runs (the check still
+# compares them). Without a GPU: exit 77.
+source "$(dirname "$0")/../lib.sh"
+if ! "$MOE" train --set parallel.backend=cuda --set train.steps=1 >"$WORK/probe" 2>&1; then
+  echo "SKIP: no usable GPU ($(tail -1 "$WORK/probe"))"
+  exit 77
+fi
+mode=bf16 # refused below sm_80: fp16 there
+"$MOE" train --set parallel.backend=cuda --set precision.mode=bf16 --set train.steps=1 \
+  >"$WORK/probe16" 2>&1 || mode=fp16
+run() { # name clip [env...]
+  local name=$1 clip=$2
+  shift 2
+  env "$@" "$MOE" train --set parallel.backend=cuda --set precision.mode=$mode \
+    --set train.steps=12 --set train.grad_clip="$clip" --set log.jsonl="$WORK/$name.jsonl" \
+    >"$WORK/$name.log" 2>&1 || fail "$name: exit $?"
+}
+run aside 0 MOE_ADAMW_ASIDE=1
+run queue 0 MOE_ADAMW_ASIDE=0
+run whole 1e30
+if [ "$mode" = bf16 ]; then
+  grep -q "^optimizer: AdamW beside the backward, each stage" "$WORK/aside.log" &&
+    pass "the pieces ran beside the backward" ||
+    fail "no pieces: $(grep '^optimizer' "$WORK/aside.log")"
+fi
+cmp -s <(losses "$WORK/aside.jsonl") <(losses "$WORK/queue.jsonl") &&
+  pass "sums beside the queue and on it: the same 12 steps bit for bit ($mode)" ||
+  { fail "the sums beside the queue change the log"; diff <(losses "$WORK/aside.jsonl") \
+    <(losses "$WORK/queue.jsonl") | head -4; }
+$PY - "$WORK/aside.jsonl" "$WORK/whole.jsonl" <<'PY' && pass "the pieces' norm is the whole-arena pass's within 1e-12, the same losses" || fail "pieces against the whole-arena update"
+import json, math, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert len(a) == len(b) == 12, (len(a), len(b))
+assert all(x["loss"] == y["loss"] for x, y in zip(a, b)), [(x["loss"], y["loss"]) for x, y in zip(a, b)]
+assert all(math.isfinite(y["grad_norm"]) and y["grad_norm"] > 0 for y in b)
+worst = max(abs(x["grad_norm"] - y["grad_norm"]) / y["grad_norm"] for x, y in zip(a, b))
+print(f"worst relative norm difference {worst:.2e}")
+assert worst < 1e-12
+PY
+finish
