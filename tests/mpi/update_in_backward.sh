@@ -17,8 +17,9 @@ run() { # name ranks extra-sets...
   mpi "$np" -x MOE_UPDATE_IN_BACKWARD="${MOE_UPDATE_IN_BACKWARD:-1}" "$MOE" train --set train.steps=12 --set train.grad_clip=0 --set log.jsonl="$WORK/$name.jsonl" "$@" \
     >"$WORK/$name.log" 2>&1 || { fail "$name: exit $?"; tail -3 "$WORK/$name.log"; }
 }
-same() { # a b what
-  cmp -s <(losses "$WORK/$1.jsonl") <(losses "$WORK/$2.jsonl") &&
+same() { # a b what (a missing or empty log is no match: losses of neither would be empty)
+  [ -s "$WORK/$1.jsonl" ] && [ -s "$WORK/$2.jsonl" ] &&
+    cmp -s <(losses "$WORK/$1.jsonl") <(losses "$WORK/$2.jsonl") &&
     pass "$3: the same 12 steps bit for bit" || fail "$3: the runs differ"
 }
 run plain 1
