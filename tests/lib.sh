@@ -28,6 +28,21 @@ expect_err() {
 
 mpi() { mpirun --oversubscribe --bind-to none -np "$@"; }
 
+# require_gpu: unless the CUDA backend trains a step here, says SKIP with the reason and
+# exits 77 (ctest's skip: the GPU tests on a machine without one).
+require_gpu() {
+  if ! "$MOE" train --set parallel.backend=cuda --set train.steps=1 >"$WORK/probe" 2>&1; then
+    echo "SKIP: no usable GPU ($(tail -1 "$WORK/probe"))"
+    exit 77
+  fi
+}
+
+# gpu_mode: prints bf16 where the GPU trains in it, else fp16 (refused below sm_80).
+gpu_mode() {
+  "$MOE" train --set parallel.backend=cuda --set precision.mode=bf16 --set train.steps=1 \
+    >"$WORK/probe16" 2>&1 && echo bf16 || echo fp16
+}
+
 # losses FILE.jsonl: its records without the timings (step_s, tok_per_s, and the
 # communication's *_ms of a run on several ranks), keys sorted,
 # one line a step in step order (the last record of a step that appears twice, as after

@@ -6,13 +6,8 @@
 # the same losses and gradient norms to the last printed digit. On sm_75 (no bf16) fp16 is
 # used. Without a GPU: exit 77.
 source "$(dirname "$0")/../lib.sh"
-if ! "$MOE" train --set parallel.backend=cuda --set train.steps=1 >"$WORK/probe" 2>&1; then
-  echo "SKIP: no usable GPU ($(tail -1 "$WORK/probe"))"
-  exit 77
-fi
-mode=bf16 # refused below sm_80: fp16 there
-"$MOE" train --set parallel.backend=cuda --set precision.mode=bf16 --set train.steps=1 \
-  >"$WORK/probe16" 2>&1 || mode=fp16
+require_gpu
+mode=$(gpu_mode)
 strip() { sed -E 's/"(tok_per_s|seconds|elapsed_s|[a-z_]*_ms|[a-z_]*_s)": *[0-9.eE+-]+,? *//g' "$1"; }
 for path in cublas default; do
   for s in 1 4 8; do

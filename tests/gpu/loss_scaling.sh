@@ -2,10 +2,7 @@
 # (MOE_FAULT=nan@0:5) must skip that step, halve the scale for the next, and be counted;
 # clean steps double the scale every growth_interval (4 here). Without a GPU: exit 77.
 source "$(dirname "$0")/../lib.sh"
-if ! "$MOE" train --set parallel.backend=cuda --set train.steps=1 >"$WORK/probe" 2>&1; then
-  echo "SKIP: no usable GPU ($(tail -1 "$WORK/probe"))"
-  exit 77
-fi
+require_gpu
 MOE_FAULT=nan@0:5 "$MOE" train --set parallel.backend=cuda --set precision.mode=fp16 \
   --set train.steps=12 --set precision.loss_scale_growth_interval=4 \
   --set log.jsonl="$WORK/fp16.jsonl" >"$WORK/out" 2>"$WORK/err" || fail "fp16 run: exit $?"

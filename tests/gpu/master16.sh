@@ -7,10 +7,7 @@
 # tolerance below says why); with bf16 expert gradients too, it stays as near, and the
 # gradient norm summed over the bf16 copy agrees. Without a GPU: exit 77.
 source "$(dirname "$0")/../lib.sh"
-if ! "$MOE" train --set parallel.backend=cuda --set train.steps=1 >"$WORK/probe" 2>&1; then
-  echo "SKIP: no usable GPU ($(tail -1 "$WORK/probe"))"
-  exit 77
-fi
+require_gpu
 C=$WORK/ckpt
 gpu=(--set parallel.backend=cuda --set precision.mode=bf16)
 m16=("${gpu[@]}" --set precision.master_weights=bf16 --set precision.optimizer_state=bf16)

@@ -3,10 +3,7 @@
 # (their losses agree to ~1e-8), so every count (tokens, load, co-activation, transitions)
 # must be the same integer. Without a GPU: exit 77.
 source "$(dirname "$0")/../lib.sh"
-if ! "$MOE" train --set parallel.backend=cuda --set train.steps=1 >"$WORK/probe" 2>&1; then
-  echo "SKIP: no usable GPU ($(tail -1 "$WORK/probe"))"
-  exit 77
-fi
+require_gpu
 for be in cpu cuda; do
   "$MOE" train --set parallel.backend=$be --set train.steps=20 \
     --set log.routing_stats="$WORK/$be.stats" >"$WORK/$be.out" 2>&1 || fail "$be run: exit $?"

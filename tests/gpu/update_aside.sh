@@ -9,13 +9,8 @@
 # is used, which takes the whole-arena update in all three runs (the check still
 # compares them). Without a GPU: exit 77.
 source "$(dirname "$0")/../lib.sh"
-if ! "$MOE" train --set parallel.backend=cuda --set train.steps=1 >"$WORK/probe" 2>&1; then
-  echo "SKIP: no usable GPU ($(tail -1 "$WORK/probe"))"
-  exit 77
-fi
-mode=bf16 # refused below sm_80: fp16 there
-"$MOE" train --set parallel.backend=cuda --set precision.mode=bf16 --set train.steps=1 \
-  >"$WORK/probe16" 2>&1 || mode=fp16
+require_gpu
+mode=$(gpu_mode)
 run() { # name clip [env...]
   local name=$1 clip=$2
   shift 2
