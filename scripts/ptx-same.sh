@@ -40,13 +40,26 @@ import re, sys
 def kernels(path):
     # internal-linkage names carry a hash of the file's path: not the code's
     text = re.sub(r"_INTERNAL_[0-9a-f]+_", "_INTERNAL_", open(path).read())
-    out = {}
-    for m in re.finditer(r"\.entry (\S+)\((.*?)\n\}\n", text, re.S):
-        body = m.group(0).replace(m.group(1), "KERNEL")
-        body = re.sub(r"[ \t]*\.loc\b.*\n", "", body)
-        body = re.sub(r"\$L__BB\d+_", "$L__BB_", body)
-        body = re.sub(r"\$L__tmp\d+", "$L__tmp", body)
-        out[m.group(1)] = body
+    # a kernel runs from its .entry line to the next function's or the end (inline
+    # assembly's braces stand at the start of lines too, so no brace ends one)
+    start = re.compile(r"^(\.visible\s+|\.weak\s+|\.extern\s+)*\.(entry|func)\s+(\S+?)\(?$")
+    out, name, lines = {}, None, []
+
+    def close():
+        if name is not None:
+            body = "\n".join(lines).replace(name, "KERNEL")
+            body = re.sub(r"[ \t]*\.loc\b.*\n", "", body)
+            body = re.sub(r"\$L__BB\d+_", "$L__BB_", body)
+            body = re.sub(r"\$L__tmp\d+", "$L__tmp", body)
+            out[name] = body
+
+    for line in text.splitlines():
+        m = start.match(line)
+        if m:
+            close()
+            name, lines = (m.group(3) if m.group(2) == "entry" else None), []
+        lines.append(line)
+    close()
     return out
 
 old, new = kernels(sys.argv[1]), kernels(sys.argv[2])

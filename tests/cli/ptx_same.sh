@@ -1,7 +1,8 @@
 # scripts/ptx-same.sh (a source's kernels before and after a change, compared as PTX):
 # - on a fake compiler in a scratch repository, whose "PTX" is the source's lines that
 #   start with //PTX: the same kernels despite other function numbers in the labels,
-#   line records and internal-name hashes; DIFF where an instruction changed; a kernel
+#   line records and internal-name hashes; DIFF where an instruction changed (after an
+#   inline assembly block's braces, which stand at the start of lines too); a kernel
 #   renamed by an added template argument SAME with STRIP and MISSING without; usage
 #   errors exit 2;
 # - with the CUDA compiler where there is one: optim.cu of a clone of this checkout the
@@ -29,6 +30,9 @@ write() { # the two kernels: line and function number $1 (in the labels' names),
 //PTX ) {
 //PTX 	.loc 1 $1 0
 //PTX 	mov.u32 %r1, _ZZN38_INTERNAL_$2_4_k_cu_partE;
+//PTX {
+//PTX .reg .pred p;
+//PTX }
 //PTX $3
 //PTX \$L__BB$1_3:
 //PTX 	ret;
