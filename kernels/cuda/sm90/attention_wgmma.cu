@@ -618,8 +618,8 @@ static int fw_smem(const void *kernel, size_t smem, int *ready)
     return 1;
 }
 
-/* The instantiation of kernel for the 16-bit type (bf16), the warpgroups (nwg) and where
- * the fixed A operands sit (ar: registers). */
+/* The instantiation of kernel for the 16-bit type (bf16), the warpgroups (nwg) and its
+ * fixed A operands taken into registers (ar: 0, 1 or 2, as fw_env_areg gives). */
 #define FW_PICK2(kernel, bf16, nwg, AR)                                                            \
     ((nwg) == 1 ? ((bf16) ? kernel<__nv_bfloat16, 1, AR> : kernel<__half, 1, AR>)                  \
                 : ((bf16) ? kernel<__nv_bfloat16, 2, AR> : kernel<__half, 2, AR>))
