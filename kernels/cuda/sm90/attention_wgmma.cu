@@ -541,7 +541,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? (AR == 2 ? 2 : 3)
             if constexpr (AR == 0)
                 fw_scores2<T16>(p, Ks, Qt, dp, Vs, Gt); /* S^T, dP^T */
             else
-                fw_scores2_r<T16>(p, ka, Qt, dp, va, Gt);
+                fw_scores2<T16>(p, ka, Qt, dp, va, Gt);
             fm_each(
                 i0 >= first + 16 && i0 + 64 <= T, /* every query after every key of the warp */
                 [&](int n, int e) {

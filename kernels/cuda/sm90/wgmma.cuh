@@ -216,44 +216,43 @@ static __device__ __forceinline__ void fw_load_a(unsigned (&a)[4][4], const uint
     }
 }
 
-/* fw_scores2 with A1 and A2 in registers (fw_load_a): s = A1 B1^T, t = A2 B2^T. */
+/* A product's A operand, a K-major tile at a shared address or (fw_load_a) registers:
+ * fw_keep_op passes registers through fw_keep_a (nothing to keep for an address), and
+ * fw_products_k issues d += A B^T over k = 64 with B the K-major tile at b. */
+static __device__ __forceinline__ void fw_keep_op(unsigned) {}
+static __device__ __forceinline__ void fw_keep_op(unsigned (&a)[4][4]) { fw_keep_a(a); }
 template <class T16>
-static __device__ __forceinline__ void fw_scores2_r(float (&s)[32], unsigned (&a1)[4][4],
-                                                    unsigned b1, float (&t)[32],
-                                                    unsigned (&a2)[4][4], unsigned b2)
+static __device__ __forceinline__ void fw_products_k(float (&d)[32], unsigned a, unsigned b)
 {
-#pragma unroll
-    for (int i = 0; i < 32; i++)
-        s[i] = t[i] = 0.f;
-    fw_keep(s);
-    fw_keep(t);
-    fw_keep_a(a1);
-    fw_keep_a(a2);
-    fw_fence();
-    fw_products_rk<T16>(s, a1, b1);
-    fw_products_rk<T16>(t, a2, b2);
-    fw_commit_wait();
-    fw_keep(s);
-    fw_keep(t);
-    fw_keep_a(a1);
-    fw_keep_a(a2);
+    fw_products_ss<T16>(d, a, b);
+}
+template <class T16>
+static __device__ __forceinline__ void fw_products_k(float (&d)[32], const unsigned (&a)[4][4],
+                                                     unsigned b)
+{
+    fw_products_rk<T16>(d, a, b);
 }
 
-/* s = A1 B1^T and t = A2 B2^T over k = 64, the four 64 x 64 tiles K-major in shared
- * memory (a1, b1, a2, b2); one group, fenced and waited for. */
-template <class T16>
-static __device__ __forceinline__ void fw_scores2(float (&s)[32], unsigned a1, unsigned b1,
-                                                  float (&t)[32], unsigned a2, unsigned b2)
+/* s = A1 B1^T and t = A2 B2^T over k = 64, B1 and B2 K-major tiles in shared memory (b1,
+ * b2), A1 and A2 K-major tiles there too (addresses) or in registers (fw_load_a); one
+ * group, fenced and waited for. */
+template <class T16, class A1, class A2>
+static __device__ __forceinline__ void fw_scores2(float (&s)[32], A1 &&a1, unsigned b1,
+                                                  float (&t)[32], A2 &&a2, unsigned b2)
 {
 #pragma unroll
     for (int i = 0; i < 32; i++)
         s[i] = t[i] = 0.f;
     fw_keep(s);
     fw_keep(t);
+    fw_keep_op(a1);
+    fw_keep_op(a2);
     fw_fence();
-    fw_products_ss<T16>(s, a1, b1);
-    fw_products_ss<T16>(t, a2, b2);
+    fw_products_k<T16>(s, a1, b1);
+    fw_products_k<T16>(t, a2, b2);
     fw_commit_wait();
     fw_keep(s);
     fw_keep(t);
+    fw_keep_op(a1);
+    fw_keep_op(a2);
 }
