@@ -163,23 +163,47 @@ extern "C" void cuda_attention_forward(real *out, real *lse, const real *q, cons
  * heads of a query on neighbouring lanes (their rows lie side by side); G16, O16: dout,
  * out hold 16-bit values (bf16 by `bf16`). */
 #define DSUM_LANES 8
+
+/* A thread's place in dsum: its group of DSUM_LANES lanes (sequence b, query i, head h;
+ * live: the group lies inside the B * H * T rows, all its lanes alike), its lane sub, and
+ * the row's first element off in dout and out. */
+typedef struct {
+    size_t b, i, h, off;
+    int sub;
+    bool live;
+} dsum_place;
+
+static __device__ __forceinline__ dsum_place dsum_where(int B, int T, int H, int Hd)
+{
+    dsum_place p;
+    const size_t g = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / DSUM_LANES;
+    p.sub = threadIdx.x % DSUM_LANES;
+    p.live = g < (size_t)B * H * T; /* the whole group drops out together */
+    p.h = g % H, p.i = (g / H) % T, p.b = g / ((size_t)H * T);
+    p.off = (p.b * T + p.i) * (size_t)H * Hd + p.h * Hd;
+    return p;
+}
+
+/* The group's lanes' sums s added (a fixed order) and stored by its first lane. */
+static __device__ __forceinline__ void dsum_store(float *dsum, double s, const dsum_place &p, int T,
+                                                  int H)
+{
+#pragma unroll
+    for (int o = DSUM_LANES / 2; o > 0; o >>= 1)
+        s += __shfl_xor_sync(MOE_CUDA_FULL_MASK, s, o);
+    if (p.live && p.sub == 0)
+        dsum[(p.b * H + p.h) * T + p.i] = (float)s;
+}
+
 template <int G16, int O16>
 static __global__ void attention_dsum_kernel(float *dsum, const real *dout, const real *out, int B,
                                              int T, int H, int Hd, int bf16)
 {
-    const size_t g = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / DSUM_LANES;
-    const int sub = threadIdx.x % DSUM_LANES;
-    const bool live = g < (size_t)B * H * T; /* the whole group drops out together */
-    const size_t h = g % H, i = (g / H) % T, b = g / ((size_t)H * T);
-    const size_t off = (b * T + i) * (size_t)H * Hd + h * Hd;
+    const dsum_place p = dsum_where(B, T, H, Hd);
     double s = 0.0;
-    for (int d = sub; live && d < Hd; d += DSUM_LANES)
-        s += (double)moe_ld<G16>(dout, off + d, bf16) * moe_ld<O16>(out, off + d, bf16);
-#pragma unroll
-    for (int o = DSUM_LANES / 2; o > 0; o >>= 1)
-        s += __shfl_xor_sync(MOE_CUDA_FULL_MASK, s, o);
-    if (live && sub == 0)
-        dsum[(b * H + h) * T + i] = (float)s;
+    for (int d = p.sub; p.live && d < Hd; d += DSUM_LANES)
+        s += (double)moe_ld<G16>(dout, p.off + d, bf16) * moe_ld<O16>(out, p.off + d, bf16);
+    dsum_store(dsum, s, p, T, H);
 }
 
 /* The same from 16-bit dout and out (Hd a multiple of 8, both 16-byte aligned): a lane
@@ -188,13 +212,10 @@ static __global__ void attention_dsum_kernel(float *dsum, const real *dout, cons
 static __global__ void attention_dsum8_kernel(float *dsum, const uint4 *dout, const uint4 *out,
                                               int B, int T, int H, int Hd, int bf16)
 {
-    const size_t g = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / DSUM_LANES;
-    const int sub = threadIdx.x % DSUM_LANES;
-    const bool live = g < (size_t)B * H * T; /* the whole group drops out together */
-    const size_t h = g % H, i = (g / H) % T, b = g / ((size_t)H * T);
-    const size_t off8 = ((b * T + i) * (size_t)H * Hd + h * Hd) / 8;
+    const dsum_place p = dsum_where(B, T, H, Hd);
+    const size_t off8 = p.off / 8;
     double s = 0.0;
-    for (int d8 = sub; live && d8 < Hd / 8; d8 += DSUM_LANES) {
+    for (int d8 = p.sub; p.live && d8 < Hd / 8; d8 += DSUM_LANES) {
         const uint4 x = dout[off8 + d8], y = out[off8 + d8];
         const float4 x0 = moe_widen16x4(make_uint2(x.x, x.y), bf16),
                      x1 = moe_widen16x4(make_uint2(x.z, x.w), bf16),
@@ -209,11 +230,7 @@ static __global__ void attention_dsum8_kernel(float *dsum, const uint4 *dout, co
         s += (double)x1.z * y1.z;
         s += (double)x1.w * y1.w;
     }
-#pragma unroll
-    for (int o = DSUM_LANES / 2; o > 0; o >>= 1)
-        s += __shfl_xor_sync(MOE_CUDA_FULL_MASK, s, o);
-    if (live && sub == 0)
-        dsum[(b * H + h) * T + i] = (float)s;
+    dsum_store(dsum, s, p, T, H);
 }
 
 static long n_dsum8; /* launches of attention_dsum8_kernel (tests) */
