@@ -1466,9 +1466,14 @@ static void check_attention_areg(moe_precision p, const char *mode, int B, int T
         fill(h, n, 60 + a, 1.0);
         in[a] = dev_copy(h, n);
     }
+    /* the environment's setting (the whole file may run with the knob), put back after */
+    const char *env = getenv("MOE_ATTENTION_AREG");
+    char *was = env ? strdup(env) : NULL;
     for (int k = 0; k < SETS; k++) {
         if (sets[k])
             setenv("MOE_ATTENTION_AREG", sets[k], 1);
+        else
+            unsetenv("MOE_ATTENTION_AREG");
         o[k] = gpu->alloc(sizeof(float) * n);
         l[k] = gpu->alloc(sizeof(float) * nl);
         gpu->attention_forward(o[k], l[k], in[0], in[1], in[2], B, T, H, Hd);
@@ -1476,8 +1481,12 @@ static void check_attention_areg(moe_precision p, const char *mode, int B, int T
             g[k][a] = gpu->alloc(sizeof(float) * n);
         gpu->attention_backward(g[k][0], g[k][1], g[k][2], in[3], o[k], l[k], in[0], in[1], in[2],
                                 B, T, H, Hd);
-        unsetenv("MOE_ATTENTION_AREG");
     }
+    if (was)
+        setenv("MOE_ATTENTION_AREG", was, 1);
+    else
+        unsetenv("MOE_ATTENTION_AREG");
+    free(was);
     const int err = gpu->sync() != MOE_OK;
     for (int k = 1; k < SETS; k++) {
         int bad = err + differ(o[0], o[k], n) + differ(l[0], l[k], nl);
