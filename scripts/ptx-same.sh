@@ -4,10 +4,12 @@
 # tree has it, to PTX for ARCH (default sm_90a under kernels/cuda/sm90/, else sm_80), and
 # compares each kernel of REV's with the working tree's of the same name once the text
 # STRIP is taken out of the latter's (a template argument the change added: Li0E for
-# `int X = 0`, Lb0E for `bool X = false`). Line records, label numbers and the hash of
-# the file's path in internal names aside, equal PTX is equal machine code (ptxas is
-# deterministic). Prints SAME, DIFF or MISSING a kernel of REV's, then a count; exit 0
-# when all are SAME, 1 otherwise, 2 on a usage or compile error. NVCC: the compiler
+# `int X = 0`, Lb0E for `bool X = false`). Line records, label numbers (those of inline
+# assembly's %= renumbered in order), comments naming a kernel and the hash of the file's
+# path in internal names aside, equal PTX is equal machine code (ptxas is deterministic).
+# Prints SAME, PARAMS (the same code, a parameter of another size: a struct passed by
+# value grew), DIFF or MISSING a kernel of REV's, then a count; exit 0 when all are SAME,
+# 1 otherwise, 2 on a usage or compile error. NVCC: the compiler
 # (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc).
 # Usage: scripts/ptx-same.sh REV FILE [STRIP]
 # Example: scripts/ptx-same.sh HEAD~1 kernels/cuda/sm90/attention_wgmma.cu Li0E
@@ -51,6 +53,14 @@ def kernels(path):
             body = re.sub(r"[ \t]*\.loc\b.*\n", "", body)
             body = re.sub(r"\$L__BB\d+_", "$L__BB_", body)
             body = re.sub(r"\$L__tmp\d+", "$L__tmp", body)
+            body = re.sub(r"^[ \t]*// \.globl.*(\n|$)", "", body, flags=re.M)  # names a kernel
+            # the labels of inline assembly (%=) are numbered across the file: renumbered
+            # in the order the kernel defines them
+            labels = {}
+            for m in re.finditer(r"^([A-Za-z_][A-Za-z0-9_]*?_)\d+:", body, flags=re.M):
+                labels.setdefault(m.group(0)[:-1], f"{m.group(1)}#{len(labels)}")
+            body = re.sub(r"\b[A-Za-z_][A-Za-z0-9_]*_\d+\b",
+                          lambda m: labels.get(m.group(0), m.group(0)), body)
             out[name] = body
 
     for line in text.splitlines():
@@ -66,12 +76,18 @@ old, new = kernels(sys.argv[1]), kernels(sys.argv[2])
 strip = sys.argv[3]
 # the last occurrence of strip taken out: the argument a change adds comes last
 by_name = {(n[::-1].replace(strip[::-1], "", 1)[::-1] if strip else n): b for n, b in new.items()}
-same = 0
+def sizes_out(body): # the parameters' sizes taken out
+    return re.sub(r"(\.param\b[^\n\[]*)\[\d+\]", r"\1[]", body)
+
+same = params = 0
 for name, body in old.items():
     got = by_name.get(name)
-    verdict = "MISSING" if got is None else "SAME" if got == body else "DIFF"
+    verdict = ("MISSING" if got is None else "SAME" if got == body else
+               "PARAMS" if sizes_out(got) == sizes_out(body) else "DIFF")
     same += verdict == "SAME"
+    params += verdict == "PARAMS"
     print(f"{verdict:8} {name}")
-print(f"{same} of {len(old)} kernels the same ({len(new)} in the working tree)")
+more = f"; {params} more with the same code but a parameter of another size" if params else ""
+print(f"{same} of {len(old)} kernels the same{more} ({len(new)} in the working tree)")
 sys.exit(0 if old and same == len(old) else 1)
 PY

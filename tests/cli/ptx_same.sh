@@ -5,9 +5,10 @@
 #   inline assembly block's braces, which stand at the start of lines too); a kernel
 #   renamed by an added template argument SAME with STRIP and MISSING without; usage
 #   errors exit 2;
+#   a parameter of another size with the same code PARAMS;
 # - with the CUDA compiler where there is one: optim.cu of a clone of this checkout the
-#   same as its HEAD's, and a changed hash constant there DIFF in the kernels that use it
-#   only.
+#   same as its HEAD's, and a changed hash constant in the header it includes
+#   (adamw_ride.cuh) DIFF in the kernels that use it only.
 source "$(dirname "$0")/../lib.sh"
 TOOL="$SRC/scripts/ptx-same.sh"
 cat >"$WORK/fakecc" <<'SH'
@@ -23,20 +24,26 @@ SH
 chmod +x "$WORK/fakecc"
 repo=$WORK/repo
 mkdir -p "$repo/kernels/cuda"
-write() { # the two kernels: line and function number $1 (in the labels' names), internal
-  # hash $2, instruction $3, the second's name $4
+write() { # the two kernels: line and function number $1 (in the labels' names, and the
+  # inline assembly's label), internal hash $2, instruction $3, the second's name $4, the
+  # first's parameter size $5 (default 16)
   cat >"$repo/kernels/cuda/k.cu" <<EOF
+//PTX 	// .globl	_Z3onev
 //PTX .visible .entry _Z3onev(
+//PTX 	.param .align 8 .b8 _Z3onev_param_0[${5:-16}]
 //PTX ) {
 //PTX 	.loc 1 $1 0
 //PTX 	mov.u32 %r1, _ZZN38_INTERNAL_$2_4_k_cu_partE;
 //PTX {
 //PTX .reg .pred p;
+//PTX WAIT_$1:
+//PTX @!p bra WAIT_$1;
 //PTX }
 //PTX $3
 //PTX \$L__BB$1_3:
 //PTX 	ret;
 //PTX }
+//PTX 	// .globl	$4
 //PTX .visible .entry $4(
 //PTX ) {
 //PTX 	add.s32 %r2, %r2, 1;
@@ -50,7 +57,7 @@ run() { (cd "$repo" && NVCC="$WORK/fakecc" bash "$TOOL" "$@") >"$WORK/out" 2>"$W
 write 7 bbbb2222 "	add.s32 %r1, %r1, 1;" _Z3twoIiEvv
 run HEAD kernels/cuda/k.cu
 [ $? -eq 0 ] && grep -q "^SAME .*_Z3onev" "$WORK/out" && grep -q "2 of 2 kernels the same" "$WORK/out" &&
-  pass "other label numbers, line records and internal hashes: the same (exit 0)" ||
+  pass "other label numbers (inline assembly's too), line records and internal hashes: the same (exit 0)" ||
   fail "unchanged code: $(cat "$WORK/out" "$WORK/err")"
 write 3 aaaa1111 "	add.s32 %r1, %r1, 2;" _Z3twoIiEvv
 run HEAD kernels/cuda/k.cu
@@ -62,6 +69,13 @@ run HEAD kernels/cuda/k.cu Li0E
 [ $? -eq 0 ] && grep -q "^SAME .*_Z3twoIiEvv" "$WORK/out" &&
   pass "a template argument added, STRIP Li0E: the same (exit 0)" ||
   fail "STRIP: $(cat "$WORK/out" "$WORK/err")"
+write 3 aaaa1111 "	add.s32 %r1, %r1, 1;" _Z3twoIiEvv 24
+run HEAD kernels/cuda/k.cu
+[ $? -eq 1 ] && grep -q "^PARAMS .*_Z3onev" "$WORK/out" && grep -q "^SAME .*_Z3twoIiEvv" "$WORK/out" &&
+  grep -q "1 of 2 kernels the same; 1 more with the same code but a parameter of another size" "$WORK/out" &&
+  pass "a parameter of another size, the code the same: PARAMS (exit 1)" ||
+  fail "a parameter's size: $(cat "$WORK/out" "$WORK/err")"
+write 3 aaaa1111 "	add.s32 %r1, %r1, 1;" _Z3twoIiLi0EEvv
 run HEAD kernels/cuda/k.cu
 [ $? -eq 1 ] && grep -q "^MISSING .*_Z3twoIiEvv" "$WORK/out" &&
   pass "the same without STRIP: MISSING (exit 1)" || fail "no STRIP: $(cat "$WORK/out" "$WORK/err")"
@@ -85,7 +99,7 @@ if [ -x "$nvcc" ]; then
   n=$(grep -c "^SAME" "$WORK/real")
   [ "$rc" -eq 0 ] && [ "$n" -gt 10 ] && pass "nvcc: optim.cu as HEAD has it, $n kernels the same" ||
     fail "nvcc, unchanged optim.cu: exit $rc, $(tail -3 "$WORK/real")"
-  sed -i 's/0x7feb352du/0x7feb352fu/' "$clone/kernels/cuda/optim.cu"
+  sed -i 's/0x7feb352du/0x7feb352fu/' "$clone/kernels/cuda/adamw_ride.cuh"
   (cd "$clone" && bash "$TOOL" HEAD kernels/cuda/optim.cu) >"$WORK/real" 2>&1
   rc=$?
   [ "$rc" -eq 1 ] && grep -q "^DIFF .*adamw_multi_kernel" "$WORK/real" &&
