@@ -213,6 +213,21 @@ static void cuda_fetch(void *host, const void *src, size_t nbytes)
     moe_cuda_fetch_async(host, src, nbytes);
 }
 
+/* A non-blocking stream at the device's greatest priority (greatest) or its least, and its
+ * fork and join events, into *s, *fork, *join; 0 with *s NULL on failure (recorded). */
+static int make_side_stream(cudaStream_t *s, cudaEvent_t *fork, cudaEvent_t *join, int greatest)
+{
+    int lo = 0, hi = 0;
+    if (!MOE_CUDA_OK(cudaDeviceGetStreamPriorityRange(&lo, &hi)) ||
+        !MOE_CUDA_OK(cudaStreamCreateWithPriority(s, cudaStreamNonBlocking, greatest ? hi : lo)) ||
+        !MOE_CUDA_OK(cudaEventCreateWithFlags(fork, cudaEventDisableTiming)) ||
+        !MOE_CUDA_OK(cudaEventCreateWithFlags(join, cudaEventDisableTiming))) {
+        *s = NULL;
+        return 0;
+    }
+    return 1;
+}
+
 /* The background queue: a stream of the least priority, so that the queue's work (at
  * moe_cuda_priority, higher by default) takes the SMs first and the background's blocks
  * fill what it leaves. */
@@ -227,16 +242,8 @@ static void cuda_background(int on)
         }
         return;
     }
-    if (!g.bg) {
-        int least = 0, greatest = 0;
-        if (!MOE_CUDA_OK(cudaDeviceGetStreamPriorityRange(&least, &greatest)) ||
-            !MOE_CUDA_OK(cudaStreamCreateWithPriority(&g.bg, cudaStreamNonBlocking, least)) ||
-            !MOE_CUDA_OK(cudaEventCreateWithFlags(&g.bg_fork, cudaEventDisableTiming)) ||
-            !MOE_CUDA_OK(cudaEventCreateWithFlags(&g.bg_join, cudaEventDisableTiming))) {
-            g.bg = NULL; /* the failure is recorded; the ops stay on the queue */
-            return;
-        }
-    }
+    if (!g.bg && !make_side_stream(&g.bg, &g.bg_fork, &g.bg_join, 0))
+        return; /* the failure is recorded; the ops stay on the queue */
     MOE_CUDA_OK(cudaEventRecord(g.bg_fork, g.queue));
     MOE_CUDA_OK(cudaStreamWaitEvent(g.bg, g.bg_fork, 0));
     g.stream = g.bg;
@@ -267,16 +274,8 @@ extern "C" int moe_cuda_aside_begin(void)
 {
     if (!g.bg || g.stream != g.bg)
         return 0;
-    if (!g.aside) {
-        int least = 0, greatest = 0;
-        if (!MOE_CUDA_OK(cudaDeviceGetStreamPriorityRange(&least, &greatest)) ||
-            !MOE_CUDA_OK(cudaStreamCreateWithPriority(&g.aside, cudaStreamNonBlocking, greatest)) ||
-            !MOE_CUDA_OK(cudaEventCreateWithFlags(&g.aside_fork, cudaEventDisableTiming)) ||
-            !MOE_CUDA_OK(cudaEventCreateWithFlags(&g.aside_join, cudaEventDisableTiming))) {
-            g.aside = NULL; /* the failure is recorded; the work stays on the background */
-            return 0;
-        }
-    }
+    if (!g.aside && !make_side_stream(&g.aside, &g.aside_fork, &g.aside_join, 1))
+        return 0; /* the failure is recorded; the work stays on the background */
     if (!MOE_CUDA_OK(cudaEventRecord(g.aside_fork, g.bg)) ||
         !MOE_CUDA_OK(cudaStreamWaitEvent(g.aside, g.aside_fork, 0)))
         return 0;
