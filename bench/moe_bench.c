@@ -58,6 +58,7 @@ typedef struct {
     int rows_ratio; /* the grouped ops: largest expert's rows over the smallest's (1: even) */
     int out16;      /* the grouped forwards write 16-bit outputs, as the model's */
     int grads16;    /* the grouped backwards write bf16 weight gradients, as the model's */
+    int copy_equal; /* each memory-bound line also against a copy of its own bytes */
 } bench_opts;
 
 static bench_opts opt = {
@@ -349,6 +350,8 @@ static void header(void)
 }
 
 /* One line: amount is bytes (GB/s) or FLOPs (TFLOP/s); c NULL or rate 0: no ceiling. */
+static void report_equal_copy(double amount, double rate);
+
 static void report(const char *op, const char *shape, double ms, double amount, rate_kind kind,
                    const ceiling *c)
 {
@@ -373,6 +376,8 @@ static void report(const char *op, const char *shape, double ms, double amount, 
     printf("%-18s %-44s %10.4f %10s %-5s %10s %7s  %s\n", op, shape, ms, rate_s, unit, ceil_s,
            pct_s, c && c->rate > 0 ? c->by : "-");
     fflush(stdout);
+    if (opt.copy_equal && world == 1 && kind == RATE_GBS && c && strcmp(c->key, "copy") == 0)
+        report_equal_copy(amount, rate);
 }
 
 static const ceiling *ceiling_find(const char *key)
@@ -431,6 +436,40 @@ static const ceiling *copy_ceiling(void)
     gpu->release(cl.dst);
     n_blocks = mark;
     return ceiling_add("copy", bytes / (ms * 1e-3) / 1e9, "d2d copy");
+}
+
+/* --copy-equal 1: after a memory-bound line, a copy of its own bytes (amount counted as
+ * the copy line counts, read + write: amount / 2 bytes copied), timed now, and the op's
+ * rate against it: how far a short op's gap to the large copy is its size's (launch,
+ * ramp and tail), not its kernel's. Buffers of its own, released at once; skipped above
+ * 4 GiB copied. */
+static void report_equal_copy(double amount, double rate)
+{
+    const size_t nbytes = (size_t)(amount / 2.0) / 16 * 16;
+    if (nbytes == 0 || nbytes > ((size_t)4 << 30)) {
+        printf("%-18s %-44s %10s\n", "  equal copy", "(skipped: above 4 GiB)", "-");
+        return;
+    }
+    const int mark = n_blocks;
+    const size_t keep = cl.nbytes;
+    const void *keep_src = cl.src;
+    void *keep_dst = cl.dst;
+    cl.nbytes = nbytes;
+    cl.src = dmem(nbytes);
+    cl.dst = dmem(nbytes);
+    const double ms = time_gpu(run_copy);
+    gpu->release((void *)cl.src);
+    gpu->release(cl.dst);
+    n_blocks = mark;
+    cl.nbytes = keep;
+    cl.src = keep_src;
+    cl.dst = keep_dst;
+    const double copy_rate = 2.0 * (double)nbytes / (ms * 1e-3) / 1e9;
+    char shape[64];
+    snprintf(shape, sizeof shape, "%.1f MiB d2d, the line's bytes", (double)nbytes / (1 << 20));
+    printf("%-18s %-44s %10.4f %10.1f %-5s %10s %7.1f  %s\n", "  equal copy", shape, ms, copy_rate,
+           "GB/s", "-", 100.0 * rate / copy_rate, "the line above against it");
+    fflush(stdout);
 }
 
 /* The backend's dense matmul (forward, or backward with dx and dw: twice the FLOPs) at
@@ -1667,7 +1706,7 @@ static void usage(FILE *f)
     fprintf(f, "usage: moe-bench [a2a] [--op NAME] [--precision fp32|bf16|fp16] [--reps N]\n"
                "                 [--warmup N] [--B n] [--T n] [--D n] [--H n] [--E n] [--K n]\n"
                "                 [--F n] [--V n] [--L n] [--copy-mib n] [--rows-ratio R]\n"
-               "                 [--out16 0|1] [--grads16 0|1] [--list]\n"
+               "                 [--out16 0|1] [--grads16 0|1] [--copy-equal 0|1] [--list]\n"
                "Times each op of the cuda backend (median of --reps runs) at the shape of\n"
                "configs/bench-h200.ini, against a copy-bandwidth or dense-GEMM ceiling measured\n"
                "in the same process. 'a2a' (under mpirun, one GPU per rank): dispatch and\n"
@@ -1721,6 +1760,7 @@ static int parse_args(int argc, char **argv)
         {"--rows-ratio", &opt.rows_ratio, 1, 1000},
         {"--out16", &opt.out16, 0, 1},
         {"--grads16", &opt.grads16, 0, 1},
+        {"--copy-equal", &opt.copy_equal, 0, 1},
     };
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;

@@ -80,9 +80,12 @@ if [ -x "$MB" ]; then
   expect_err "--out16 wants an integer in \[0, 1\], got '2'" "its message names the option"
   expect_exit 2 "moe-bench --grads16 1 in fp16" -- "$MB" --grads16 1 --precision fp16
   expect_err "--grads16 1 needs --precision bf16" "its message names the option and the precision"
+  expect_exit 2 "moe-bench --copy-equal 2" -- "$MB" --copy-equal 2
+  expect_err "--copy-equal wants an integer in \[0, 1\], got '2'" "its message names the option"
   "$MB" --help | grep -q -- "--rows-ratio R" && "$MB" --help | grep -q -- "--out16 0|1" &&
-    "$MB" --help | grep -q -- "--grads16 0|1" &&
-    pass "moe-bench --help lists --rows-ratio, --out16 and --grads16" || fail "moe-bench --help"
+    "$MB" --help | grep -q -- "--grads16 0|1" && "$MB" --help | grep -q -- "--copy-equal 0|1" &&
+    pass "moe-bench --help lists --rows-ratio, --out16, --grads16 and --copy-equal" ||
+    fail "moe-bench --help"
 else
   echo "moe-bench not built here (no CUDA toolkit): its option checks skipped"
 fi
