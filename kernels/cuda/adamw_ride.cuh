@@ -143,6 +143,7 @@ typedef struct {
 
 typedef struct {
     int count;
+    int warps; /* of a grouped GEMM block's 3 idle warps, how many ride (MOE_ADAMW_RIDE_WARPS) */
     adamw_ride r[ADAMW_RIDE_MAX];
 } adamw_rides;
 

@@ -544,14 +544,24 @@ static void ride_pull(const adamw_ride &r)
 {
     adamw_rides one;
     one.count = 1;
+    one.warps = 0; /* (the GEMM's; not read here) */
     one.r[0] = r;
     const int per_block = MOE_CUDA_THREADS / 32 * ADAMW_RIDE_PULL;
     MOE_CUDA_LAUNCH(adamw_ride_kernel, (unsigned)((r.chunks + per_block - 1) / per_block),
                     MOE_CUDA_THREADS, 0, one);
 }
 
-/* The rides queued since the last join, for the grouped GEMM's launches (NULL: none). */
-extern "C" const adamw_rides *cuda_adamw_rides(void) { return ride.q.count ? &ride.q : NULL; }
+/* The rides queued since the last join, for the grouped GEMM's launches (NULL: none), with
+ * the warps of a block that take them: MOE_ADAMW_RIDE_WARPS (1-3, default 3; a knob). */
+extern "C" const adamw_rides *cuda_adamw_rides(void)
+{
+    if (!ride.q.count)
+        return NULL;
+    const char *e = getenv("MOE_ADAMW_RIDE_WARPS");
+    const int w = e ? atoi(e) : 3;
+    ride.q.warps = w >= 1 && w <= 3 ? w : 3;
+    return &ride.q;
+}
 
 /* Chunks queued as rides so far, and how many of them warps inside the grouped GEMMs and
  * the update's own kernel took (waits for the device): the two must add up to the first. */

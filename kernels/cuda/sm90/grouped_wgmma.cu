@@ -202,9 +202,9 @@ static __device__ __forceinline__ void gt_locate(const gt_args &g, int t, int *p
  * a block that started late, its SM held by another stream's work, takes fewer. The
  * producer writes each slice's tile into its buffer's slot before the copies; a slot of -1
  * (its full barrier completed without bytes) ends the computing warpgroups' walk.
- * RIDE (MOE_ADAMW_RIDE=1, a trial): the first warpgroup's warps 1-3, idle otherwise, take
- * chunks of the update's rides (g.rides) while the products run, until the producer has
- * handed out its last tile (the stop word after the slots). */
+ * RIDE (MOE_ADAMW_RIDE=1, a trial): the first warpgroup's warps 1-3 (1 to g.rides.warps),
+ * idle otherwise, take chunks of the update's rides (g.rides) while the products run, until
+ * the producer has handed out its last tile (the stop word after the slots). */
 template <class T16, int AMN, int BNM, int TS, int SW, int RIDE = 0>
 __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_args g)
 {
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
     __syncthreads();
     if (threadIdx.x < 128) { /* the producer: one thread */
         if (threadIdx.x != 0) {
-            if (RIDE && threadIdx.x >= 32)
+            if (RIDE && threadIdx.x >= 32 && (int)(threadIdx.x >> 5) <= g.rides.warps)
                 adamw_ride_take(g.rides, slot + NS, 1 << 30, 1);
             return;
         }
