@@ -119,7 +119,7 @@ static __device__ __forceinline__ uint64_t sr_bits(size_t c, uint32_t seed)
  * flight); a chunk is 32 lanes of them: 4096 elements, 57 KB moved */
 #define ADAMW_RIDE_GROUPS 16
 #define ADAMW_RIDE_CHUNK (32 * ADAMW_RIDE_GROUPS * 8)
-#define ADAMW_RIDE_MAX 8 /* rides queued at once (a step's expert pieces, the first taken) */
+#define ADAMW_RIDE_MAX 16 /* rides queued at once (a step's expert pieces, the first taken) */
 
 /* One ride: elements [lo, lo + n) of the arena (lo and n multiples of 8, all from the
  * master weights' start and from the squares' split on: optim.cu checks), every array at
