@@ -451,19 +451,13 @@ static void report_equal_copy(double amount, double rate)
         return;
     }
     const int mark = n_blocks;
-    const size_t keep = cl.nbytes;
-    const void *keep_src = cl.src;
-    void *keep_dst = cl.dst;
-    cl.nbytes = nbytes;
+    cl.nbytes = nbytes; /* the copy ceiling's buffers, long released (copy_ceiling) */
     cl.src = dmem(nbytes);
     cl.dst = dmem(nbytes);
     const double ms = time_gpu(run_copy);
     gpu->release((void *)cl.src);
     gpu->release(cl.dst);
     n_blocks = mark;
-    cl.nbytes = keep;
-    cl.src = keep_src;
-    cl.dst = keep_dst;
     const double copy_rate = 2.0 * (double)nbytes / (ms * 1e-3) / 1e9;
     char shape[64];
     snprintf(shape, sizeof shape, "%.1f MiB d2d, the line's bytes", (double)nbytes / (1 << 20));

@@ -14,16 +14,6 @@
 #include <time.h>
 #include <unistd.h>
 
-/* Whether bucket k's expert range ends with one tensor that starts at down_lo (the
- * down projections, w2), so that [down_lo, expert_hi) is that tensor alone. */
-static int down_is_last(const moe_model *m, const moe_grad_bucket *k)
-{
-    for (int i = 0; i < m->n_tensors; i++)
-        if (m->tensors[i].offset == k->down_lo)
-            return m->tensors[i].offset + m->tensors[i].count == k->expert_hi;
-    return 0;
-}
-
 /* Buckets: one per backward stage (the head, each layer, the embedding). Within the
  * dense region a stage's tensors are contiguous, and so are a layer's expert tensors. */
 static moe_status build_buckets(moe_trainer *tr)
@@ -46,8 +36,10 @@ static moe_status build_buckets(moe_trainer *tr)
         if (*lo == SIZE_MAX)
             *lo = t->offset;
         *hi = t->offset + t->count;
-        if (t->is_expert && strstr(t->name, ".experts.w2"))
-            b->down_lo = t->offset;
+        /* the down projections' start while they are the last expert tensor seen (the
+         * tensors come in arena order): [down_lo, expert_hi) is then that tensor alone */
+        if (t->is_expert)
+            b->down_lo = strstr(t->name, ".experts.w2") ? t->offset : SIZE_MAX;
     }
     if (tr->buckets[0].expert_lo != SIZE_MAX) /* reduce_and_square relies on it */
         MOE_FAIL(MOE_ERR_INVALID, "the embedding's gradient bucket holds expert tensors");
@@ -59,8 +51,7 @@ static moe_status build_buckets(moe_trainer *tr)
         /* the down projections' part: only as the expert range's last tensor (then the
          * callback after their weight gradient names it), else no third piece */
         moe_grad_bucket *k = &tr->buckets[b];
-        if (!tr->split_down || k->down_lo == SIZE_MAX || k->down_lo < k->expert_lo ||
-            k->down_lo >= k->expert_hi || !down_is_last(m, k))
+        if (!tr->split_down || k->down_lo == SIZE_MAX)
             k->down_lo = k->expert_hi;
     }
     return MOE_OK;

@@ -115,6 +115,40 @@ static __device__ __forceinline__ uint64_t sr_bits(size_t c, uint32_t seed)
     return (uint64_t)h * 0x9e3779b97f4a7c15ull;
 }
 
+/* W moments rounded to bf16 (bf16x2_round) into b's words. */
+template <int W> static __device__ __forceinline__ void round_moments(bits16<W> &b, const float *x)
+{
+#pragma unroll
+    for (int e = 0; e < W; e += 2)
+        b.w[e / 2] = bf16x2_round(x[e], x[e + 1]);
+}
+
+/* W (a multiple of 4) master weights from element i0 (a multiple of 4) rounded
+ * stochastically into b's words, group of 4 i0 / 4 + q with the bits of sr_bits(i0 / 4 +
+ * q, seed), element 4 q + e with its 16 bits from 16 e. */
+template <int W>
+static __device__ __forceinline__ void round_weights(bits16<W> &b, const float *p, size_t i0,
+                                                     uint32_t seed)
+{
+#pragma unroll
+    for (int q = 0; q < W / 4; q++) {
+        const uint64_t r = sr_bits(i0 / 4 + q, seed);
+        b.w[2 * q] = bf16_round_stochastic(p[4 * q], (uint32_t)r) |
+                     (uint32_t)bf16_round_stochastic(p[4 * q + 1], (uint32_t)(r >> 16)) << 16;
+        b.w[2 * q + 1] = bf16_round_stochastic(p[4 * q + 2], (uint32_t)(r >> 32)) |
+                         (uint32_t)bf16_round_stochastic(p[4 * q + 3], (uint32_t)(r >> 48)) << 16;
+    }
+}
+
+static __device__ __forceinline__ bits16<8> bits_of(uint4 q)
+{
+    return bits16<8>{{q.x, q.y, q.z, q.w}};
+}
+static __device__ __forceinline__ uint4 uint4_of(const bits16<8> &b)
+{
+    return make_uint4(b.w[0], b.w[1], b.w[2], b.w[3]);
+}
+
 /* groups of 8 elements a lane steps in a chunk, 4 at a time (16 loads of 16 bytes in
  * flight); a chunk is 32 lanes of them: 4096 elements, 57 KB moved */
 #define ADAMW_RIDE_GROUPS 16
@@ -147,6 +181,16 @@ typedef struct {
     adamw_ride r[ADAMW_RIDE_MAX];
 } adamw_rides;
 
+/* optim.cu's side, for the grouped GEMM (sm90/grouped_wgmma.cu) and the backend:
+ * the rides queued since the last join (NULL: none); the chunks queued as rides so far and
+ * how many warps inside the grouped GEMMs and the update's own kernel took (waits for the
+ * device; 0 on failure); and the join's part (their sums of squares added up on the queue,
+ * their counters zeroed), which background_join calls after the queue's wait for the
+ * background. */
+extern "C" const adamw_rides *cuda_adamw_rides(void);
+extern "C" int cuda_adamw_ride_counts(long *queued, long *inside, long *own);
+extern "C" void cuda_adamw_rides_join(void);
+
 /* Chunk c of ride r by the calling warp (lane its lane): each lane's groups
  * c * 512 + 128 i + 32 j + lane (i < 4, j < 4) of the ride, their loads issued 4 groups
  * at a time; streaming loads and stores (evict first), so the update's bytes pass the L2
@@ -176,21 +220,17 @@ static __device__ __forceinline__ void adamw_ride_chunk(const adamw_ride &r, int
                 continue;
             const size_t i0 = r.lo + 8 * q; /* the arena's element */
             float pe[8], ge[8], me[8], ve[8];
-            bits16<8> b;
-            b.w[0] = wq[j].x, b.w[1] = wq[j].y, b.w[2] = wq[j].z, b.w[3] = wq[j].w;
-            widen_bf16<8>(pe, b);
-            b.w[0] = gq[j].x, b.w[1] = gq[j].y, b.w[2] = gq[j].z, b.w[3] = gq[j].w;
-            widen_bf16<8>(ge, b);
-            b.w[0] = mq[j].x, b.w[1] = mq[j].y, b.w[2] = mq[j].z, b.w[3] = mq[j].w;
-            widen_bf16<8>(me, b);
-            b.w[0] = vq[j].x, b.w[1] = vq[j].y, b.w[2] = vq[j].z, b.w[3] = vq[j].w;
-            widen_bf16<8>(ve, b);
-            seg = adamw_seg(seg, i0, r.seg_lo, r.n_segs);
-            const bool one_seg = seg + 1 >= r.n_segs || (int64_t)(i0 + 8) <= r.seg_lo[seg + 1];
-            real decay = moe_adamw_decay(&r.ac, r.wd[seg]);
+            widen_bf16<8>(pe, bits_of(wq[j]));
+            widen_bf16<8>(ge, bits_of(gq[j]));
+            widen_bf16<8>(me, bits_of(mq[j]));
+            widen_bf16<8>(ve, bits_of(vq[j]));
 #pragma unroll
             for (int e = 0; e < 8; e++)
                 sq += (double)ge[e] * (double)ge[e];
+            /* the group's step, as adamw_multi_kernel's (the same segment walk) */
+            seg = adamw_seg(seg, i0, r.seg_lo, r.n_segs);
+            const bool one_seg = seg + 1 >= r.n_segs || (int64_t)(i0 + 8) <= r.seg_lo[seg + 1];
+            real decay = moe_adamw_decay(&r.ac, r.wd[seg]);
 #pragma unroll
             for (int e = 0; e < 8; e++) {
                 if (!one_seg) {
@@ -199,25 +239,13 @@ static __device__ __forceinline__ void adamw_ride_chunk(const adamw_ride &r, int
                 }
                 pe[e] = moe_adamw_elem(pe[e], ge[e], &me[e], &ve[e], decay, r.scale, &r.ac);
             }
-            uint4 o;
-            o.x = bf16x2_round(me[0], me[1]), o.y = bf16x2_round(me[2], me[3]);
-            o.z = bf16x2_round(me[4], me[5]), o.w = bf16x2_round(me[6], me[7]);
-            __stcs((uint4 *)r.m + q, o);
-            o.x = bf16x2_round(ve[0], ve[1]), o.y = bf16x2_round(ve[2], ve[3]);
-            o.z = bf16x2_round(ve[4], ve[5]), o.w = bf16x2_round(ve[6], ve[7]);
-            __stcs((uint4 *)r.v + q, o);
-            uint32_t wo[4];
-#pragma unroll
-            for (int h = 0; h < 2; h++) { /* the bits of group (of 4) i0 / 4 + h */
-                const uint64_t rb = sr_bits(i0 / 4 + h, r.seed);
-                wo[2 * h] = bf16_round_stochastic(pe[4 * h], (uint32_t)rb) |
-                            (uint32_t)bf16_round_stochastic(pe[4 * h + 1], (uint32_t)(rb >> 16))
-                                << 16;
-                wo[2 * h + 1] = bf16_round_stochastic(pe[4 * h + 2], (uint32_t)(rb >> 32)) |
-                                (uint32_t)bf16_round_stochastic(pe[4 * h + 3], (uint32_t)(rb >> 48))
-                                    << 16;
-            }
-            __stcs((uint4 *)r.w + q, make_uint4(wo[0], wo[1], wo[2], wo[3]));
+            bits16<8> b;
+            round_moments<8>(b, me);
+            __stcs((uint4 *)r.m + q, uint4_of(b));
+            round_moments<8>(b, ve);
+            __stcs((uint4 *)r.v + q, uint4_of(b));
+            round_weights<8>(b, pe, i0, r.seed);
+            __stcs((uint4 *)r.w + q, uint4_of(b));
         }
     }
     sq = moe_warp_sum_d(sq);

@@ -10,6 +10,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "kernels/cuda/adamw_ride.cuh"
 #include "kernels/cuda/cuda_common.cuh"
 #include "util/clock.h"
 
@@ -263,8 +264,6 @@ static void cuda_background_join(void)
 }
 
 int moe_cuda_in_background(void) { return g.bg && g.stream == g.bg; }
-
-extern "C" int cuda_adamw_ride_counts(long *queued, long *inside, long *own); /* optim.cu */
 
 /* Between moe_cuda_aside_begin and _end the backend's stream is a stream beside the
  * background queue (of the greatest priority), which starts after what the background

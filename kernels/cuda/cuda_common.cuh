@@ -46,10 +46,6 @@ extern "C" int moe_cuda_aside_begin(void);
 extern "C" void moe_cuda_aside_end(void);
 /* Whether the stream is the background queue now (between background(1) and (0)). */
 int moe_cuda_in_background(void);
-/* The update's rides (optim.cu, adamw_ride.cuh) queued since the last join: their sums of
- * squares added up on the queue, their counters zeroed. Called by background_join, after
- * the queue's wait for the background. */
-extern "C" void cuda_adamw_rides_join(void);
 
 /* Checks a CUDA result: on failure logs "file:line: what: message" and keeps the first
  * failure for sync(). Returns 1 when err is cudaSuccess. */

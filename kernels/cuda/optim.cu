@@ -382,29 +382,16 @@ static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(W, M
                 store_f32<W>(p, pe, c);
             bits16<W> out;
             if (M16) {
-#pragma unroll
-                for (int e = 0; e < W; e += 2)
-                    out.w[e / 2] = bf16x2_round(me[e], me[e + 1]);
+                round_moments<W>(out, me);
                 store_16<W>(m, c, out);
-#pragma unroll
-                for (int e = 0; e < W; e += 2)
-                    out.w[e / 2] = bf16x2_round(ve[e], ve[e + 1]);
+                round_moments<W>(out, ve);
                 store_16<W>(v, c, out);
             } else {
                 store_f32<W>((real *)m, me, c);
                 store_f32<W>((real *)v, ve, c);
             }
             if (p16) {
-#pragma unroll
-                for (int q = 0; q < W / 4; q++) { /* the bits of group (of 4) i0 / 4 + q */
-                    const uint64_t r = sr_bits(i0 / 4 + q, seed);
-                    out.w[2 * q] =
-                        bf16_round_stochastic(pe[4 * q], (uint32_t)r) |
-                        (uint32_t)bf16_round_stochastic(pe[4 * q + 1], (uint32_t)(r >> 16)) << 16;
-                    out.w[2 * q + 1] =
-                        bf16_round_stochastic(pe[4 * q + 2], (uint32_t)(r >> 32)) |
-                        (uint32_t)bf16_round_stochastic(pe[4 * q + 3], (uint32_t)(r >> 48)) << 16;
-                }
+                round_weights<W>(out, pe, i0, seed);
                 store_16<W>(shadow, c, out);
             } else if (shadow) {
 #pragma unroll
@@ -551,20 +538,9 @@ static void ride_pull(const adamw_ride &r)
                     MOE_CUDA_THREADS, 0, one);
 }
 
-/* The rides queued since the last join, for the grouped GEMM's launches (NULL: none), with
- * the warps of a block that take them: MOE_ADAMW_RIDE_WARPS (1-3, default 3; a knob). */
-extern "C" const adamw_rides *cuda_adamw_rides(void)
-{
-    if (!ride.q.count)
-        return NULL;
-    const char *e = getenv("MOE_ADAMW_RIDE_WARPS");
-    const int w = e ? atoi(e) : 3;
-    ride.q.warps = w >= 1 && w <= 3 ? w : 3;
-    return &ride.q;
-}
+extern "C" const adamw_rides *cuda_adamw_rides(void) { return ride.q.count ? &ride.q : NULL; }
 
-/* Chunks queued as rides so far, and how many of them warps inside the grouped GEMMs and
- * the update's own kernel took (waits for the device): the two must add up to the first. */
+/* The two takers' counts must add up to the chunks queued. */
 extern "C" int cuda_adamw_ride_counts(long *queued, long *inside, long *own)
 {
     int taken[2] = {0, 0};
@@ -651,6 +627,11 @@ static int ride_queue(uint16_t *shadow, const uint16_t *g16, void *m, void *v, i
     r->taken = ride.counters + ADAMW_RIDE_MAX;
     r->part = ride.part[k];
     ride.sq_out[k] = sq_out;
+    /* the warps of a grouped GEMM block that take the rides: MOE_ADAMW_RIDE_WARPS (1-3,
+     * default 3; a knob), read with the piece, not at every launch */
+    const char *e = getenv("MOE_ADAMW_RIDE_WARPS");
+    const int warps = e ? atoi(e) : 3;
+    ride.q.warps = warps >= 1 && warps <= 3 ? warps : 3;
     ride.pull_at_join[k] = mode == 2;
     if (mode == 1)
         ride_pull(*r);

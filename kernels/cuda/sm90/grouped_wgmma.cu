@@ -465,8 +465,6 @@ static void gt_problem_from(gt_problem *p, const gw_problem *q, int k2, int flag
      : v == 1 ? gt_kernel<__nv_bfloat16, 0, 1, 1, 0, 1>                                            \
               : gt_kernel<__nv_bfloat16, 1, 1, 1, 0, 1>)
 
-extern "C" const adamw_rides *cuda_adamw_rides(void); /* optim.cu */
-
 static int *gt_counters, gt_turn; /* 64 tile counters, taken in turn: a flush joins its lanes,
                                    * so a counter's last launch has ended when it comes again */
 
