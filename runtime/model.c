@@ -1299,8 +1299,6 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
     /* deh and dxperm are written by their first GEMM (every row has its expert) */
     m->be->grouped_matmul_backward(m->deh, g->ew2, m->deout, a->eh, w->ew2, a->offsets, m->El, F, D,
                                    first | MOE_WRITE_DX);
-    if (m->grad_ready_down && m->cur == m->C - 1) /* w2 is read no more in this backward */
-        m->grad_ready_down(m->grad_ready_ctx, l);
     m->be->swiglu_backward(m->dea, m->deb, m->deh, a->ea, a->eb, (size_t)M * F); /* overwrites */
     m->be->grouped_matmul_backward_pair(m->dxperm, g->ew1, g->ew3, m->dea, m->deb, a->xperm, w->ew1,
                                         w->ew3, a->offsets, m->El, D, F, first | MOE_WRITE_DX);

@@ -185,9 +185,6 @@ typedef struct moe_model {
     const struct moe_backend *be; /* where buffers live and ops run */
     int32_t *expert_rank_dev, *expert_local_dev; /* (L, E) copies in backend memory */
     moe_grad_ready_fn grad_ready;                /* NULL: nobody listens */
-    moe_grad_ready_fn grad_ready_down;           /* (ctx, layer l) once l's experts' down
-                                                  * projections (w2) have their final gradient,
-                                                  * before grad_ready(l); NULL: nobody listens */
     void *grad_ready_ctx;
 
     moe_tensor *tensors;

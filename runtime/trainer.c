@@ -23,7 +23,7 @@ static moe_status build_buckets(moe_trainer *tr)
     if (!tr->buckets)
         MOE_FAIL(MOE_ERR_NOMEM, "cannot allocate gradient buckets");
     for (int b = 0; b < m->L + 2; b++) {
-        tr->buckets[b].dense_lo = tr->buckets[b].expert_lo = tr->buckets[b].down_lo = SIZE_MAX;
+        tr->buckets[b].dense_lo = tr->buckets[b].expert_lo = SIZE_MAX;
         tr->buckets[b].handles[0] = tr->buckets[b].handles[1] = MOE_COMM_NONE;
     }
     for (int i = 0; i < m->n_tensors; i++) {
@@ -36,10 +36,6 @@ static moe_status build_buckets(moe_trainer *tr)
         if (*lo == SIZE_MAX)
             *lo = t->offset;
         *hi = t->offset + t->count;
-        /* the down projections' start while they are the last expert tensor seen (the
-         * tensors come in arena order): [down_lo, expert_hi) is then that tensor alone */
-        if (t->is_expert)
-            b->down_lo = strstr(t->name, ".experts.w2") ? t->offset : SIZE_MAX;
     }
     if (tr->buckets[0].expert_lo != SIZE_MAX) /* reduce_and_square relies on it */
         MOE_FAIL(MOE_ERR_INVALID, "the embedding's gradient bucket holds expert tensors");
@@ -48,32 +44,23 @@ static moe_status build_buckets(moe_trainer *tr)
             tr->buckets[b].dense_lo = tr->buckets[b].dense_hi = 0;
         if (tr->buckets[b].expert_lo == SIZE_MAX)
             tr->buckets[b].expert_lo = tr->buckets[b].expert_hi = 0;
-        /* the down projections' part: only as the expert range's last tensor (then the
-         * callback after their weight gradient names it), else no third piece */
-        moe_grad_bucket *k = &tr->buckets[b];
-        if (!tr->split_down || k->down_lo == SIZE_MAX)
-            k->down_lo = k->expert_hi;
     }
     return MOE_OK;
 }
 
-/* The update's pieces: a dense, an expert and a down projections' one per bucket (L + 2
- * buckets; the third empty unless split_down). */
-static size_t n_pieces(const moe_trainer *tr) { return 3 * ((size_t)tr->model->L + 2); }
+/* The update's pieces: a dense and an expert one per bucket (L + 2 buckets). */
+static size_t n_pieces(const moe_trainer *tr) { return 2 * ((size_t)tr->model->L + 2); }
 
 /* The update in pieces (norm_in_update: nothing clips, nothing skips): AdamW over bucket
- * b's dense (part 0) or expert (part 1: with split_down, those before the down
- * projections; part 2: the down projections) parameters, queued on the backend's
- * background queue, once a step; its sums of squares go to its own slot of norm_parts (an
- * empty piece leaves its zeros). Every piece runs there, in the order queued: the
- * update's partial sums are ordered (optim.cu), and the queue waits for all of them in
- * apply. */
+ * b's dense (part 0) or expert (part 1) parameters, queued on the backend's background
+ * queue, once a step; its sums of squares go to its own slot of norm_parts (an empty
+ * piece leaves its zeros). Every piece runs there, in the order queued: the update's
+ * partial sums are ordered (optim.cu), and the queue waits for all of them in apply. */
 static void update_piece(moe_trainer *tr, int b, int part)
 {
     const moe_grad_bucket *k = &tr->buckets[b];
-    const size_t lo = part == 0 ? k->dense_lo : part == 1 ? k->expert_lo : k->down_lo;
-    const size_t hi = part == 0 ? k->dense_hi : part == 1 ? k->down_lo : k->expert_hi;
-    const int slot = 3 * b + part;
+    const size_t lo = part ? k->expert_lo : k->dense_lo, hi = part ? k->expert_hi : k->dense_hi;
+    const int slot = 2 * b + part;
     if (tr->updated[slot])
         return;
     tr->updated[slot] = 1;
@@ -110,10 +97,8 @@ static void on_grad_ready(void *ctx, int stage)
     if (tr->last_micro && tr->update_early) {
         if (tr->world == 1)
             update_piece(tr, stage + 1, 0);
-        if (!tr->comm || moe_comm_size(tr->comm, MOE_GROUP_EDP) == 1) {
+        if (!tr->comm || moe_comm_size(tr->comm, MOE_GROUP_EDP) == 1)
             update_piece(tr, stage + 1, 1);
-            update_piece(tr, stage + 1, 2);
-        }
     }
     if (!tr->reduce_now || tr->reduce_status != MOE_OK)
         return;
@@ -132,17 +117,6 @@ static void on_grad_ready(void *ctx, int stage)
                                       &b->handles[1]);
     tr->reduce_status = st;
     moe_model_phase_end(m, t0, MOE_PHASE_REDUCTION);
-}
-
-/* Called by backward once layer l's experts' down projections have their final gradient
- * (split_down): their piece then, beside the gate and up projections' backward, where
- * their GEMMs can take it (MOE_ADAMW_RIDE, docs/cuda.md), instead of after the layer. */
-static void on_down_ready(void *ctx, int l)
-{
-    moe_trainer *tr = ctx;
-    if (tr->last_micro && tr->update_early &&
-        (!tr->comm || moe_comm_size(tr->comm, MOE_GROUP_EDP) == 1))
-        update_piece(tr, l + 1, 2);
 }
 
 static moe_status wait_bucket(moe_trainer *tr, int b)
@@ -268,17 +242,11 @@ const char *moe_trainer_update_mode(const moe_trainer *tr)
         return "AdamW after the backward (MOE_UPDATE_IN_BACKWARD=0)";
     const int edp = tr->comm ? moe_comm_size(tr->comm, MOE_GROUP_EDP) : 1;
     if (tr->world == 1)
-        return tr->split_down ? "AdamW beside the backward, each stage's parameters once their "
-                                "gradients are final, the experts' down projections apart "
-                                "(MOE_ADAMW_RIDE)"
-                              : "AdamW beside the backward, each stage's parameters once their "
-                                "gradients are final";
+        return "AdamW beside the backward, each stage's parameters once their gradients are "
+               "final";
     if (edp == 1)
-        return tr->split_down ? "AdamW beside the backward for the expert parameters (their down "
-                                "projections apart: MOE_ADAMW_RIDE), after their reduction for "
-                                "the dense ones"
-                              : "AdamW beside the backward for the expert parameters, after their "
-                                "reduction for the dense ones";
+        return "AdamW beside the backward for the expert parameters, after their reduction for "
+               "the dense ones";
     return "AdamW after the backward (every gradient is reduced across ranks first)";
 }
 
@@ -332,12 +300,6 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
     }
     tr->model->grad_ready = on_grad_ready;
     tr->model->grad_ready_ctx = tr;
-    /* MOE_ADAMW_RIDE=1 or 2 (a trial: the update's pieces ride the experts' GEMMs on a
-     * GPU): the down projections' piece as soon as their gradient is final */
-    const char *ride = getenv("MOE_ADAMW_RIDE");
-    tr->split_down = tr->update_early && ride && (strcmp(ride, "1") == 0 || strcmp(ride, "2") == 0);
-    if (tr->split_down)
-        tr->model->grad_ready_down = on_down_ready;
     MOE_CHECK_GOTO(st, build_buckets(tr));
     MOE_CHECK_GOTO(st, moe_data_create(&tr->data, cfg));
     MOE_CHECK_GOTO(st, moe_optimizer_create(&tr->opt, tr->model, cfg, be));
@@ -555,7 +517,7 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
     const int fused = norm_in_update(tr);
     if (fused) { /* the pieces not queued during the backward, then the wait for all */
         for (int b = 0; b < m->L + 2; b++)
-            for (int part = 0; part < 3; part++)
+            for (int part = 0; part < 2; part++)
                 update_piece(tr, b, part);
         be->background_join();
     } else {

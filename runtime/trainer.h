@@ -52,8 +52,6 @@ typedef struct {
 typedef struct {
     size_t dense_lo, dense_hi;   /* reduced over the world */
     size_t expert_lo, expert_hi; /* reduced over the expert-data-parallel group */
-    size_t down_lo; /* the experts' down projections (w2), the expert range's end: the update's
-                     * third piece with split_down (else expert_hi) */
     int handles[2];
 } moe_grad_bucket;
 
@@ -69,14 +67,12 @@ typedef struct {
     int last_micro;           /* the last micro-batch of a step is running */
     moe_status reduce_status;
     double *norm_sq;        /* (2) backend memory: squares of the dense and expert gradients */
-    double *norm_parts;     /* (6 (L + 2)) backend memory: each update piece's two sums of
-                             * squares (moe_trainer_apply), at 2 (3 bucket + part) */
-    unsigned char *updated; /* (3 (L + 2)) the pieces of this step's update queued */
+    double *norm_parts;     /* (4 (L + 2)) backend memory: each update piece's two sums of
+                             * squares (moe_trainer_apply), at 2 (2 bucket + part) */
+    unsigned char *updated; /* (2 (L + 2)) the pieces of this step's update queued */
     int update_early;       /* update_in_backward: the update's pieces queued as stages end */
-    int split_down;         /* the experts' down projections a piece of their own, queued once
-                             * their gradient is final (MOE_ADAMW_RIDE: runtime/trainer.c) */
     int step_counted;       /* this step's AdamW step counted (its first piece queued) */
-    double *step_host;      /* (3 + 6 (L + 2)) pinned: the step's ce sum, norm_sq and
+    double *step_host;      /* (3 + 4 (L + 2)) pinned: the step's ce sum, norm_sq and
                              * norm_parts, fetched at its end */
     double sums[8];         /* this rank's ce, aux, z, dropped, a2a bytes, a2a saved of the step,
                              * and its share of the norm's two sums of squares (moe_trainer_losses) */

@@ -8,10 +8,9 @@
 # (mb_OP_R_S.log, bench_R_S.log: round R, setting S counted from 0); a table last, a
 # line per round and setting: each op's ms, the step's ms, its forward / backward /
 # optimizer ms, the final loss and the kernel profile's lines that PROFILE (an extended
-# regex, default none) matches at their start: name, calls and mean us; where the update
-# rode the GEMMs (MOE_ADAMW_RIDE), the chunks and who took them. A run that fails
+# regex, default none) matches at their start: name, calls and mean us. A run that fails
 # prints its exit status and leaves '?' in the table.
-# Example: RUNS='-;MOE_ATTENTION_AREG=1' OPS='attention attention_bwd_qkv' \
+# Example: RUNS='-;MOE_ATTENTION_DKV_STAGES=3' OPS='attention attention_bwd_qkv' \
 #   PROFILE='fw_(forward|dq|dkv)' bash scripts/gpu-ab.sh
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -55,8 +54,6 @@ for ((r = 0; r < ROUNDS; r++)); do
         paste -sd/)
       loss=$(grep -oE 'final loss [0-9.]+' "$log" | cut -d' ' -f3)
       line+=" | step ${step:-?} (${phases:-?}) loss ${loss:-?}"
-      rides=$(sed -n 's/.*: \([0-9]*\) chunks queued, \([0-9]*\) taken inside.*, \([0-9]*\) by.*/\1 chunks, \2 in the GEMMs, \3 own/p' "$log")
-      [ -z "$rides" ] || line+=" | rides $rides"
       if [ -n "$PROFILE" ]; then
         prof=$(grep -E "^ *($PROFILE)" "$log" |
           awk '{n = $1; for (k = 2; k <= NF - 5; k++) n = n " " $k; printf "%s%s %s x %s us", sep, n, $(NF - 4), $(NF - 2); sep = ", "}')

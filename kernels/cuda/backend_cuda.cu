@@ -10,7 +10,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "kernels/cuda/adamw_ride.cuh"
 #include "kernels/cuda/cuda_common.cuh"
 #include "util/clock.h"
 
@@ -260,10 +259,7 @@ static void cuda_background_join(void)
         MOE_CUDA_OK(cudaStreamWaitEvent(g.queue, g.aside_join, 0));
         g.aside_queued = 0;
     }
-    cuda_adamw_rides_join(); /* the rides' sums of squares, on the queue (optim.cu) */
 }
-
-int moe_cuda_in_background(void) { return g.bg && g.stream == g.bg; }
 
 /* Between moe_cuda_aside_begin and _end the backend's stream is a stream beside the
  * background queue (of the greatest priority), which starts after what the background
@@ -486,12 +482,6 @@ static void cuda_profile(int on, FILE *report)
                 total > 0 ? 100.0 * prof.ms[i] / total : 0.0, prof.gap_ms[i]);
     }
     fprintf(report, "  idle between pieces: %.2f ms in all (the column 'idle before')\n", gaps);
-    long queued = 0, inside = 0, own = 0;
-    if (cuda_adamw_ride_counts(&queued, &inside, &own) && queued > 0)
-        fprintf(report,
-                "  AdamW rides (MOE_ADAMW_RIDE), since the start: %ld chunks queued, %ld taken "
-                "inside the grouped GEMMs, %ld by the update's kernel\n",
-                queued, inside, own);
 }
 
 static moe_status cuda_sync(void)

@@ -44,8 +44,6 @@ int moe_cuda_priority(void);
  * next work; the step's join and the syncs wait for it. Else 0 and nothing changes. */
 extern "C" int moe_cuda_aside_begin(void);
 extern "C" void moe_cuda_aside_end(void);
-/* Whether the stream is the background queue now (between background(1) and (0)). */
-int moe_cuda_in_background(void);
 
 /* Checks a CUDA result: on failure logs "file:line: what: message" and keeps the first
  * failure for sync(). Returns 1 when err is cudaSuccess. */

@@ -13,7 +13,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "kernels/cuda/adamw_ride.cuh"
 #include "kernels/cuda/cuda_common.cuh"
 
 #define SUM_MAX_BLOCKS 1024
@@ -224,6 +223,26 @@ extern "C" void cuda_adamw_update(real *p, const real *g, real *m, real *v, size
  * bandwidth, with a segment search and a split test per element, 4 elements a step and
  * the moments rounded by integer arithmetic; 4.65 ms, 96%, now). */
 
+/* The segment of element i, walking forward from seg (-1: not found yet). */
+static __device__ __forceinline__ int adamw_seg(int seg, size_t i, const int64_t *seg_lo,
+                                                int n_segs)
+{
+    if (seg < 0) {
+        int lo = 0, hi = n_segs - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            if ((int64_t)i >= seg_lo[mid])
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        return lo;
+    }
+    while (seg + 1 < n_segs && (int64_t)i >= seg_lo[seg + 1])
+        seg++;
+    return seg;
+}
+
 /* W (4 or 8) consecutive values of group c: fp32 ones (16-byte loads and stores), or
  * 16-bit ones widened from bf16 (8 or 16 bytes) and rounded back. */
 template <int W>
@@ -246,6 +265,81 @@ static __device__ __forceinline__ void store_f32(real *dst, const float *src, si
     for (int h = 0; h < W / 4; h++)
         ((float4 *)dst)[(size_t)W / 4 * c + h] =
             make_float4(src[4 * h], src[4 * h + 1], src[4 * h + 2], src[4 * h + 3]);
+}
+
+/* 16-bit words packed two to a 32-bit lane: W / 2 lanes (uint2 or uint4). */
+template <int W> struct bits16 {
+    uint32_t w[W >= 2 ? W / 2 : 1];
+};
+
+template <int W> static __device__ __forceinline__ bits16<W> load_16(const void *src, size_t c)
+{
+    bits16<W> b;
+    if (W == 8) {
+        const uint4 q = ((const uint4 *)src)[c];
+        b.w[0] = q.x, b.w[1] = q.y, b.w[W / 2 - 2] = q.z, b.w[W / 2 - 1] = q.w;
+    } else {
+        const uint2 q = ((const uint2 *)src)[c];
+        b.w[0] = q.x, b.w[1] = q.y;
+    }
+    return b;
+}
+
+template <int W>
+static __device__ __forceinline__ void store_16(void *dst, size_t c, const bits16<W> &b)
+{
+    if (W == 8)
+        ((uint4 *)dst)[c] = make_uint4(b.w[0], b.w[1], b.w[W / 2 - 2], b.w[W / 2 - 1]);
+    else
+        ((uint2 *)dst)[c] = make_uint2(b.w[0], b.w[1]);
+}
+
+template <int W> static __device__ __forceinline__ void widen_bf16(float *dst, const bits16<W> &b)
+{
+#pragma unroll
+    for (int e = 0; e < W; e++)
+        dst[e] = moe_bf16_widen((uint16_t)(b.w[e / 2] >> (16 * (e % 2))));
+}
+
+/* Two moments rounded to bf16 (to nearest even), a low, b high: on sm_80 and later one
+ * conversion instruction (the pass is bound by its instruction issue with bf16 master
+ * weights); the same bits as moe_bf16_round for every value but a NaN, which stays a
+ * NaN of another payload. */
+static __device__ __forceinline__ uint32_t bf16x2_round(float a, float b)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return (uint32_t)__bfloat16_as_ushort(h.x) | (uint32_t)__bfloat16_as_ushort(h.y) << 16;
+#else
+    return moe_bf16_round(a) | (uint32_t)moe_bf16_round(b) << 16;
+#endif
+}
+
+/* A bf16 master weight's new value, x rounded stochastically: up (in magnitude) with
+ * probability (|x| - |down|) / ulp, so that an update smaller than half an ulp still
+ * moves the weight on average (rounding to nearest would drop it every time). r: 16
+ * random bits; adding them below the kept bits and truncating does it (a carry into the
+ * exponent is the next binade's first value, as it should be). */
+static __device__ __forceinline__ uint16_t bf16_round_stochastic(float x, uint32_t r)
+{
+    const uint32_t b = __float_as_uint(x);
+    if ((b & 0x7f800000u) == 0x7f800000u)
+        return moe_bf16_round(x); /* inf, nan */
+    return (uint16_t)((b + (r & 0xffffu)) >> 16);
+}
+
+/* 64 random bits for the group of 4 elements 4c .. 4c + 3 at the step's seed (16 each,
+ * element 4c + e taking bits 16e ..): one hash of (c, seed) spread by a 64-bit product,
+ * so the same (element, step) gives the same bits in either form of the kernel, and a
+ * resumed run repeats them; a few integer operations per element, since the pass is
+ * bound by memory only while its arithmetic stays small. */
+static __device__ __forceinline__ uint64_t sr_bits(size_t c, uint32_t seed)
+{
+    uint32_t h = (uint32_t)c * 0x9e3779b1u ^ (uint32_t)(c >> 32) * 0x85ebca77u ^ seed * 0xc2b2ae3du;
+    h ^= h >> 16;
+    h *= 0x7feb352du;
+    h ^= h >> 15;
+    return (uint64_t)h * 0x9e3779b97f4a7c15ull;
 }
 
 /* Element i's step (the tail and the unaligned form), gi its gradient. p16: its master
@@ -382,16 +476,29 @@ static __global__ void __launch_bounds__(MOE_CUDA_THREADS, ADAMW_MIN_BLOCKS(W, M
                 store_f32<W>(p, pe, c);
             bits16<W> out;
             if (M16) {
-                round_moments<W>(out, me);
+#pragma unroll
+                for (int e = 0; e < W; e += 2)
+                    out.w[e / 2] = bf16x2_round(me[e], me[e + 1]);
                 store_16<W>(m, c, out);
-                round_moments<W>(out, ve);
+#pragma unroll
+                for (int e = 0; e < W; e += 2)
+                    out.w[e / 2] = bf16x2_round(ve[e], ve[e + 1]);
                 store_16<W>(v, c, out);
             } else {
                 store_f32<W>((real *)m, me, c);
                 store_f32<W>((real *)v, ve, c);
             }
             if (p16) {
-                round_weights<W>(out, pe, i0, seed);
+#pragma unroll
+                for (int q = 0; q < W / 4; q++) { /* the bits of group (of 4) i0 / 4 + q */
+                    const uint64_t r = sr_bits(i0 / 4 + q, seed);
+                    out.w[2 * q] =
+                        bf16_round_stochastic(pe[4 * q], (uint32_t)r) |
+                        (uint32_t)bf16_round_stochastic(pe[4 * q + 1], (uint32_t)(r >> 16)) << 16;
+                    out.w[2 * q + 1] =
+                        bf16_round_stochastic(pe[4 * q + 2], (uint32_t)(r >> 32)) |
+                        (uint32_t)bf16_round_stochastic(pe[4 * q + 3], (uint32_t)(r >> 48)) << 16;
+                }
                 store_16<W>(shadow, c, out);
             } else if (shadow) {
 #pragma unroll
@@ -494,152 +601,6 @@ static double *adamw_part[ADAMW_PART_RING];
 static cudaEvent_t adamw_part_read[ADAMW_PART_RING]; /* recorded after each buffer's sum */
 static int adamw_part_next;
 
-/* ---- the update's rides (MOE_ADAMW_RIDE=1, a trial: adamw_ride.cuh) ------------------ */
-
-/* chunks a warp of the update's own kernel takes at most: its blocks stay short, so that
- * the queue's next kernel (of the greater priority) gets their SMs soon */
-#define ADAMW_RIDE_PULL 2
-
-static __global__ void __launch_bounds__(MOE_CUDA_THREADS)
-    adamw_ride_kernel(const __grid_constant__ adamw_rides rs)
-{
-    adamw_ride_take(rs, NULL, ADAMW_RIDE_PULL, 0);
-}
-
-static struct {
-    adamw_rides q;                    /* queued since the last join (their counters) */
-    double *sq_out[ADAMW_RIDE_MAX];   /* where each ride's sums go */
-    int pull_at_join[ADAMW_RIDE_MAX]; /* MOE_ADAMW_RIDE=2: its own kernel at the join */
-    double2 *part[ADAMW_RIDE_MAX];    /* the chunks' sums, a buffer a ride slot */
-    int part_cap[ADAMW_RIDE_MAX];     /* chunks the buffer holds */
-    int *counters;                    /* ADAMW_RIDE_MAX next counters, then taken[2] */
-    long chunks;                      /* chunks queued so far (the counts' total) */
-} ride;
-
-/* MOE_ADAMW_RIDE: 1 rides, with the update's own kernel on the background from the
- * piece on; 2 rides, with the update's own kernel only at the join, on the queue (what the
- * GEMMs' warps left: a test's and a benchmark's form); else none. Read at each piece. */
-static int ride_wanted(void)
-{
-    return moe_cuda_env_is("MOE_ADAMW_RIDE", "1")   ? 1
-           : moe_cuda_env_is("MOE_ADAMW_RIDE", "2") ? 2
-                                                    : 0;
-}
-
-/* The update's own kernel over what is left of ride r, on the backend's stream. */
-static void ride_pull(const adamw_ride &r)
-{
-    adamw_rides one;
-    one.count = 1;
-    one.warps = 0; /* (the GEMM's; not read here) */
-    one.r[0] = r;
-    const int per_block = MOE_CUDA_THREADS / 32 * ADAMW_RIDE_PULL;
-    MOE_CUDA_LAUNCH(adamw_ride_kernel, (unsigned)((r.chunks + per_block - 1) / per_block),
-                    MOE_CUDA_THREADS, 0, one);
-}
-
-extern "C" const adamw_rides *cuda_adamw_rides(void) { return ride.q.count ? &ride.q : NULL; }
-
-/* The two takers' counts must add up to the chunks queued. */
-extern "C" int cuda_adamw_ride_counts(long *queued, long *inside, long *own)
-{
-    int taken[2] = {0, 0};
-    if (ride.counters && !MOE_CUDA_OK(cudaDeviceSynchronize()))
-        return 0;
-    if (ride.counters && !MOE_CUDA_OK(cudaMemcpy(taken, ride.counters + ADAMW_RIDE_MAX,
-                                                 sizeof taken, cudaMemcpyDeviceToHost)))
-        return 0;
-    *queued = ride.chunks;
-    *inside = taken[0];
-    *own = taken[1];
-    return 1;
-}
-
-extern "C" void cuda_adamw_rides_join(void)
-{
-    if (!ride.q.count)
-        return;
-    for (int k = 0; k < ride.q.count; k++) {
-        if (ride.pull_at_join[k])
-            ride_pull(ride.q.r[k]);
-        MOE_CUDA_LAUNCH(adamw_square_final, 1, MOE_CUDA_THREADS, 0, ride.sq_out[k],
-                        (const double *)ride.part[k], ride.q.r[k].chunks);
-    }
-    MOE_CUDA_OK(cudaMemsetAsync(ride.counters, 0, sizeof(int) * ride.q.count, moe_cuda_stream()));
-    ride.q.count = 0;
-}
-
-/* Queues [lo, hi) as a ride where it can be one: MOE_ADAMW_RIDE=1 or 2, on the background
- * queue, every element a bf16 master weight with a bf16 gradient and bf16 moments, at or
- * past the squares' split, in whole groups of 8 (16-byte aligned), with its sums wanted
- * and no clipping factor to read (norm_sq NULL), and a ride slot free. Then (1) the
- * update's own kernel is launched on the background queue for what the GEMMs leave, and 1
- * is returned; else 0 and nothing is queued. */
-static int ride_queue(uint16_t *shadow, const uint16_t *g16, void *m, void *v, int moments16,
-                      size_t lo, size_t hi, size_t from16, size_t n_split, const int64_t *offsets,
-                      const real *wd, int n_segs, const moe_adamw_consts &c, const double *norm_sq,
-                      double loss_scale, int t, double *sq_out)
-{
-    const int mode = ride_wanted();
-    if (!mode || !moe_cuda_in_background() || ride.q.count >= ADAMW_RIDE_MAX || !moments16 ||
-        !shadow || !g16 || norm_sq || !sq_out || lo < from16 || lo < n_split || lo % 8 || hi % 8 ||
-        from16 % 8 || ((uintptr_t)shadow | (uintptr_t)g16 | (uintptr_t)m | (uintptr_t)v) % 16)
-        return 0;
-    const size_t n = hi - lo;
-    const size_t chunks = (n + ADAMW_RIDE_CHUNK - 1) / ADAMW_RIDE_CHUNK;
-    if (chunks > (size_t)1 << 30)
-        return 0;
-    const int k = ride.q.count;
-    if (!ride.counters) {
-        /* zeroed before any kernel can read them (the queue's GEMMs as much as this
-         * stream's kernel): once, at the first ride */
-        if (!MOE_CUDA_OK(cudaMalloc((void **)&ride.counters, sizeof(int) * (ADAMW_RIDE_MAX + 2))) ||
-            !MOE_CUDA_OK(cudaMemset(ride.counters, 0, sizeof(int) * (ADAMW_RIDE_MAX + 2))) ||
-            !MOE_CUDA_OK(cudaDeviceSynchronize())) {
-            ride.counters = NULL;
-            return 0;
-        }
-    }
-    if (ride.part_cap[k] < (int)chunks) {
-        if (ride.part[k] && !MOE_CUDA_OK(cudaFree(ride.part[k])))
-            return 0;
-        ride.part[k] = NULL;
-        ride.part_cap[k] = 0;
-        if (!MOE_CUDA_OK(cudaMalloc((void **)&ride.part[k], sizeof(double2) * chunks)))
-            return 0;
-        ride.part_cap[k] = (int)chunks;
-    }
-    adamw_ride *r = &ride.q.r[k];
-    r->w = shadow + lo;
-    r->g = g16 + (lo - from16);
-    r->m = (uint16_t *)m + lo;
-    r->v = (uint16_t *)v + lo;
-    r->seg_lo = offsets;
-    r->wd = wd;
-    r->n_segs = n_segs;
-    r->chunks = (int)chunks;
-    r->lo = lo;
-    r->n = n;
-    r->ac = c;
-    r->scale = (real)(double)(float)(1.0 / loss_scale);
-    r->seed = (uint32_t)t;
-    r->next = ride.counters + k;
-    r->taken = ride.counters + ADAMW_RIDE_MAX;
-    r->part = ride.part[k];
-    ride.sq_out[k] = sq_out;
-    /* the warps of a grouped GEMM block that take the rides: MOE_ADAMW_RIDE_WARPS (1-3,
-     * default 3; a knob), read with the piece, not at every launch */
-    const char *e = getenv("MOE_ADAMW_RIDE_WARPS");
-    const int warps = e ? atoi(e) : 3;
-    ride.q.warps = warps >= 1 && warps <= 3 ? warps : 3;
-    ride.pull_at_join[k] = mode == 2;
-    if (mode == 1)
-        ride_pull(*r);
-    ride.q.count++;
-    ride.chunks += (long)chunks;
-    return 1;
-}
-
 extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v, int moments16,
                                         size_t n, size_t lo, size_t hi, const int64_t *offsets,
                                         const real *wd, int n_segs, real lr, real beta1, real beta2,
@@ -678,9 +639,6 @@ extern "C" void cuda_adamw_update_multi(real *p, const real *g, void *m, void *v
     }
     if (width > want && want >= 4)
         width = want;
-    if (width == 8 && ride_queue(shadow, g16, m, v, moments16, lo, hi, from16, n_split, offsets, wd,
-                                 n_segs, c, norm_sq, loss_scale, t, sq_out))
-        return;
     unsigned blocks = moe_cuda_blocks((hi - lo) / width + 1, MOE_CUDA_THREADS);
     /* Many waves of blocks, but not one block per 1024 elements: each block stages the
      * segments and searches its first one (on an H200, 1.2 M blocks took 6.38 ms at the

@@ -7,8 +7,8 @@
 #   errors exit 2;
 #   a parameter of another size with the same code PARAMS;
 # - with the CUDA compiler where there is one: optim.cu of a clone of this checkout the
-#   same as its HEAD's, and a changed hash constant in the header it includes
-#   (adamw_ride.cuh) DIFF in the kernels that use it only.
+#   same as its HEAD's, and a changed hash constant there DIFF in the kernels that use it
+#   only.
 source "$(dirname "$0")/../lib.sh"
 TOOL="$SRC/scripts/ptx-same.sh"
 cat >"$WORK/fakecc" <<'SH'
@@ -99,7 +99,7 @@ if [ -x "$nvcc" ]; then
   n=$(grep -c "^SAME" "$WORK/real")
   [ "$rc" -eq 0 ] && [ "$n" -gt 10 ] && pass "nvcc: optim.cu as HEAD has it, $n kernels the same" ||
     fail "nvcc, unchanged optim.cu: exit $rc, $(tail -3 "$WORK/real")"
-  sed -i 's/0x7feb352du/0x7feb352fu/' "$clone/kernels/cuda/adamw_ride.cuh"
+  sed -i 's/0x7feb352du/0x7feb352fu/' "$clone/kernels/cuda/optim.cu"
   (cd "$clone" && bash "$TOOL" HEAD kernels/cuda/optim.cu) >"$WORK/real" 2>&1
   rc=$?
   [ "$rc" -eq 1 ] && grep -q "^DIFF .*adamw_multi_kernel" "$WORK/real" &&

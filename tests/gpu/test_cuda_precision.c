@@ -1444,69 +1444,6 @@ static void check_attention_marked(moe_precision p, const char *mode, int B, int
     free(r16);
 }
 
-/* The wgmma kernels with their fixed A operands (the forward's Q, dq's Q and dO, dk/dv's
- * K and V) read into registers (MOE_ATTENTION_AREG: "1", all of them, and "010", dq's Q
- * alone) must give the bits of those read from shared memory: out, lse, dq, dk, dv (Hd =
- * 64, random inputs; on the wgmma kernels only, where the knob applies). */
-static void check_attention_areg(moe_precision p, const char *mode, int B, int T, int H)
-{
-    enum { SETS = 3 };
-    static const char *const sets[SETS] = {NULL, "1", "010"};
-    const int Hd = 64;
-    const size_t n = (size_t)B * T * H * Hd, nl = (size_t)B * H * T;
-    if (p == MOE_PREC_FP32 || !moe_cuda_attention_wgmma())
-        return;
-    if (gpu->set_precision(p, NULL, 0, 0) != MOE_OK) {
-        printf("FAIL %s: set_precision\n", mode);
-        failures++;
-        return;
-    }
-    float *h = malloc(sizeof(float) * n), *in[4], *o[SETS], *l[SETS], *g[SETS][3];
-    for (int a = 0; a < 4; a++) { /* q, k, v, dout */
-        fill(h, n, 60 + a, 1.0);
-        in[a] = dev_copy(h, n);
-    }
-    /* the environment's setting (the whole file may run with the knob), put back after */
-    const char *env = getenv("MOE_ATTENTION_AREG");
-    char *was = env ? strdup(env) : NULL;
-    for (int k = 0; k < SETS; k++) {
-        if (sets[k])
-            setenv("MOE_ATTENTION_AREG", sets[k], 1);
-        else
-            unsetenv("MOE_ATTENTION_AREG");
-        o[k] = gpu->alloc(sizeof(float) * n);
-        l[k] = gpu->alloc(sizeof(float) * nl);
-        gpu->attention_forward(o[k], l[k], in[0], in[1], in[2], B, T, H, Hd);
-        for (int a = 0; a < 3; a++)
-            g[k][a] = gpu->alloc(sizeof(float) * n);
-        gpu->attention_backward(g[k][0], g[k][1], g[k][2], in[3], o[k], l[k], in[0], in[1], in[2],
-                                B, T, H, Hd);
-    }
-    if (was)
-        setenv("MOE_ATTENTION_AREG", was, 1);
-    else
-        unsetenv("MOE_ATTENTION_AREG");
-    free(was);
-    const int err = gpu->sync() != MOE_OK;
-    for (int k = 1; k < SETS; k++) {
-        int bad = err + differ(o[0], o[k], n) + differ(l[0], l[k], nl);
-        for (int a = 0; a < 3; a++)
-            bad += differ(g[0][a], g[k][a], n);
-        char what[80];
-        snprintf(what, sizeof what, "attention A in registers (%s) T=%d: same bits", sets[k], T);
-        report(what, mode, bad, 0.0);
-    }
-    for (int k = 0; k < SETS; k++) {
-        gpu->release(o[k]);
-        gpu->release(l[k]);
-        for (int a = 0; a < 3; a++)
-            gpu->release(g[k][a]);
-    }
-    for (int a = 0; a < 4; a++)
-        gpu->release(in[a]);
-    free(h);
-}
-
 /* The attention shapes of one precision: a tail tile (T = 200), one token, Hd = 128, a
  * padded head dim (Hd = 32) with dk NULL, Hd = 40 (not a multiple of 16: fp32 kernels in
  * every mode), and T = 700. */
@@ -1521,8 +1458,6 @@ static void check_attention_mode(moe_precision p, const char *mode, double bound
     check_attention_marked(p, mode, 2, 200, 3, 64);
     check_attention_marked(p, mode, 1, 77, 2, 32);
     check_attention_marked(p, mode, 2, 200, 3, 128);
-    check_attention_areg(p, mode, 2, 200, 3);
-    check_attention_areg(p, mode, 1, 700, 2);
 }
 
 /* The kernel profile counts a bracket opened inside another in the outermost: a grouped

@@ -6,9 +6,6 @@
 # the two orders must give the same losses and gradient norms bit for bit: in one
 # process (plain and with two micro-batches a step, whose first must not update) and
 # on two ranks with ep 2 (experts early, the dense parameters after their reduction).
-# With MOE_ADAMW_RIDE=1 (a GPU trial's knob, docs/cuda.md) the experts' down projections
-# get a piece of their own, queued inside the layer's backward once their gradient is
-# final: the same three comparisons against the runs without it.
 # (The default config clips at 1.0, which takes the whole-arena update after the norm:
 # these runs set grad_clip = 0.) The whole-arena update (grad_clip huge: the same factor
 # 1, its norm summed apart) must
@@ -17,7 +14,7 @@ source "$(dirname "$0")/../lib.sh"
 run() { # name ranks extra-sets...
   local name=$1 np=$2
   shift 2
-  mpi "$np" -x MOE_UPDATE_IN_BACKWARD="${MOE_UPDATE_IN_BACKWARD:-1}" -x MOE_ADAMW_RIDE="${MOE_ADAMW_RIDE:-0}" "$MOE" train --set train.steps=12 --set train.grad_clip=0 --set log.jsonl="$WORK/$name.jsonl" "$@" \
+  mpi "$np" -x MOE_UPDATE_IN_BACKWARD="${MOE_UPDATE_IN_BACKWARD:-1}" "$MOE" train --set train.steps=12 --set train.grad_clip=0 --set log.jsonl="$WORK/$name.jsonl" "$@" \
     >"$WORK/$name.log" 2>&1 || { fail "$name: exit $?"; tail -3 "$WORK/$name.log"; }
 }
 same() { # a b what (a missing or empty log is no match: losses of neither would be empty)
@@ -28,18 +25,12 @@ same() { # a b what (a missing or empty log is no match: losses of neither would
 run plain 1
 MOE_UPDATE_IN_BACKWARD=0 run plain-after 1
 same plain plain-after "one process"
-MOE_ADAMW_RIDE=1 run plain-down 1
-same plain plain-down "one process, the down projections' piece apart"
 run accum 1 --set train.grad_accum=2
 MOE_UPDATE_IN_BACKWARD=0 run accum-after 1 --set train.grad_accum=2
 same accum accum-after "two micro-batches a step"
-MOE_ADAMW_RIDE=1 run accum-down 1 --set train.grad_accum=2
-same accum accum-down "two micro-batches a step, the down projections' piece apart"
 run ep2 2 --set parallel.ep=2
 MOE_UPDATE_IN_BACKWARD=0 run ep2-after 2 --set parallel.ep=2
 same ep2 ep2-after "two ranks, ep 2"
-MOE_ADAMW_RIDE=1 run ep2-down 2 --set parallel.ep=2
-same ep2 ep2-down "two ranks, ep 2, the down projections' piece apart"
 # the start-up line says which order ran (so the comparisons cannot pass with one twice)
 said() { # name pattern
   grep -q "^optimizer: $2" "$WORK/$1.log" && pass "$1: says '$2'" ||
@@ -48,10 +39,7 @@ said() { # name pattern
 said plain "AdamW beside the backward, each stage"
 said accum "AdamW beside the backward, each stage"
 said plain-after "AdamW after the backward (MOE_UPDATE_IN_BACKWARD=0)"
-said ep2 "AdamW beside the backward for the expert parameters, after"
-said plain-down "AdamW beside the backward, each stage's parameters once their gradients are final, the experts' down projections apart"
-said accum-down "AdamW beside the backward, each stage's parameters once their gradients are final, the experts' down projections apart"
-said ep2-down "AdamW beside the backward for the expert parameters (their down projections apart"
+said ep2 "AdamW beside the backward for the expert parameters"
 run whole 1 --set train.grad_clip=1e30
 said whole "AdamW after the backward (the global norm first"
 $PY - "$WORK/plain.jsonl" "$WORK/whole.jsonl" <<'PY' && pass "the whole-arena update: the same losses, the norm within 1e-12" || fail "pieces against the whole-arena update"

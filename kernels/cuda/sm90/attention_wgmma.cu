@@ -13,18 +13,9 @@
  * Sums are in a fixed order: deterministic. (Q's A operand taken into registers by
  * ldmatrix, as mma.sync's kernels do, gave wrong outputs past one key tile on the H200,
  * although a one-tile probe of the same helpers was exact; from shared memory, as the
- * backward's kernels take theirs, it is right.) AR (MOE_ATTENTION_AREG, a trial knob, off
- * by default): a kernel's operand fixed over its walk (the forward's Q, dq's Q and dO,
- * dk/dv's K and V) is read once from global memory straight into wgmma's register A
- * (fw_load_a, no ldmatrix and no swizzle), so that the products S (and dP) read only B
- * from shared memory: at m64n64k16 with both operands there, the products alone ask for
- * the shared memory's whole 128 bytes a cycle at the tensor cores' full rate. dq with Q
- * and dO so, and dk/dv with K and V, take 2 blocks an SM (171 and 217 registers), against
- * 3; dq with Q alone keeps 3 (156). */
+ * backward's kernels take theirs, it is right.) */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include "kernels/cuda/cuda_common.cuh"
 
@@ -115,7 +106,7 @@ fw_stage_kv(unsigned KV, const uint16_t *k, const uint16_t *v, size_t ld, int u,
  * 8. A block of NWG warpgroups takes 64 NWG queries and walks the key tiles up to its
  * last. grid (B*H, query blocks), the longest (last queries) first. o16: out holds T16
  * values. */
-template <class T16, int NWG, int AR>
+template <class T16, int NWG>
 static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
     fw_forward_kernel(real *out, real *lse, const uint16_t *q, const uint16_t *k, const uint16_t *v,
                       int T, int H, float sl2, int o16)
@@ -136,13 +127,9 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
     const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
     const int nt = (min(T, q0 + 64 * NWG) + 63) / 64; /* every warpgroup walks them all */
     auto stage = [&](int u) { fw_stage_kv<NT, S>(KV, k + base, v + base, ld, u, nt, T); };
-    unsigned qa[4][4]; /* AR: the warpgroup's Q as A of S = Q K^T */
-    if constexpr (AR)
-        fw_load_a(qa, q + base, ld, g0, T);
-    else
 #pragma unroll
-        for (int t = 0; t < NWG; t++)
-            fw_stage<NT>(sm0 + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
+    for (int t = 0; t < NWG; t++)
+        fw_stage<NT>(sm0 + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
 #pragma unroll
     for (int u = 0; u < S - 2; u++)
         stage(u); /* the queries land with tile 0 */
@@ -163,8 +150,6 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
             for (int i = 0; i < 32; i++)
                 s[i] = 0.f;
             fw_keep(s);
-            if constexpr (AR)
-                fw_keep_a(qa);
         }
         if constexpr (HP) {
             fw_keep(o);
@@ -172,10 +157,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
         }
         fw_fence();
         if constexpr (HS) {
-            if constexpr (AR)
-                fw_products_rk<T16>(s, qa, KV + 2 * (u % S) * FW_TILE); /* S = Q K^T */
-            else
-                fw_products_ss<T16>(s, Qw, KV + 2 * (u % S) * FW_TILE);
+            fw_products_ss<T16>(s, Qw, KV + 2 * (u % S) * FW_TILE); /* S = Q K^T */
             fw_commit();
         }
         if constexpr (HP) {
@@ -188,8 +170,6 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
             else
                 fw_wait<0>();
             fw_keep(s);
-            if constexpr (AR)
-                fw_keep_a(qa);
             const int j0 = 64 * u;
             float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};
             fm_each(
@@ -334,8 +314,8 @@ fw_store_rope(const fw_rope &rp, size_t ybase, int row0, int T, float mul, const
  * per tile S = Q K^T and dP = dO V^T (A and B both from shared memory), dS = P (dP - D)
  * in registers, dQ += dS K (K read MN-major). grid (B*H, query blocks), the longest
  * first. dq16: dq holds T16 values. */
-template <class T16, int NWG, int AR>
-static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? (AR == 2 ? 2 : 3) : 1)
+template <class T16, int NWG>
+static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     fw_dq_kernel(real *dq, const uint16_t *dout, const real *lse, const float *dsum,
                  const uint16_t *q, const uint16_t *k, const uint16_t *v, int T, int H, float scale,
                  float sl2, int dq16, fw_rope rp)
@@ -358,17 +338,10 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? (AR == 2 ? 2 : 3)
     const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
     const int nt = (min(T, q0 + 64 * NWG) + 63) / 64; /* every warpgroup walks them all */
     auto stage = [&](int u) { fw_stage_kv<NT, S>(KV, k + base, v + base, ld, u, nt, T); };
-    unsigned qa[4][4], ga[4][4]; /* AR >= 1: Q as A of S in registers; AR = 2: dO of dP */
-    if constexpr (AR >= 1)
-        fw_load_a(qa, q + base, ld, g0, T);
-    if constexpr (AR == 2)
-        fw_load_a(ga, dout + base, ld, g0, T);
 #pragma unroll
     for (int t = 0; t < NWG; t++) {
-        if constexpr (AR == 0)
-            fw_stage<NT>(sm0 + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
-        if constexpr (AR < 2)
-            fw_stage<NT>(sm0 + (NWG + t) * FW_TILE, dout + base, ld, q0 + 64 * t, T);
+        fw_stage<NT>(sm0 + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
+        fw_stage<NT>(sm0 + (NWG + t) * FW_TILE, dout + base, ld, q0 + 64 * t, T);
     }
 #pragma unroll
     for (int u = 0; u < S - 2; u++)
@@ -393,10 +366,6 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? (AR == 2 ? 2 : 3)
                 p[i] = dp[i] = 0.f;
             fw_keep(p);
             fw_keep(dp);
-            if constexpr (AR >= 1)
-                fw_keep_a(qa);
-            if constexpr (AR == 2)
-                fw_keep_a(ga);
         }
         if constexpr (HP) {
             fw_keep(acc);
@@ -405,14 +374,8 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? (AR == 2 ? 2 : 3)
         fw_fence();
         if constexpr (HS) {
             const unsigned Ks = KV + 2 * (u % S) * FW_TILE;
-            if constexpr (AR >= 1)
-                fw_products_rk<T16>(p, qa, Ks); /* S = Q K^T */
-            else
-                fw_products_ss<T16>(p, Qs, Ks);
-            if constexpr (AR == 2)
-                fw_products_rk<T16>(dp, ga, Ks + FW_TILE); /* dP = dO V^T */
-            else
-                fw_products_ss<T16>(dp, Gs, Ks + FW_TILE);
+            fw_products_ss<T16>(p, Qs, Ks);            /* S = Q K^T */
+            fw_products_ss<T16>(dp, Gs, Ks + FW_TILE); /* dP = dO V^T */
             fw_commit();
         }
         if constexpr (HP) {
@@ -429,10 +392,6 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? (AR == 2 ? 2 : 3)
                 fw_wait<0>();
             fw_keep(p);
             fw_keep(dp);
-            if constexpr (AR >= 1)
-                fw_keep_a(qa);
-            if constexpr (AR == 2)
-                fw_keep_a(ga);
             const int j0 = 64 * u;
             fm_each(
                 j0 + 64 <= first && first + 16 <= T,
@@ -473,8 +432,8 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? (AR == 2 ? 2 : 3)
  * read MN-major). The Q, dO tiles and their row statistics sit in S buffers, tile u + S - 1
  * copied from step u on (S = 2: double-buffered). grid (B*H, key blocks), the longest
  * (first keys) first. dk or dv may be NULL. */
-template <class T16, int NWG, int S, int AR>
-static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? (AR == 2 ? 2 : 3) : 1)
+template <class T16, int NWG, int S>
+static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     fw_dkv_kernel(real *dk, real *dv, const uint16_t *dout, const real *lse, const float *dsum,
                   const uint16_t *q, const uint16_t *k, const uint16_t *v, int T, int H,
                   float scale, float sl2, int dk16, int dv16, fw_rope rp)
@@ -506,17 +465,10 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? (AR == 2 ? 2 : 3)
                               }
                               fm_commit();
     };
-    unsigned ka[4][4], va[4][4]; /* AR = 2: K and V as A of S^T and dP^T in registers */
-    static_assert(AR == 0 || AR == 2, "dk/dv: K and V both in registers, or neither");
-    if constexpr (AR == 2) {
-        fw_load_a(ka, k + base, ld, g0, T);
-        fw_load_a(va, v + base, ld, g0, T);
-    } else {
 #pragma unroll
-        for (int t = 0; t < NWG; t++) {
-            fw_stage<NT>(sm0 + t * FW_TILE, k + base, ld, j0 + 64 * t, T);
-            fw_stage<NT>(sm0 + (NWG + t) * FW_TILE, v + base, ld, j0 + 64 * t, T);
-        }
+    for (int t = 0; t < NWG; t++) {
+        fw_stage<NT>(sm0 + t * FW_TILE, k + base, ld, j0 + 64 * t, T);
+        fw_stage<NT>(sm0 + (NWG + t) * FW_TILE, v + base, ld, j0 + 64 * t, T);
     }
 #pragma unroll
     for (int u = 0; u < S - 1; u++)
@@ -538,10 +490,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? (AR == 2 ? 2 : 3)
         const float *ls = st + 128 * (u % S), *Ds = ls + 64;
         if (i0 + 63 >= g0) { /* warpgroup-uniform: else every query is before its keys */
             float p[32], dp[32];
-            if constexpr (AR == 0)
-                fw_scores2<T16>(p, Ks, Qt, dp, Vs, Gt); /* S^T, dP^T */
-            else
-                fw_scores2<T16>(p, ka, Qt, dp, va, Gt);
+            fw_scores2<T16>(p, Ks, Qt, dp, Vs, Gt); /* S^T, dP^T */
             fm_each(
                 i0 >= first + 16 && i0 + 64 <= T, /* every query after every key of the warp */
                 [&](int n, int e) {
@@ -618,45 +567,10 @@ static int fw_smem(const void *kernel, size_t smem, int *ready)
     return 1;
 }
 
-/* The instantiation of kernel for the 16-bit type (bf16), the warpgroups (nwg) and its
- * fixed A operands taken into registers (ar: 0, 1 or 2, as fw_env_areg gives). */
-#define FW_PICK2(kernel, bf16, nwg, AR)                                                            \
-    ((nwg) == 1 ? ((bf16) ? kernel<__nv_bfloat16, 1, AR> : kernel<__half, 1, AR>)                  \
-                : ((bf16) ? kernel<__nv_bfloat16, 2, AR> : kernel<__half, 2, AR>))
-#define FW_PICK(kernel, bf16, nwg, ar)                                                             \
-    ((ar) == 2   ? FW_PICK2(kernel, bf16, nwg, 2)                                                  \
-     : (ar) == 1 ? FW_PICK2(kernel, bf16, nwg, 1)                                                  \
-                 : FW_PICK2(kernel, bf16, nwg, 0))
-
-/* Which fixed A operands a kernel takes into registers (fw_load_a) instead of reading
- * them from shared memory: MOE_ATTENTION_AREG (a trial knob, read each call) = three
- * digits, the operands so taken by the forward (0, or 1: Q), dq (0; 1: Q, 3 blocks an SM
- * as without; 2: Q and dO, 2 blocks) and dk/dv (0, or 2: K and V, 2 blocks; K alone
- * spills at 3 blocks), "1" standing for "122"; unset or another value: none. which: 0
- * the forward, 1 dq, 2 dk/dv. */
-static int fw_env_areg(int which)
-{
-    const char *e = getenv("MOE_ATTENTION_AREG");
-    if (!e)
-        return 0;
-    if (strcmp(e, "1") == 0)
-        return which == 0 ? 1 : 2;
-    const int ok = strlen(e) == 3 && (e[0] == '0' || e[0] == '1') && e[1] >= '0' && e[1] <= '2' &&
-                   (e[2] == '0' || e[2] == '2');
-    return ok ? e[which] - '0' : 0;
-}
-
-/* The dk/dv kernel of S buffers and AR for bf16 and nwg warpgroups. */
-template <int S, int AR> static auto fw_dkv_pick(int bf16, int nwg)
-{
-    return nwg == 1
-               ? (bf16 ? fw_dkv_kernel<__nv_bfloat16, 1, S, AR> : fw_dkv_kernel<__half, 1, S, AR>)
-               : (bf16 ? fw_dkv_kernel<__nv_bfloat16, 2, S, AR> : fw_dkv_kernel<__half, 2, S, AR>);
-}
-template <int S> static auto fw_dkv_pick_ar(int bf16, int nwg, int ar)
-{
-    return ar == 2 ? fw_dkv_pick<S, 2>(bf16, nwg) : fw_dkv_pick<S, 0>(bf16, nwg);
-}
+/* The instantiation of kernel for the 16-bit type (bf16) and the warpgroups (nwg). */
+#define FW_PICK(kernel, bf16, nwg)                                                                 \
+    ((nwg) == 1 ? ((bf16) ? kernel<__nv_bfloat16, 1> : kernel<__half, 1>)                          \
+                : ((bf16) ? kernel<__nv_bfloat16, 2> : kernel<__half, 2>))
 
 /* The forward for head dim 64 from 16-bit q, k, v (16-byte aligned): bf16 or fp16 values;
  * wg warpgroups a block (1 or 2); 0 (recorded) when the kernel cannot take its shared
@@ -665,13 +579,12 @@ extern "C" int cuda_wgmma_attention_forward(int bf16, real *out, real *lse, cons
                                             const uint16_t *k, const uint16_t *v, int B, int T,
                                             int H, int o16, int wg)
 {
-    const int nwg = wg == 1 ? 1 : 2, ar = fw_env_areg(0);
+    const int nwg = wg == 1 ? 1 : 2;
     void (*fw_forward)(real *, real *, const uint16_t *, const uint16_t *, const uint16_t *, int,
-                       int, float, int) =
-        ar ? FW_PICK2(fw_forward_kernel, bf16, nwg, 1) : FW_PICK2(fw_forward_kernel, bf16, nwg, 0);
-    static int ready[2][2][3];
+                       int, float, int) = FW_PICK(fw_forward_kernel, bf16, nwg);
+    static int ready[2][3];
     const size_t smem = FW_SMEM(nwg);
-    if (!fw_smem((const void *)fw_forward, smem, &ready[ar][bf16][nwg]))
+    if (!fw_smem((const void *)fw_forward, smem, &ready[bf16][nwg]))
         return 0;
     const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
     const float sl2 = (float)(1.4426950408889634 / 8.0); /* log2(e) / sqrt(64) */
@@ -693,27 +606,33 @@ extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real 
 {
     const fw_rope rp = {dqkv, (size_t)3 * H * 64, cos_t, sin_t};
     const float scale = 0.125f, sl2 = (float)(1.4426950408889634 / 8.0); /* 1 / sqrt(64) */
-    static int ready[3][2][3][3]; /* [ar][bf16][0: dq, 1, 2: dk/dv of 2, 3 stages][nwg] */
+    static int ready[2][3][3]; /* [bf16][0: dq, 1, 2: dk/dv of 2, 3 stages][nwg] */
     if (dq) {
-        const int nwg = dq_wg == 1 ? 1 : 2, ar = fw_env_areg(1);
+        const int nwg = dq_wg == 1 ? 1 : 2;
         void (*fw_dq)(real *, const uint16_t *, const real *, const float *, const uint16_t *,
                       const uint16_t *, const uint16_t *, int, int, float, float, int, fw_rope) =
-            FW_PICK(fw_dq_kernel, bf16, nwg, ar);
+            FW_PICK(fw_dq_kernel, bf16, nwg);
         const size_t smem = FW_DQ_SMEM(nwg);
-        if (!fw_smem((const void *)fw_dq, smem, &ready[ar][bf16][0][nwg]))
+        if (!fw_smem((const void *)fw_dq, smem, &ready[bf16][0][nwg]))
             return 0;
         const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
         MOE_CUDA_LAUNCH(fw_dq, grid, 128 * nwg, smem, dq, dout, lse, dsum, q, k, v, T, H, scale,
                         sl2, dq16, rp);
     }
     if (dk || dv) {
-        const int nwg = dkv_wg == 1 ? 1 : 2, ns = dkv_stages == 3 ? 3 : 2, ar = fw_env_areg(2);
+        const int nwg = dkv_wg == 1 ? 1 : 2, ns = dkv_stages == 3 ? 3 : 2;
         void (*fw_dkv)(real *, real *, const uint16_t *, const real *, const float *,
                        const uint16_t *, const uint16_t *, const uint16_t *, int, int, float, float,
                        int, int, fw_rope) =
-            ns == 3 ? fw_dkv_pick_ar<3>(bf16, nwg, ar) : fw_dkv_pick_ar<2>(bf16, nwg, ar);
+            ns == 3
+                ? (nwg == 1
+                       ? (bf16 ? fw_dkv_kernel<__nv_bfloat16, 1, 3> : fw_dkv_kernel<__half, 1, 3>)
+                       : (bf16 ? fw_dkv_kernel<__nv_bfloat16, 2, 3> : fw_dkv_kernel<__half, 2, 3>))
+                : (nwg == 1
+                       ? (bf16 ? fw_dkv_kernel<__nv_bfloat16, 1, 2> : fw_dkv_kernel<__half, 1, 2>)
+                       : (bf16 ? fw_dkv_kernel<__nv_bfloat16, 2, 2> : fw_dkv_kernel<__half, 2, 2>));
         const size_t smem = FW_DKV_SMEM(nwg, ns);
-        if (!fw_smem((const void *)fw_dkv, smem, &ready[ar][bf16][ns - 1][nwg]))
+        if (!fw_smem((const void *)fw_dkv, smem, &ready[bf16][ns - 1][nwg]))
             return 0;
         const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
         MOE_CUDA_LAUNCH(fw_dkv, grid, 128 * nwg, smem, dk, dv, dout, lse, dsum, q, k, v, T, H,

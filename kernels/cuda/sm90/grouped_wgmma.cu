@@ -19,7 +19,6 @@
 
 #include "kernels/cuda/cuda_common.cuh"
 
-#include "kernels/cuda/adamw_ride.cuh"
 #include "kernels/cuda/attention_mma.cuh"
 #include "kernels/cuda/sm90/grouped_wgmma.h"
 #include "kernels/cuda/swiglu.cuh"
@@ -141,7 +140,6 @@ typedef struct {
     gt_problem p[GW_MAX];
     int count, total;
     int *next; /* the tiles handed out past the first gridDim.x (zeroed before the launch) */
-    adamw_rides rides; /* RIDE: the update's chunks the idle warps take (adamw_ride.cuh) */
 } gt_args;
 
 static __device__ __forceinline__ void gt_bar_init(unsigned bar, unsigned count)
@@ -201,11 +199,8 @@ static __device__ __forceinline__ void gt_locate(const gt_args &g, int t, int *p
 /* Tiles are handed out as blocks ask (an atomic counter after each block's first), so that
  * a block that started late, its SM held by another stream's work, takes fewer. The
  * producer writes each slice's tile into its buffer's slot before the copies; a slot of -1
- * (its full barrier completed without bytes) ends the computing warpgroups' walk.
- * RIDE (MOE_ADAMW_RIDE=1, a trial): the first warpgroup's warps 1-3 (1 to g.rides.warps),
- * idle otherwise, take chunks of the update's rides (g.rides) while the products run, until
- * the producer has handed out its last tile (the stop word after the slots). */
-template <class T16, int AMN, int BNM, int TS, int SW, int RIDE = 0>
+ * (its full barrier completed without bytes) ends the computing warpgroups' walk. */
+template <class T16, int AMN, int BNM, int TS, int SW>
 __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_args g)
 {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -224,21 +219,14 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
             gt_bar_init(bars + 8 * (NS + s), 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        if (RIDE)
-            slot[NS] = 0;
     }
     __syncthreads();
     if (threadIdx.x < 128) { /* the producer: one thread */
-        if (threadIdx.x != 0) {
-            if (RIDE && threadIdx.x >= 32 && (int)(threadIdx.x >> 5) <= g.rides.warps)
-                adamw_ride_take(g.rides, slot + NS, 1 << 30, 1);
+        if (threadIdx.x != 0)
             return;
-        }
         int s = 0, ph = 0, pi = 0;
         for (int t = blockIdx.x;; t = gridDim.x + atomicAdd(g.next, 1)) {
             if (t >= g.total) { /* the end: a slot of -1, its barrier completed */
-                if (RIDE)
-                    slot[NS] = 1; /* the riding warps take no more chunks */
                 gt_bar_wait(bars + 8 * (NS + s), ph ^ 1);
                 slot[s] = -1;
                 gt_bar_arrive(bars + 8 * s);
@@ -459,11 +447,6 @@ static void gt_problem_from(gt_problem *p, const gw_problem *q, int k2, int flag
     (v == 0   ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 0, TS, 0> : gt_kernel<__half, 0, 0, TS, 0>)    \
      : v == 1 ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 1, TS, 0> : gt_kernel<__half, 0, 1, TS, 0>)    \
               : (bf16 ? gt_kernel<__nv_bfloat16, 1, 1, TS, 0> : gt_kernel<__half, 1, 1, TS, 0>))
-/* the rides' kernels: bf16 (the rides' master weights need it), 16-bit tiles stored by TMA */
-#define GT_PICK_RIDE                                                                               \
-    (v == 0   ? gt_kernel<__nv_bfloat16, 0, 0, 1, 0, 1>                                            \
-     : v == 1 ? gt_kernel<__nv_bfloat16, 0, 1, 1, 0, 1>                                            \
-              : gt_kernel<__nv_bfloat16, 1, 1, 1, 0, 1>)
 
 static int *gt_counters, gt_turn; /* 64 tile counters, taken in turn: a flush joins its lanes,
                                    * so a counter's last launch has ended when it comes again */
@@ -487,7 +470,7 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
                                   cudaStream_t s)
 {
     static gt_args a;
-    static int ready[2][3][3];
+    static int ready[2][3][2];
     bf16 = bf16 != 0;
     const gt_encode_fn fn = gt_encoder();
     int second = 0; /* problems with a second product: their maps at i + GW_SW */
@@ -529,18 +512,13 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
     }
     if (a.total <= 0)
         return 1;
-    /* the update's rides queued and not joined yet, taken by the idle warps (a trial) */
-    const adamw_rides *rides = bf16 && ts ? cuda_adamw_rides() : NULL;
-    a.rides.count = 0;
-    if (rides)
-        a.rides = *rides;
-    void (*k)(gt_args) = rides ? GT_PICK_RIDE : ts ? GT_PICK(1) : GT_PICK(0);
-    const int smem = ts ? GT_SMEM(1) : GT_SMEM(0), form = rides ? 2 : ts;
-    if (!ready[bf16][v][form]) {
+    void (*k)(gt_args) = ts ? GT_PICK(1) : GT_PICK(0);
+    const int smem = ts ? GT_SMEM(1) : GT_SMEM(0);
+    if (!ready[bf16][v][ts]) {
         if (!MOE_CUDA_OK(
                 cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)))
             return 0;
-        ready[bf16][v][form] = 1;
+        ready[bf16][v][ts] = 1;
     }
     if (!(a.next = gt_counter(s)))
         return 0;

@@ -184,75 +184,21 @@ static __device__ __forceinline__ void fw_products_ss(float (&d)[32], unsigned a
         fw_mma_s<T16, 0>(d, fw_desc(a + 32 * kk), fw_desc(b + 32 * kk));
 }
 
-/* d += A B^T over k = 64: A's 4 slices in registers (fw_load_a), B the K-major tile at
- * shared address b (4 products, issued; the caller fences before and waits after). */
+/* s = A1 B1^T and t = A2 B2^T over k = 64, the four 64 x 64 tiles K-major in shared
+ * memory (a1, b1, a2, b2); one group, fenced and waited for. */
 template <class T16>
-static __device__ __forceinline__ void fw_products_rk(float (&d)[32], const unsigned (&a)[4][4],
-                                                      unsigned b)
-{
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++)
-        fw_mma<T16, 0>(d, a[kk], fw_desc(b + 32 * kk));
-}
-
-/* A's 4 slices over k = 64 in registers, in the layout fw_pack_a writes, read from global
- * memory: rows r0 + 16 (warp % 4) + lane / 4 and 8 below it of a 16-bit matrix (row stride
- * ld values, 64 columns from src); 0 past T. For an operand fixed over a kernel's walk
- * (the forward's Q, dq's Q and dO, dk/dv's K and V), so that its products read only B
- * from shared memory. */
-static __device__ __forceinline__ void fw_load_a(unsigned (&a)[4][4], const uint16_t *src,
-                                                 size_t ld, int r0, int T)
-{
-    const int lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = r0 + 16 * wq + (lane >> 2) + 8 * r;
-        const unsigned *p = (const unsigned *)(src + (size_t)(row < T ? row : 0) * ld) + (lane & 3);
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            a[kk][r] = row < T ? __ldg(p + 8 * kk) : 0u;         /* columns 16 kk + 2 (lane % 4) */
-            a[kk][r + 2] = row < T ? __ldg(p + 8 * kk + 4) : 0u; /* 8 further */
-        }
-    }
-}
-
-/* A product's A operand, a K-major tile at a shared address or (fw_load_a) registers:
- * fw_keep_op passes registers through fw_keep_a (nothing to keep for an address), and
- * fw_products_k issues d += A B^T over k = 64 with B the K-major tile at b. */
-static __device__ __forceinline__ void fw_keep_op(unsigned) {}
-static __device__ __forceinline__ void fw_keep_op(unsigned (&a)[4][4]) { fw_keep_a(a); }
-template <class T16>
-static __device__ __forceinline__ void fw_products_k(float (&d)[32], unsigned a, unsigned b)
-{
-    fw_products_ss<T16>(d, a, b);
-}
-template <class T16>
-static __device__ __forceinline__ void fw_products_k(float (&d)[32], const unsigned (&a)[4][4],
-                                                     unsigned b)
-{
-    fw_products_rk<T16>(d, a, b);
-}
-
-/* s = A1 B1^T and t = A2 B2^T over k = 64, B1 and B2 K-major tiles in shared memory (b1,
- * b2), A1 and A2 K-major tiles there too (addresses) or in registers (fw_load_a); one
- * group, fenced and waited for. */
-template <class T16, class A1, class A2>
-static __device__ __forceinline__ void fw_scores2(float (&s)[32], A1 &&a1, unsigned b1,
-                                                  float (&t)[32], A2 &&a2, unsigned b2)
+static __device__ __forceinline__ void fw_scores2(float (&s)[32], unsigned a1, unsigned b1,
+                                                  float (&t)[32], unsigned a2, unsigned b2)
 {
 #pragma unroll
     for (int i = 0; i < 32; i++)
         s[i] = t[i] = 0.f;
     fw_keep(s);
     fw_keep(t);
-    fw_keep_op(a1);
-    fw_keep_op(a2);
     fw_fence();
-    fw_products_k<T16>(s, a1, b1);
-    fw_products_k<T16>(t, a2, b2);
+    fw_products_ss<T16>(s, a1, b1);
+    fw_products_ss<T16>(t, a2, b2);
     fw_commit_wait();
     fw_keep(s);
     fw_keep(t);
-    fw_keep_op(a1);
-    fw_keep_op(a2);
 }
