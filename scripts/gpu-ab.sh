@@ -4,7 +4,8 @@
 # timed on the same machine in the same command. RUNS: the settings, separated by ';',
 # each a list of VAR=VALUE words, '-' for none (default '-'). ROUNDS (default 2) times,
 # every setting in turn: moe-bench's OPS (default none; --reps REPS, default 20) and,
-# unless BENCH=0, `moe-dist bench CONFIG` (configs/bench-h200.ini). Logs under $OUT
+# unless BENCH=0, `moe-dist bench CONFIG` (configs/bench-h200.ini); MB_ARGS: more
+# moe-bench arguments (e.g. '--rows-ratio 19 --out16 1 --grads16 1'). Logs under $OUT
 # (mb_OP_R_S.log, bench_R_S.log: round R, setting S counted from 0); a table last, a
 # line per round and setting: each op's ms, the step's ms, its forward / backward /
 # optimizer ms, the final loss and the kernel profile's lines that PROFILE (an extended
@@ -20,6 +21,7 @@ ROUNDS=${ROUNDS:-2}
 OPS=${OPS:-}
 REPS=${REPS:-20}
 BENCH=${BENCH:-1}
+read -ra mb_args <<<"${MB_ARGS:-}"
 CONFIG=${CONFIG:-configs/bench-h200.ini}
 PROFILE=${PROFILE:-}
 mkdir -p "$OUT"
@@ -40,7 +42,7 @@ for ((r = 0; r < ROUNDS; r++)); do
     line="round $r | ${s}"
     for op in $OPS; do
       log="$OUT/mb_${op}_${r}_$i.log"
-      env "${envs[@]}" timeout 120 ./$B/bench/moe-bench --op "$op" --reps "$REPS" >"$log" 2>&1 ||
+      env "${envs[@]}" timeout 120 ./$B/bench/moe-bench --op "$op" --reps "$REPS" "${mb_args[@]}" >"$log" 2>&1 ||
         echo "moe-bench $op ($s): exit $?"
       ms=$(grep -E "^$op " "$log" | head -1 | grep -oE " [0-9]+\.[0-9]{4} " | head -1 | tr -d ' ')
       line+=" | $op ${ms:-?}"
