@@ -780,10 +780,12 @@ static void run_grouped(void)
     gpu->grouped_matmul_forward(bf.out, bf.x, bf.w, bf.offsets, opt.E, opt.D, opt.F);
 }
 
+/* As in a step's first backward: the weight gradients written; with --out16 1 the input
+ * gradient too, 16-bit, as the model's down projection writes deh (else added to, fp32) */
 static void run_grouped_bwd(void)
 {
     gpu->grouped_matmul_backward(bf.dx, bf.dw, bf.dout, bf.x, bf.w, bf.offsets, opt.E, opt.D, opt.F,
-                                 MOE_WRITE_DW); /* as in a step's first backward */
+                                 MOE_WRITE_DW | (opt.out16 ? MOE_WRITE_DX : 0));
 }
 
 static void bench_grouped(int bwd)
@@ -802,6 +804,8 @@ static void bench_grouped(int bwd)
         bf.dout = dfill((size_t)M * F, 1.0, 0);
         bf.dx = dreal((size_t)M * D);
         bf.dw = dreal(W);
+        if (opt.out16)
+            mark(bf.dx, (size_t)M * D);
     }
     use_precision(bf.w, W, (size_t)M * (D > F ? D : F));
     if (bwd)

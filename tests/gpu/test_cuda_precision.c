@@ -1546,44 +1546,37 @@ int main(void)
              * stored from registers (MOE_GROUPED_WGMMA_TMASTORE=0) rather than staged in
              * shared memory and stored by TMA (an added-to output always from registers;
              * groups of 130 and 679 rows end in tiles of 2 and 39 rows); some layouts on
-             * the kernel and the others on cuBLAS beside it; the second computing
-             * warpgroup started 1 to 3 slices after the first (MOE_GROUPED_WGMMA_STAGGER) */
+             * the kernel and the others on cuBLAS beside it */
             static const struct {
-                const char *path, *blocks, *tma_store, *classes, *stagger;
+                const char *path, *blocks, *tma_store, *classes;
                 int large; /* check_grouped_large, else check_mode */
                 moe_precision p;
                 const char *mode;
             } gw[] = {
-                {"cublas", NULL, NULL, NULL, NULL, 0, MOE_PREC_FP16, "fp16 cublas"},
-                {"cublas", NULL, NULL, NULL, NULL, 0, MOE_PREC_BF16, "bf16 cublas"},
-                {"cublas", NULL, NULL, NULL, NULL, 1, MOE_PREC_FP16, "fp16 cublas"},
-                {"cublas", NULL, NULL, NULL, NULL, 1, MOE_PREC_BF16, "bf16 cublas"},
-                {NULL, NULL, "0", NULL, NULL, 0, MOE_PREC_FP16, "fp16 gw regs"},
-                {NULL, NULL, "0", NULL, NULL, 0, MOE_PREC_BF16, "bf16 gw regs"},
-                {NULL, NULL, "0", NULL, NULL, 1, MOE_PREC_FP16, "fp16 gw regs"},
-                {NULL, NULL, "0", NULL, NULL, 1, MOE_PREC_BF16, "bf16 gw regs"},
-                {NULL, "3", "0", NULL, NULL, 1, MOE_PREC_BF16, "bf16 gw regs3"},
-                {NULL, "3", "0", NULL, NULL, 0, MOE_PREC_BF16, "bf16 gw regs3"},
-                {NULL, NULL, NULL, NULL, NULL, 1, MOE_PREC_BF16, "bf16 gw"},
-                {NULL, "3", NULL, NULL, NULL, 1, MOE_PREC_FP16, "fp16 gw3"},
-                {NULL, NULL, NULL, "1", NULL, 1, MOE_PREC_BF16, "bf16 gw fwd"},
-                {NULL, NULL, NULL, "1", NULL, 0, MOE_PREC_FP16, "fp16 gw fwd"},
-                {NULL, NULL, NULL, "6", NULL, 1, MOE_PREC_FP16, "fp16 gw bwd"},
-                {NULL, NULL, NULL, "6", NULL, 0, MOE_PREC_BF16, "bf16 gw bwd"},
-                {NULL, NULL, NULL, "2", NULL, 1, MOE_PREC_BF16, "bf16 gw dx"},
-                {NULL, NULL, NULL, NULL, "2", 1, MOE_PREC_BF16, "bf16 gw stagger2"},
-                {NULL, "3", NULL, NULL, "1", 0, MOE_PREC_FP16, "fp16 gw3 stagger1"},
-                {NULL, NULL, "0", NULL, "3", 1, MOE_PREC_BF16, "bf16 gw regs stagger3"},
-                {NULL, NULL, NULL, "6", "3", 0, MOE_PREC_BF16, "bf16 gw bwd stagger3"},
+                {"cublas", NULL, NULL, NULL, 0, MOE_PREC_FP16, "fp16 cublas"},
+                {"cublas", NULL, NULL, NULL, 0, MOE_PREC_BF16, "bf16 cublas"},
+                {"cublas", NULL, NULL, NULL, 1, MOE_PREC_FP16, "fp16 cublas"},
+                {"cublas", NULL, NULL, NULL, 1, MOE_PREC_BF16, "bf16 cublas"},
+                {NULL, NULL, "0", NULL, 0, MOE_PREC_FP16, "fp16 gw regs"},
+                {NULL, NULL, "0", NULL, 0, MOE_PREC_BF16, "bf16 gw regs"},
+                {NULL, NULL, "0", NULL, 1, MOE_PREC_FP16, "fp16 gw regs"},
+                {NULL, NULL, "0", NULL, 1, MOE_PREC_BF16, "bf16 gw regs"},
+                {NULL, "3", "0", NULL, 1, MOE_PREC_BF16, "bf16 gw regs3"},
+                {NULL, "3", "0", NULL, 0, MOE_PREC_BF16, "bf16 gw regs3"},
+                {NULL, NULL, NULL, NULL, 1, MOE_PREC_BF16, "bf16 gw"},
+                {NULL, "3", NULL, NULL, 1, MOE_PREC_FP16, "fp16 gw3"},
+                {NULL, NULL, NULL, "1", 1, MOE_PREC_BF16, "bf16 gw fwd"},
+                {NULL, NULL, NULL, "1", 0, MOE_PREC_FP16, "fp16 gw fwd"},
+                {NULL, NULL, NULL, "6", 1, MOE_PREC_FP16, "fp16 gw bwd"},
+                {NULL, NULL, NULL, "6", 0, MOE_PREC_BF16, "bf16 gw bwd"},
+                {NULL, NULL, NULL, "2", 1, MOE_PREC_BF16, "bf16 gw dx"},
             };
-            const char *knob[5] = {"MOE_GROUPED_GEMM", "MOE_GROUPED_WGMMA_BLOCKS",
-                                   "MOE_GROUPED_WGMMA_TMASTORE", "MOE_GROUPED_WGMMA_CLASSES",
-                                   "MOE_GROUPED_WGMMA_STAGGER"};
+            const char *knob[4] = {"MOE_GROUPED_GEMM", "MOE_GROUPED_WGMMA_BLOCKS",
+                                   "MOE_GROUPED_WGMMA_TMASTORE", "MOE_GROUPED_WGMMA_CLASSES"};
             long wg = 0, wg_cublas = 0;
             for (size_t r = 0; r < sizeof gw / sizeof gw[0]; r++) {
-                const char *value[5] = {gw[r].path, gw[r].blocks, gw[r].tma_store, gw[r].classes,
-                                        gw[r].stagger};
-                for (int k = 0; k < 5; k++)
+                const char *value[4] = {gw[r].path, gw[r].blocks, gw[r].tma_store, gw[r].classes};
+                for (int k = 0; k < 4; k++)
                     if (value[k])
                         setenv(knob[k], value[k], 1);
                     else
@@ -1596,7 +1589,7 @@ int main(void)
                     check_mode(gw[r].p, gw[r].mode, bound);
                 *(gw[r].path ? &wg_cublas : &wg) += moe_cuda_grouped_wgmma_launches() - wg0;
             }
-            for (int k = 0; k < 5; k++)
+            for (int k = 0; k < 4; k++)
                 unsetenv(knob[k]);
             printf("  wgmma grouped GEMM: %ld launches (%ld under MOE_GROUPED_GEMM=cublas)\n", wg,
                    wg_cublas);

@@ -14,7 +14,6 @@
  * "empty" (the 8 computing warps are done with it). The copies run up to 4 slices ahead
  * of the products, across the tiles' ends. Sums in a fixed order: deterministic. */
 #include <stdint.h>
-#include <stdlib.h>
 
 #include <cuda.h>
 
@@ -140,7 +139,6 @@ typedef struct {
     CUtensorMap tc[GW_MAX];             /* C's, where flags has GT_TMA_STORE */
     gt_problem p[GW_MAX];
     int count, total;
-    int lag;   /* slices the first computing warpgroup starts ahead of the second (0-3) */
     int *next; /* the tiles handed out past the first gridDim.x (zeroed before the launch) */
 } gt_args;
 
@@ -274,12 +272,6 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
     for (int i = 0; i < 128; i++)
         d[i] = 0.f;
     int s = 0, ph = 0, prev = -1, pi = 0;
-    /* MOE_GROUPED_WGMMA_STAGGER: the second warpgroup starts g.lag slices after the first
-     * (named barrier 3: the first arrives after its g.lag-th slice, or at its end), so
-     * that each one's epilogue runs while the other still has products to issue */
-    int owe = cw == 0 && g.lag > 0, issued = 0;
-    if (cw == 1 && g.lag > 0)
-        asm volatile("bar.sync 3, 256;\n" ::: "memory");
     for (;;) {
         gt_bar_wait(bars + 8 * s, ph);
         const int t = slot[s];
@@ -307,10 +299,6 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
                 gw_mma<T16, AMN, BNM>(d, da, db, kt > 0 || kk > 0);
             }
             fw_commit();
-            if (owe && ++issued == g.lag) {
-                asm volatile("bar.arrive 3, 256;\n" ::: "memory");
-                owe = 0;
-            }
             fw_wait<1>(); /* the products of the slice before are done: its buffer is free */
             if (prev >= 0 && lane == 0)
                 gt_bar_arrive(bars + 8 * (NS + prev));
@@ -386,8 +374,6 @@ __global__ void __launch_bounds__(384, 1) gt_kernel(const __grid_constant__ gt_a
             gw_store<T16>(p.c, p.m, p.n, p.ldc, p.flags & (GW_OUT16 | GW_ACC), d, m0 + 64 * cw, n0);
         }
     }
-    if (owe) /* fewer than g.lag slices in all */
-        asm volatile("bar.arrive 3, 256;\n" ::: "memory");
     if (TS && (threadIdx.x & 127) == 0) /* the stores have ended before the block does */
         asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 #endif
@@ -462,15 +448,6 @@ static void gt_problem_from(gt_problem *p, const gw_problem *q, int k2, int flag
      : v == 1 ? (bf16 ? gt_kernel<__nv_bfloat16, 0, 1, TS, 0> : gt_kernel<__half, 0, 1, TS, 0>)    \
               : (bf16 ? gt_kernel<__nv_bfloat16, 1, 1, TS, 0> : gt_kernel<__half, 1, 1, TS, 0>))
 
-/* MOE_GROUPED_WGMMA_STAGGER=L (a benchmark's knob, 0 to 3; 0 when unset): the second
- * computing warpgroup's lag in slices. The sums are the same in any case. */
-static int gt_lag(void)
-{
-    const char *e = getenv("MOE_GROUPED_WGMMA_STAGGER");
-    const int l = e ? atoi(e) : 0;
-    return l < 0 ? 0 : l > 3 ? 3 : l;
-}
-
 static int *gt_counters, gt_turn; /* 64 tile counters, taken in turn: a flush joins its lanes,
                                    * so a counter's last launch has ended when it comes again */
 
@@ -517,7 +494,6 @@ extern "C" int cuda_wgmma_grouped(int bf16, int amn, int bnm, const gw_args *g, 
     }
     a.count = g->count;
     a.total = 0;
-    a.lag = gt_lag();
     for (int i = 0; i < a.count; i++) {
         const gw_problem *q = &g->p[order[i]];
         const int k2 = q->k2 > 0 ? q->k2 : 0;
@@ -569,7 +545,6 @@ extern "C" int cuda_wgmma_grouped_swiglu(int bf16, const gw_args *g, const uint1
         return 0;
     a.count = g->count;
     a.total = 0;
-    a.lag = gt_lag();
     for (int i = 0; i < a.count; i++) {
         const gw_problem *q = &g->p[i];
         if (q->flags != GW_OUT16 || !gt_map(fn, &a.ta[i], bf16, q->a, q->m, q->k, q->lda, GW_BM) ||
