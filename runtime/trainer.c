@@ -254,11 +254,19 @@ const char *moe_trainer_update_mode(const moe_trainer *tr)
         return "AdamW after the backward (MOE_UPDATE_IN_BACKWARD=0)";
     const int edp = tr->comm ? moe_comm_size(tr->comm, MOE_GROUP_EDP) : 1;
     if (tr->world == 1)
-        return "AdamW beside the backward, each stage's parameters once their gradients are "
-               "final";
+        return tr->experts_early
+                   ? "AdamW beside the backward, each stage's parameters once their gradients "
+                     "are final, a layer's experts as their backward ends "
+                     "(MOE_UPDATE_EXPERTS_EARLY=1)"
+                   : "AdamW beside the backward, each stage's parameters once their gradients "
+                     "are final";
     if (edp == 1)
-        return "AdamW beside the backward for the expert parameters, after their reduction for "
-               "the dense ones";
+        return tr->experts_early
+                   ? "AdamW beside the backward for the expert parameters (each layer's as its "
+                     "experts' backward ends: MOE_UPDATE_EXPERTS_EARLY=1), after their "
+                     "reduction for the dense ones"
+                   : "AdamW beside the backward for the expert parameters, after their reduction "
+                     "for the dense ones";
     return "AdamW after the backward (every gradient is reduced across ranks first)";
 }
 
