@@ -185,8 +185,9 @@ typedef struct moe_model {
     const struct moe_backend *be; /* where buffers live and ops run */
     int32_t *expert_rank_dev, *expert_local_dev; /* (L, E) copies in backend memory */
     moe_grad_ready_fn grad_ready;                /* NULL: nobody listens */
-    moe_grad_ready_fn experts_ready; /* the experts' weight gradients of layer `stage` are
-                                      * final (before its attention's backward); NULL: none */
+    moe_grad_ready_fn experts_ready; /* layer `stage`'s expert weight gradients hold this
+                                      * micro-batch's all (every chunk), before its router's
+                                      * and attention's backward; NULL: nobody listens */
     void *grad_ready_ctx;
 
     moe_tensor *tensors;
