@@ -77,6 +77,12 @@ static void update_piece(moe_trainer *tr, int b, int part)
     m->be->background(0);
 }
 
+/* The ranks that hold each expert (1: its gradients need no reduction). */
+static int expert_holders(const moe_trainer *tr)
+{
+    return tr->comm ? moe_comm_size(tr->comm, MOE_GROUP_EDP) : 1;
+}
+
 /* Called by backward when a stage's gradients are final: on the last micro-batch of a
  * step, starts their reduction (dense over the world, experts over the EDP group), and
  * with update_early queues the update of those that need none (dense ones in a world of
@@ -97,7 +103,7 @@ static void on_grad_ready(void *ctx, int stage)
     if (tr->last_micro && tr->update_early) {
         if (tr->world == 1)
             update_piece(tr, stage + 1, 0);
-        if (!tr->comm || moe_comm_size(tr->comm, MOE_GROUP_EDP) == 1)
+        if (expert_holders(tr) == 1)
             update_piece(tr, stage + 1, 1);
     }
     if (!tr->reduce_now || tr->reduce_status != MOE_OK)
@@ -126,8 +132,7 @@ static void on_grad_ready(void *ctx, int stage)
 static void on_experts_ready(void *ctx, int layer)
 {
     moe_trainer *tr = ctx;
-    if (tr->last_micro && tr->update_early && tr->experts_early &&
-        (!tr->comm || moe_comm_size(tr->comm, MOE_GROUP_EDP) == 1))
+    if (tr->last_micro && tr->experts_early && expert_holders(tr) == 1)
         update_piece(tr, layer + 1, 1);
 }
 
@@ -234,7 +239,7 @@ static moe_status setup_precision(moe_trainer *tr)
     if (strcmp(tr->cfg.expert_grads, "bf16") == 0) {
         /* their gradients in bf16: read only by AdamW, the norm's sums and the finiteness
          * check, so not where they are reduced across the ranks that share an expert */
-        const int edp = tr->comm ? moe_comm_size(tr->comm, MOE_GROUP_EDP) : 1;
+        const int edp = expert_holders(tr);
         if (edp > 1)
             MOE_FAIL(MOE_ERR_INVALID,
                      "[precision] expert_grads = bf16 keeps each expert's gradient on its one "
@@ -252,7 +257,7 @@ const char *moe_trainer_update_mode(const moe_trainer *tr)
         return "AdamW after the backward (the global norm first: it clips or scales the loss)";
     if (!tr->update_early)
         return "AdamW after the backward (MOE_UPDATE_IN_BACKWARD=0)";
-    const int edp = tr->comm ? moe_comm_size(tr->comm, MOE_GROUP_EDP) : 1;
+    const int edp = expert_holders(tr);
     if (tr->world == 1)
         return tr->experts_early
                    ? "AdamW beside the backward, each stage's parameters once their gradients "
@@ -314,7 +319,7 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
     const char *early = getenv("MOE_UPDATE_IN_BACKWARD");
     tr->update_early = norm_in_update(tr) && !(early && strcmp(early, "0") == 0);
     const char *experts_early = getenv("MOE_UPDATE_EXPERTS_EARLY");
-    tr->experts_early = experts_early && strcmp(experts_early, "1") == 0;
+    tr->experts_early = tr->update_early && experts_early && strcmp(experts_early, "1") == 0;
     if (!tr->norm_sq || !tr->norm_parts || !tr->updated || !tr->step_host) {
         st = MOE_ERR_NOMEM;
         moe_log_at(__FILE__, __LINE__, "cannot allocate the gradient norm's sums");
