@@ -1446,11 +1446,13 @@ static void check_attention_marked(moe_precision p, const char *mode, int B, int
     free(r16);
 }
 
-/* MOE_ATTENTION_DS = 1 (the wgmma kernels, Hd = 64): dk/dv's kernel keeps each tile's dS
- * and dq is computed from it; the same products in the same order as the dq kernel that
- * recomputes dS, so dq, dk and dv must have the bits of the default backward's, from the
- * same random inputs; and the dS path must have run (once a call). */
-static void check_attention_ds(moe_precision p, const char *mode, int B, int T, int H)
+/* MOE_ATTENTION_DS = layout ("1": dS^T tiles, "2": dS tiles; the wgmma kernels, Hd = 64):
+ * dk/dv's kernel keeps each tile's dS and dq is computed from it; the same products in the
+ * same order as the dq kernel that recomputes dS, so dq, dk and dv must have the bits of
+ * the default backward's, from the same random inputs; and the dS path must have run (once
+ * a call). */
+static void check_attention_ds(moe_precision p, const char *mode, int B, int T, int H,
+                               const char *layout)
 {
     const int Hd = 64;
     const size_t n = (size_t)B * T * H * Hd, nl = (size_t)B * H * T;
@@ -1473,7 +1475,7 @@ static void check_attention_ds(moe_precision p, const char *mode, int B, int T, 
         for (int i = 0; i < 3; i++)
             g[k][i] = gpu->alloc(sizeof(float) * n);
         if (k)
-            setenv("MOE_ATTENTION_DS", "1", 1);
+            setenv("MOE_ATTENTION_DS", layout, 1);
         const long r0 = moe_cuda_attention_ds();
         gpu->attention_backward(g[k][0], g[k][1], g[k][2], d[3], out, lse, d[0], d[1], d[2], B, T,
                                 H, Hd);
@@ -1498,7 +1500,8 @@ static void check_attention_ds(moe_precision p, const char *mode, int B, int T, 
     if (gpu->sync() != MOE_OK)
         bad++;
     char what[80];
-    snprintf(what, sizeof what, "attention dq from stored dS T=%d: same bits", T);
+    snprintf(what, sizeof what, "attention dq from stored dS (layout %s) T=%d: same bits", layout,
+             T);
     report(what, mode, bad, 0.0);
     for (int i = 0; i < 4; i++)
         gpu->release(d[i]);
@@ -1681,18 +1684,23 @@ int main(void)
             /* dq from the dS tiles that dk/dv's kernel stores (MOE_ATTENTION_DS): the
              * default's bits (tail tiles, one token, 11 tiles; dk/dv blocks of 1 and 2
              * warpgroups), and every attention check under it */
-            for (int wg2 = 0; wg2 < 2; wg2++) {
-                if (wg2)
-                    setenv("MOE_ATTENTION_DKV_WG", "2", 1);
-                check_attention_ds(MOE_PREC_BF16, wg2 ? "bf16 dkv wg2" : "bf16", 2, 200, 3);
-                check_attention_ds(MOE_PREC_FP16, wg2 ? "fp16 dkv wg2" : "fp16", 2, 200, 3);
-                check_attention_ds(MOE_PREC_BF16, wg2 ? "bf16 dkv wg2" : "bf16", 2, 1, 3);
-                check_attention_ds(MOE_PREC_BF16, wg2 ? "bf16 dkv wg2" : "bf16", 1, 700, 2);
-                unsetenv("MOE_ATTENTION_DKV_WG");
-            }
+            for (int wg2 = 0; wg2 < 2; wg2++)
+                for (int lay = 0; lay < 2; lay++) {
+                    const char *L = lay ? "2" : "1";
+                    if (wg2)
+                        setenv("MOE_ATTENTION_DKV_WG", "2", 1);
+                    check_attention_ds(MOE_PREC_BF16, wg2 ? "bf16 dkv wg2" : "bf16", 2, 200, 3, L);
+                    check_attention_ds(MOE_PREC_FP16, wg2 ? "fp16 dkv wg2" : "fp16", 2, 200, 3, L);
+                    check_attention_ds(MOE_PREC_BF16, wg2 ? "bf16 dkv wg2" : "bf16", 2, 1, 3, L);
+                    check_attention_ds(MOE_PREC_BF16, wg2 ? "bf16 dkv wg2" : "bf16", 1, 700, 2, L);
+                    unsetenv("MOE_ATTENTION_DKV_WG");
+                }
             setenv("MOE_ATTENTION_DS", "1", 1);
             check_attention_mode(MOE_PREC_FP16, "fp16 ds", 5e-3);
             check_attention_mode(MOE_PREC_BF16, "bf16 ds", 1e-2);
+            setenv("MOE_ATTENTION_DS", "2", 1);
+            check_attention_mode(MOE_PREC_FP16, "fp16 ds2", 5e-3);
+            check_attention_mode(MOE_PREC_BF16, "bf16 ds2", 1e-2);
             unsetenv("MOE_ATTENTION_DS");
             setenv("MOE_ATTENTION", "mma", 1);
             check_attention_mode(MOE_PREC_FP16, "fp16 mma", 5e-3);

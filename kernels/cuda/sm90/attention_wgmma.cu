@@ -426,19 +426,21 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
 }
 
 /* The dS tiles of one attention backward (MOE_ATTENTION_DS): for each (sequence, head)
- * bh, query tile qt and key tile kt <= qt (64 x 64 each), dS^T (rows: the tile's 64 keys,
- * columns: its 64 queries; row-major, 8192 bytes) at tile number fw_ds_tile(...) of the
- * buffer. Only the causal lower triangle is kept: nT (nT + 1) / 2 tiles a (sequence, head),
- * nT = ceil(T / 64); 0 past T (the dk/dv kernel's masked values). */
+ * bh, query tile qt and key tile kt <= qt (64 x 64 each, 8192 bytes row-major) at tile
+ * number fw_ds_tile(...) of the buffer, in layout L: 1, dS^T (rows: the tile's 64 keys,
+ * columns: its 64 queries), 2, dS (rows: the queries). Only the causal lower triangle is kept: nT
+ * (nT + 1) / 2 tiles a (sequence, head), nT = ceil(T / 64); 0 past T (the dk/dv kernel's masked
+ * values). */
 static __host__ __device__ __forceinline__ size_t fw_ds_tile(int bh, int T, int qt, int kt)
 {
     const size_t nT = (size_t)(T + 63) / 64;
     return (size_t)bh * (nT * (nT + 1) / 2) + (size_t)qt * (qt + 1) / 2 + (size_t)kt;
 }
 
-/* A warpgroup's dS^T of query tile qt (its keys: tile kt) into the buffer ds: the 16-bit
- * pairs da (fw_pack_a's layout: a[kk][i] holds key 16 wq + lane / 4 + 8 (i % 2), queries
- * 16 kk + 8 (i / 2) + 2 (lane % 4) + {0, 1}), 4 bytes a store. */
+/* A warpgroup's dS^T of query tile qt (its keys: tile kt) into the buffer ds in layout L:
+ * the 16-bit pairs da (fw_pack_a's layout: a[kk][i] holds key 16 wq + lane / 4 + 8 (i % 2),
+ * queries 16 kk + 8 (i / 2) + 2 (lane % 4) + {0, 1}), 4 bytes a store (L 1) or 2 (L 2). */
+template <int L>
 static __device__ __forceinline__ void fw_store_ds(uint16_t *ds, const unsigned (&da)[4][4], int bh,
                                                    int T, int qt, int kt, int wq, int lane)
 {
@@ -449,7 +451,12 @@ static __device__ __forceinline__ void fw_store_ds(uint16_t *ds, const unsigned 
         for (int i = 0; i < 4; i++) {
             const int r = 16 * wq + (lane >> 2) + 8 * (i & 1);
             const int c = 16 * kk + 8 * (i >> 1) + 2 * (lane & 3);
-            *(unsigned *)(tile + r * 64 + c) = da[kk][i];
+            if constexpr (L == 1) {
+                *(unsigned *)(tile + r * 64 + c) = da[kk][i];
+            } else {
+                tile[c * 64 + r] = (uint16_t)(da[kk][i] & 0xffffu);
+                tile[(c + 1) * 64 + r] = (uint16_t)(da[kk][i] >> 16);
+            }
         }
 }
 
@@ -460,10 +467,11 @@ static __device__ __forceinline__ void fw_store_ds(uint16_t *ds, const unsigned 
  * copied from step u on; the kernel reads memory more than it computes),
  * dQ += dS K with A = dS^T read MN-major and B = K read MN-major. The same products in
  * the same order as fw_dq_kernel (A from registers there). grid (B*H, query tiles), the
- * longest first; dq16, rp as fw_dq_kernel's. */
+ * longest first; dq16, rp as fw_dq_kernel's. L: the tiles' layout (fw_store_ds); at 2, A = dS
+ * is read K-major. */
 #define FW_DQS_STAGES 4
 #define FW_DQS_SMEM (2 * FW_DQS_STAGES * FW_TILE + 1024)
-template <class T16>
+template <class T16, int L>
 static __global__ void __launch_bounds__(128, 3)
     fw_dqs_kernel(real *dq, const uint16_t *ds, const uint16_t *k, int T, int H, float scale,
                   int dq16, fw_rope rp)
@@ -506,7 +514,11 @@ static __global__ void __launch_bounds__(128, 3)
         fw_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) /* dQ += dS K */
-            fw_mma_s<T16, 1, 1>(acc, fw_desc(Ks + FW_TILE + 2048 * kk), fw_desc(Ks + 2048 * kk));
+            if constexpr (L == 1)
+                fw_mma_s<T16, 1, 1>(acc, fw_desc(Ks + FW_TILE + 2048 * kk),
+                                    fw_desc(Ks + 2048 * kk));
+            else
+                fw_mma_s<T16, 1, 0>(acc, fw_desc(Ks + FW_TILE + 32 * kk), fw_desc(Ks + 2048 * kk));
         fw_commit();
         if (u == nt - 1 && rp.y)
             fw_rope_load(rp, first, T, lane, tcs, tsn);
@@ -529,9 +541,10 @@ static __global__ void __launch_bounds__(128, 3)
  * from shared memory), P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q (dO, Q
  * read MN-major). The Q, dO tiles and their row statistics sit in S buffers, tile u + S - 1
  * copied from step u on (S = 2: double-buffered). grid (B*H, key blocks), the longest
- * (first keys) first. dk or dv may be NULL. WDS: each tile's dS^T, rounded to 16 bits as
- * its dK product reads it, also goes to dsw (fw_store_ds), for fw_dqs_kernel. */
-template <class T16, int NWG, int S, bool WDS = false>
+ * (first keys) first. dk or dv may be NULL. WDS (1, 2): each tile's dS^T, rounded to 16 bits
+ * as its dK product reads it, also goes to dsw in that layout (fw_store_ds), for
+ * fw_dqs_kernel. */
+template <class T16, int NWG, int S, int WDS = 0>
 static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     fw_dkv_kernel(real *dk, real *dv, const uint16_t *dout, const real *lse, const float *dsum,
                   const uint16_t *q, const uint16_t *k, const uint16_t *v, int T, int H,
@@ -604,8 +617,8 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
             unsigned pa[4][4], da[4][4];
             fw_pack_a<T16>(pa, p);
             fw_pack_a<T16>(da, dp);
-            if constexpr (WDS)
-                fw_store_ds(dsw, da, bh, T, i0 / 64, g0 / 64, wq, lane);
+            if constexpr (WDS != 0)
+                fw_store_ds<WDS>(dsw, da, bh, T, i0 / 64, g0 / 64, wq, lane);
             fw_keep(dva);
             fw_keep(dka);
             fw_keep_a(pa);
@@ -703,39 +716,45 @@ extern "C" size_t cuda_wgmma_attention_ds_bytes(int B, int T, int H)
  * out_i): dq if dq, dk and dv if either; dq_wg, dkv_wg warpgroups a block of each (1 or
  * 2), dkv_stages the buffers of dk/dv's walk (2 or 3). ds (non-NULL, of
  * cuda_wgmma_attention_ds_bytes(B, T, H) bytes): where dq and dk or dv are asked for,
- * dk/dv's kernel stores each tile's dS there first and dq's is fw_dqs_kernel, which reads
- * it (dq_wg unused). 0 (recorded) when a kernel cannot take its shared memory. */
+ * dk/dv's kernel stores each tile's dS there first, in layout ds_layout (fw_store_ds: 1
+ * or 2), and dq's is fw_dqs_kernel, which reads it (dq_wg unused). 0 (recorded) when a kernel
+ * cannot take its shared memory. */
 
-extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real *dv,
-                                             const uint16_t *dout, const real *lse,
-                                             const float *dsum, const uint16_t *q,
-                                             const uint16_t *k, const uint16_t *v, int B, int T,
-                                             int H, int dq16, int dk16, int dv16, int dq_wg,
-                                             int dkv_wg, int dkv_stages, uint16_t *dqkv,
-                                             const real *cos_t, const real *sin_t, uint16_t *ds)
+extern "C" int cuda_wgmma_attention_backward(
+    int bf16, real *dq, real *dk, real *dv, const uint16_t *dout, const real *lse,
+    const float *dsum, const uint16_t *q, const uint16_t *k, const uint16_t *v, int B, int T, int H,
+    int dq16, int dk16, int dv16, int dq_wg, int dkv_wg, int dkv_stages, uint16_t *dqkv,
+    const real *cos_t, const real *sin_t, uint16_t *ds, int ds_layout)
 {
     const fw_rope rp = {dqkv, (size_t)3 * H * 64, cos_t, sin_t};
     const float scale = 0.125f, sl2 = (float)(1.4426950408889634 / 8.0); /* 1 / sqrt(64) */
-    static int ready[2][3][3];    /* [bf16][0: dq, 1, 2: dk/dv of 2, 3 stages][nwg] */
-    static int ready_ds[2][3][3]; /* the same for dS's kernels ([bf16][0][1]: dq from dS) */
-    if (ds && dq && (dk || dv)) { /* dk/dv writing dS, then dq from it */
-        const int nwg = dkv_wg == 1 ? 1 : 2, ns = dkv_stages == 3 ? 3 : 2;
-        void (*fw_dkv)(real *, real *, const uint16_t *, const real *, const float *,
-                       const uint16_t *, const uint16_t *, const uint16_t *, int, int, float, float,
-                       int, int, fw_rope, uint16_t *) =
-            ns == 3 ? (nwg == 1 ? (bf16 ? fw_dkv_kernel<__nv_bfloat16, 1, 3, true>
-                                        : fw_dkv_kernel<__half, 1, 3, true>)
-                                : (bf16 ? fw_dkv_kernel<__nv_bfloat16, 2, 3, true>
-                                        : fw_dkv_kernel<__half, 2, 3, true>))
-                    : (nwg == 1 ? (bf16 ? fw_dkv_kernel<__nv_bfloat16, 1, 2, true>
-                                        : fw_dkv_kernel<__half, 1, 2, true>)
-                                : (bf16 ? fw_dkv_kernel<__nv_bfloat16, 2, 2, true>
-                                        : fw_dkv_kernel<__half, 2, 2, true>));
-        void (*fw_dqs)(real *, const uint16_t *, const uint16_t *, int, int, float, int, fw_rope) =
-            bf16 ? fw_dqs_kernel<__nv_bfloat16> : fw_dqs_kernel<__half>;
+    static int ready[2][3][3];       /* [bf16][0: dq, 1, 2: dk/dv of 2, 3 stages][nwg] */
+    static int ready_ds[2][2][3][3]; /* [layout - 1][bf16][0: dq from dS, 1, 2: dk/dv][nwg] */
+    if (ds && dq && (dk || dv)) {    /* dk/dv writing dS, then dq from it */
+        const int nwg = dkv_wg == 1 ? 1 : 2, ns = dkv_stages == 3 ? 3 : 2, L = ds_layout == 2;
+        typedef void (*dkv_fn)(real *, real *, const uint16_t *, const real *, const float *,
+                               const uint16_t *, const uint16_t *, const uint16_t *, int, int,
+                               float, float, int, int, fw_rope, uint16_t *);
+        typedef void (*dqs_fn)(real *, const uint16_t *, const uint16_t *, int, int, float, int,
+                               fw_rope);
+        /* [layout - 1][bf16][stages - 2][nwg - 1] */
+        static const dkv_fn dkv_pick[2][2][2][2] = {
+            {{{fw_dkv_kernel<__half, 1, 2, 1>, fw_dkv_kernel<__half, 2, 2, 1>},
+              {fw_dkv_kernel<__half, 1, 3, 1>, fw_dkv_kernel<__half, 2, 3, 1>}},
+             {{fw_dkv_kernel<__nv_bfloat16, 1, 2, 1>, fw_dkv_kernel<__nv_bfloat16, 2, 2, 1>},
+              {fw_dkv_kernel<__nv_bfloat16, 1, 3, 1>, fw_dkv_kernel<__nv_bfloat16, 2, 3, 1>}}},
+            {{{fw_dkv_kernel<__half, 1, 2, 2>, fw_dkv_kernel<__half, 2, 2, 2>},
+              {fw_dkv_kernel<__half, 1, 3, 2>, fw_dkv_kernel<__half, 2, 3, 2>}},
+             {{fw_dkv_kernel<__nv_bfloat16, 1, 2, 2>, fw_dkv_kernel<__nv_bfloat16, 2, 2, 2>},
+              {fw_dkv_kernel<__nv_bfloat16, 1, 3, 2>, fw_dkv_kernel<__nv_bfloat16, 2, 3, 2>}}}};
+        static const dqs_fn dqs_pick[2][2] = {
+            {fw_dqs_kernel<__half, 1>, fw_dqs_kernel<__nv_bfloat16, 1>},
+            {fw_dqs_kernel<__half, 2>, fw_dqs_kernel<__nv_bfloat16, 2>}};
+        const dkv_fn fw_dkv = dkv_pick[L][bf16 != 0][ns - 2][nwg - 1];
+        const dqs_fn fw_dqs = dqs_pick[L][bf16 != 0];
         const size_t smem = FW_DKV_SMEM(nwg, ns);
-        if (!fw_smem((const void *)fw_dkv, smem, &ready_ds[bf16][ns - 1][nwg]) ||
-            !fw_smem((const void *)fw_dqs, FW_DQS_SMEM, &ready_ds[bf16][0][1]))
+        if (!fw_smem((const void *)fw_dkv, smem, &ready_ds[L][bf16 != 0][ns - 1][nwg]) ||
+            !fw_smem((const void *)fw_dqs, FW_DQS_SMEM, &ready_ds[L][bf16 != 0][0][1]))
             return 0;
         const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
         MOE_CUDA_LAUNCH(fw_dkv, grid, 128 * nwg, smem, dk, dv, dout, lse, dsum, q, k, v, T, H,
