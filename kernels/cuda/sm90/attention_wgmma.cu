@@ -309,6 +309,23 @@ fw_store_rope(const fw_rope &rp, size_t ybase, int row0, int T, float mul, const
     }
 }
 
+/* The end of a dq kernel: the lane's rows of dq = scale * acc, into part 0 of
+ * [dq | dk | dv] rotated back (rp.y; tcs, tsn from fw_rope_load) or into dq (dq16: T16). */
+template <class T16>
+static __device__ __forceinline__ void
+fw_store_dq(const fw_rope &rp, real *dq, int b, int h, int T, int first, float scale,
+            const float (&acc)[32], int lane, const float2 (&tcs)[2][4], const float2 (&tsn)[2][4],
+            size_t base, size_t ld, int dq16)
+{
+    if (rp.y) /* part 0 of [dq | dk | dv] */
+        fw_store_rope<T16, true>(rp, (size_t)b * T * rp.ldy + (size_t)h * 64, first, T, scale,
+                                 *reinterpret_cast<const float(*)[8][4]>(&acc), lane, tcs, tsn,
+                                 NULL, NULL, 0);
+    else
+        fm_store_rows<T16, 64>(dq, base, ld, first, T, 64, scale,
+                               *reinterpret_cast<const float(*)[8][4]>(&acc), lane, dq16);
+}
+
 /* dq = scale * sum_{j <= i} ds_ij k_j, as attention.cu's fm_dq_kernel: a block of NWG
  * warpgroups takes 64 NWG queries and walks the key tiles up to its last query;
  * per tile S = Q K^T and dP = dO V^T (A and B both from shared memory), dS = P (dP - D)
@@ -415,13 +432,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     for (int u = 1; u < nt; u++)
         step(u, fw_yes(), fw_yes());
     step(nt, fw_no(), fw_yes());
-    if (rp.y) /* part 0 of [dq | dk | dv] */
-        fw_store_rope<T16, true>(rp, (size_t)b * T * rp.ldy + (size_t)h * 64, first, T, scale,
-                                 *reinterpret_cast<const float(*)[8][4]>(&acc), lane, tcs, tsn,
-                                 NULL, NULL, 0);
-    else
-        fm_store_rows<T16, 64>(dq, base, ld, first, T, 64, scale,
-                               *reinterpret_cast<const float(*)[8][4]>(&acc), lane, dq16);
+    fw_store_dq<T16>(rp, dq, b, h, T, first, scale, acc, lane, tcs, tsn, base, ld, dq16);
 #endif
 }
 
@@ -525,13 +536,7 @@ static __global__ void __launch_bounds__(128, 3)
         fw_wait<0>();
         fw_keep(acc);
     }
-    if (rp.y) /* part 0 of [dq | dk | dv] */
-        fw_store_rope<T16, true>(rp, (size_t)b * T * rp.ldy + (size_t)h * 64, first, T, scale,
-                                 *reinterpret_cast<const float(*)[8][4]>(&acc), lane, tcs, tsn,
-                                 NULL, NULL, 0);
-    else
-        fm_store_rows<T16, 64>(dq, base, ld, first, T, 64, scale,
-                               *reinterpret_cast<const float(*)[8][4]>(&acc), lane, dq16);
+    fw_store_dq<T16>(rp, dq, b, h, T, first, scale, acc, lane, tcs, tsn, base, ld, dq16);
 #endif
 }
 
