@@ -1397,12 +1397,13 @@ static int fm_family(void)
 extern "C" int cuda_wgmma_attention_forward(int bf16, real *out, real *lse, const uint16_t *q,
                                             const uint16_t *k, const uint16_t *v, int B, int T,
                                             int H, int o16, int wg);
-extern "C" int cuda_wgmma_attention_backward(
-    int bf16, real *dq, real *dk, real *dv, const uint16_t *dout, const real *lse,
-    const float *dsum, const uint16_t *q, const uint16_t *k, const uint16_t *v, int B, int T, int H,
-    int dq16, int dk16, int dv16, int dq_wg, int dkv_wg, int dkv_stages, uint16_t *dqkv,
-    const real *cos_t, const real *sin_t, uint16_t *ds, int ds_layout);
-extern "C" size_t cuda_wgmma_attention_ds_bytes(int B, int T, int H);
+extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real *dv,
+                                             const uint16_t *dout, const real *lse,
+                                             const float *dsum, const uint16_t *q,
+                                             const uint16_t *k, const uint16_t *v, int B, int T,
+                                             int H, int dq16, int dk16, int dv16, int dq_wg,
+                                             int dkv_wg, int dkv_stages, uint16_t *dqkv,
+                                             const real *cos_t, const real *sin_t);
 #endif
 static int fw_family(void)
 {
@@ -1436,38 +1437,6 @@ static int fw_env_stages(void)
     const char *e = getenv("MOE_ATTENTION_DKV_STAGES");
     return e && strcmp(e, "3") == 0 ? 3 : 2;
 }
-
-/* MOE_ATTENTION_DS = 1 or 2 (a trial knob, off by default): the wgmma backward keeps
- * each tile's dS from the dk/dv kernel (16 bits, the causal half: about 0.54 GB a call at
- * the bench shape; as dS^T, which dq's product reads MN-major, or at 2 as dS, read
- * K-major) and computes dq from it, not recomputing S, dP and the softmax. Returns the
- * buffer for B sequences of T tokens and H heads (allocated on the first call and grown
- * when a larger call comes, after the device's work so far) and sets *layout, or NULL:
- * knob unset, or the allocation failed (recorded). */
-static uint16_t *fw_ds_buffer(int B, int T, int H, int *layout)
-{
-    const char *e = getenv("MOE_ATTENTION_DS");
-    if (!(e && (strcmp(e, "1") == 0 || strcmp(e, "2") == 0)))
-        return NULL;
-    *layout = e[0] - '0';
-    static void *buf;
-    static size_t have;
-    const size_t need = cuda_wgmma_attention_ds_bytes(B, T, H);
-    if (need <= have)
-        return (uint16_t *)buf;
-    if (buf) {
-        if (!MOE_CUDA_OK(cudaDeviceSynchronize()) || !MOE_CUDA_OK(cudaFree(buf)))
-            return NULL;
-        buf = NULL;
-        have = 0;
-    }
-    if (!MOE_CUDA_OK(cudaMalloc(&buf, need))) {
-        buf = NULL;
-        return NULL;
-    }
-    have = need;
-    return (uint16_t *)buf;
-}
 #endif
 
 static void fw_forward(int bf16, real *out, real *lse, const uint16_t *q, const uint16_t *k,
@@ -1484,25 +1453,18 @@ static void fw_forward(int bf16, real *out, real *lse, const uint16_t *q, const 
 }
 
 /* The wgmma backward (fw_env_wg: the warpgroups a block of dq and of dk/dv). */
-static long n_ds; /* backwards with dq from the stored dS (MOE_ATTENTION_DS; tests) */
-extern "C" long moe_cuda_attention_ds(void) { return n_ds; }
-
 static void fw_backward(int bf16, real *dq, real *dk, real *dv, const uint16_t *dout,
                         const real *lse, const float *dsum, const uint16_t *q, const uint16_t *k,
                         const uint16_t *v, int B, int T, int H, int m16, const att_rope_out *ro)
 {
 #if MOE_HAVE_SM90A
-    int ds_layout = 0;
-    uint16_t *ds = dq && (dk || dv) ? fw_ds_buffer(B, T, H, &ds_layout) : NULL;
     if (cuda_wgmma_attention_backward(
             bf16, dq, dk, dv, dout, lse, dsum, q, k, v, B, T, H, (m16 & ATT_DQ16) != 0,
             (m16 & ATT_DK16) != 0, (m16 & ATT_DV16) != 0, fw_env_wg("MOE_ATTENTION_DQ_WG", 1),
             fw_env_wg("MOE_ATTENTION_DKV_WG", 1), fw_env_stages(), ro ? ro->dqkv : NULL,
-            ro ? ro->cos_t : NULL, ro ? ro->sin_t : NULL, ds, ds_layout)) {
-        n_ds += ds != NULL;
-        if (ro)
-            *ro->fused = 1;
-    }
+            ro ? ro->cos_t : NULL, ro ? ro->sin_t : NULL) &&
+        ro)
+        *ro->fused = 1;
 #else
     (void)bf16, (void)dq, (void)dk, (void)dv, (void)dout, (void)lse, (void)dsum, (void)q, (void)k,
         (void)v, (void)B, (void)T, (void)H, (void)m16, (void)ro;

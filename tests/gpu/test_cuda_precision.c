@@ -496,8 +496,6 @@ long moe_cuda_attention_qkv_fused(void);
 /* launches of the dsum kernel that reads 16-bit dout and out 8 values a load (attention.cu) */
 long moe_cuda_attention_dsum8(void);
 int moe_cuda_attention_wgmma(void);
-/* wgmma backwards whose dq came from the dS tiles of dk/dv's kernel (attention.cu) */
-long moe_cuda_attention_ds(void);
 /* launches of the 8-element SwiGLU kernels so far (swiglu.cu) */
 long moe_cuda_swiglu_vec8_launches(void);
 void moe_cuda_grouped_counts(long *grouped_calls, long *single_gemms);
@@ -1446,75 +1444,6 @@ static void check_attention_marked(moe_precision p, const char *mode, int B, int
     free(r16);
 }
 
-/* MOE_ATTENTION_DS = layout ("1": dS^T tiles, "2": dS tiles; the wgmma kernels, Hd = 64):
- * dk/dv's kernel keeps each tile's dS and dq is computed from it; the same products in the
- * same order as the dq kernel that recomputes dS, so dq, dk and dv must have the bits of
- * the default backward's, from the same random inputs; and the dS path must have run (once
- * a call). */
-static void check_attention_ds(moe_precision p, const char *mode, int B, int T, int H,
-                               const char *layout)
-{
-    const int Hd = 64;
-    const size_t n = (size_t)B * T * H * Hd, nl = (size_t)B * H * T;
-    if (gpu->set_precision(p, NULL, 0, 0) != MOE_OK) {
-        printf("FAIL %s: set_precision\n", mode);
-        failures++;
-        return;
-    }
-    float *h = malloc(sizeof(float) * n), *a = malloc(sizeof(float) * n),
-          *b = malloc(sizeof(float) * n);
-    float *d[4], *g[2][3];
-    for (int i = 0; i < 4; i++) { /* q, k, v, dout */
-        fill(h, n, 70 + i, 1.0);
-        d[i] = dev_copy(h, n);
-    }
-    float *out = gpu->alloc(sizeof(float) * n), *lse = gpu->alloc(sizeof(float) * nl);
-    gpu->attention_forward(out, lse, d[0], d[1], d[2], B, T, H, Hd);
-    long ran = 0;
-    for (int k = 0; k < 2; k++) {
-        for (int i = 0; i < 3; i++)
-            g[k][i] = gpu->alloc(sizeof(float) * n);
-        if (k)
-            setenv("MOE_ATTENTION_DS", layout, 1);
-        const long r0 = moe_cuda_attention_ds();
-        gpu->attention_backward(g[k][0], g[k][1], g[k][2], d[3], out, lse, d[0], d[1], d[2], B, T,
-                                H, Hd);
-        ran += (moe_cuda_attention_ds() - r0) * (k ? 1 : -100);
-        unsetenv("MOE_ATTENTION_DS");
-    }
-    int bad = ran != 1;
-    if (ran != 1)
-        printf("  MOE_ATTENTION_DS: %ld backwards on dS (want 1, none without the knob)\n", ran);
-    for (int i = 0; i < 3; i++) {
-        to_host(a, g[0][i], n);
-        to_host(b, g[1][i], n);
-        const int diff = differ(a, b, n);
-        if (diff)
-            printf("  MOE_ATTENTION_DS: %s differs from the default's (rel %.3g)\n",
-                   i == 0   ? "dq"
-                   : i == 1 ? "dk"
-                            : "dv",
-                   rel_err(b, a, n));
-        bad += diff;
-    }
-    if (gpu->sync() != MOE_OK)
-        bad++;
-    char what[80];
-    snprintf(what, sizeof what, "attention dq from stored dS (layout %s) T=%d: same bits", layout,
-             T);
-    report(what, mode, bad, 0.0);
-    for (int i = 0; i < 4; i++)
-        gpu->release(d[i]);
-    for (int k = 0; k < 2; k++)
-        for (int i = 0; i < 3; i++)
-            gpu->release(g[k][i]);
-    gpu->release(out);
-    gpu->release(lse);
-    free(h);
-    free(a);
-    free(b);
-}
-
 /* The attention shapes of one precision: a tail tile (T = 200), one token, Hd = 128, a
  * padded head dim (Hd = 32) with dk NULL, Hd = 40 (not a multiple of 16: fp32 kernels in
  * every mode), and T = 700. */
@@ -1681,27 +1610,6 @@ int main(void)
             check_attention_mode(MOE_PREC_FP16, "fp16 dkv3", 5e-3);
             check_attention_mode(MOE_PREC_BF16, "bf16 dkv3", 1e-2);
             unsetenv("MOE_ATTENTION_DKV_STAGES");
-            /* dq from the dS tiles that dk/dv's kernel stores (MOE_ATTENTION_DS): the
-             * default's bits (tail tiles, one token, 11 tiles; dk/dv blocks of 1 and 2
-             * warpgroups), and every attention check under it */
-            for (int wg2 = 0; wg2 < 2; wg2++)
-                for (int lay = 0; lay < 2; lay++) {
-                    const char *L = lay ? "2" : "1";
-                    if (wg2)
-                        setenv("MOE_ATTENTION_DKV_WG", "2", 1);
-                    check_attention_ds(MOE_PREC_BF16, wg2 ? "bf16 dkv wg2" : "bf16", 2, 200, 3, L);
-                    check_attention_ds(MOE_PREC_FP16, wg2 ? "fp16 dkv wg2" : "fp16", 2, 200, 3, L);
-                    check_attention_ds(MOE_PREC_BF16, wg2 ? "bf16 dkv wg2" : "bf16", 2, 1, 3, L);
-                    check_attention_ds(MOE_PREC_BF16, wg2 ? "bf16 dkv wg2" : "bf16", 1, 700, 2, L);
-                    unsetenv("MOE_ATTENTION_DKV_WG");
-                }
-            setenv("MOE_ATTENTION_DS", "1", 1);
-            check_attention_mode(MOE_PREC_FP16, "fp16 ds", 5e-3);
-            check_attention_mode(MOE_PREC_BF16, "bf16 ds", 1e-2);
-            setenv("MOE_ATTENTION_DS", "2", 1);
-            check_attention_mode(MOE_PREC_FP16, "fp16 ds2", 5e-3);
-            check_attention_mode(MOE_PREC_BF16, "bf16 ds2", 1e-2);
-            unsetenv("MOE_ATTENTION_DS");
             setenv("MOE_ATTENTION", "mma", 1);
             check_attention_mode(MOE_PREC_FP16, "fp16 mma", 5e-3);
             check_attention_mode(MOE_PREC_BF16, "bf16 mma", 1e-2);

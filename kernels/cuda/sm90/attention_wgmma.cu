@@ -309,23 +309,6 @@ fw_store_rope(const fw_rope &rp, size_t ybase, int row0, int T, float mul, const
     }
 }
 
-/* The end of a dq kernel: the lane's rows of dq = scale * acc, into part 0 of
- * [dq | dk | dv] rotated back (rp.y; tcs, tsn from fw_rope_load) or into dq (dq16: T16). */
-template <class T16>
-static __device__ __forceinline__ void
-fw_store_dq(const fw_rope &rp, real *dq, int b, int h, int T, int first, float scale,
-            const float (&acc)[32], int lane, const float2 (&tcs)[2][4], const float2 (&tsn)[2][4],
-            size_t base, size_t ld, int dq16)
-{
-    if (rp.y) /* part 0 of [dq | dk | dv] */
-        fw_store_rope<T16, true>(rp, (size_t)b * T * rp.ldy + (size_t)h * 64, first, T, scale,
-                                 *reinterpret_cast<const float(*)[8][4]>(&acc), lane, tcs, tsn,
-                                 NULL, NULL, 0);
-    else
-        fm_store_rows<T16, 64>(dq, base, ld, first, T, 64, scale,
-                               *reinterpret_cast<const float(*)[8][4]>(&acc), lane, dq16);
-}
-
 /* dq = scale * sum_{j <= i} ds_ij k_j, as attention.cu's fm_dq_kernel: a block of NWG
  * warpgroups takes 64 NWG queries and walks the key tiles up to its last query;
  * per tile S = Q K^T and dP = dO V^T (A and B both from shared memory), dS = P (dP - D)
@@ -432,111 +415,13 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     for (int u = 1; u < nt; u++)
         step(u, fw_yes(), fw_yes());
     step(nt, fw_no(), fw_yes());
-    fw_store_dq<T16>(rp, dq, b, h, T, first, scale, acc, lane, tcs, tsn, base, ld, dq16);
-#endif
-}
-
-/* The dS tiles of one attention backward (MOE_ATTENTION_DS): for each (sequence, head)
- * bh, query tile qt and key tile kt <= qt (64 x 64 each, 8192 bytes row-major) at tile
- * number fw_ds_tile(...) of the buffer, in layout L: 1, dS^T (rows: the tile's 64 keys,
- * columns: its 64 queries), 2, dS (rows: the queries). Only the causal lower triangle is kept: nT
- * (nT + 1) / 2 tiles a (sequence, head), nT = ceil(T / 64); 0 past T (the dk/dv kernel's masked
- * values). */
-static __host__ __device__ __forceinline__ size_t fw_ds_tile(int bh, int T, int qt, int kt)
-{
-    const size_t nT = (size_t)(T + 63) / 64;
-    return (size_t)bh * (nT * (nT + 1) / 2) + (size_t)qt * (qt + 1) / 2 + (size_t)kt;
-}
-
-/* A warpgroup's dS^T of query tile qt (its keys: tile kt) into the buffer ds in layout L:
- * the 16-bit pairs da (fw_pack_a's layout: a[kk][i] holds key 16 wq + lane / 4 + 8 (i % 2),
- * queries 16 kk + 8 (i / 2) + 2 (lane % 4) + {0, 1}), 4 bytes a store (L 1) or 2 (L 2). */
-template <int L>
-static __device__ __forceinline__ void fw_store_ds(uint16_t *ds, const unsigned (&da)[4][4], int bh,
-                                                   int T, int qt, int kt, int wq, int lane)
-{
-    uint16_t *tile = ds + fw_ds_tile(bh, T, qt, kt) * 4096;
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int r = 16 * wq + (lane >> 2) + 8 * (i & 1);
-            const int c = 16 * kk + 8 * (i >> 1) + 2 * (lane & 3);
-            if constexpr (L == 1) {
-                *(unsigned *)(tile + r * 64 + c) = da[kk][i];
-            } else {
-                tile[c * 64 + r] = (uint16_t)(da[kk][i] & 0xffffu);
-                tile[(c + 1) * 64 + r] = (uint16_t)(da[kk][i] >> 16);
-            }
-        }
-}
-
-/* dq = scale * sum_{j <= i} ds_ij k_j from the dS tiles that the dk/dv kernel stored
- * (MOE_ATTENTION_DS; fw_ds_tile): no S, dP or softmax recomputed. A block of one
- * warpgroup takes 64 queries (tile qt) and walks the key tiles 0 .. qt: per tile the K
- * tile and the dS^T tile (both staged by cp.async in FW_DQS_STAGES buffers, tile u + S - 1
- * copied from step u on; the kernel reads memory more than it computes),
- * dQ += dS K with A = dS^T read MN-major and B = K read MN-major. The same products in
- * the same order as fw_dq_kernel (A from registers there). grid (B*H, query tiles), the
- * longest first; dq16, rp as fw_dq_kernel's. L: the tiles' layout (fw_store_ds); at 2, A = dS
- * is read K-major. */
-#define FW_DQS_STAGES 4
-#define FW_DQS_SMEM (2 * FW_DQS_STAGES * FW_TILE + 1024)
-template <class T16, int L>
-static __global__ void __launch_bounds__(128, 3)
-    fw_dqs_kernel(real *dq, const uint16_t *ds, const uint16_t *k, int T, int H, float scale,
-                  int dq16, fw_rope rp)
-{
-#if FW_SKIP
-    __trap();
-#else
-    constexpr int NT = 128, S = FW_DQS_STAGES;
-    extern __shared__ unsigned char fw_sm[];
-    const unsigned sm0 = fw_align1024(fw_sm); /* buffer t: K at sm0 + 2 t FW_TILE, dS^T after */
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int bh = blockIdx.x, b = bh / H, h = bh % H;
-    const int qt = gridDim.y - 1 - blockIdx.y, first = 64 * qt + 16 * warp;
-    const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
-    const uint16_t *dst = ds + fw_ds_tile(bh, T, qt, 0) * 4096; /* key tile u: + 4096 u */
-    const int nt = qt + 1;
-    auto stage = [&](int u) { /* one group, empty past the last tile */
-                              if (u < nt) {
-                                  const unsigned d = sm0 + 2 * (u % S) * FW_TILE;
-                                  fw_stage<NT>(d, k + base, ld, 64 * u, T);
-                                  fw_stage<NT>(d + FW_TILE, dst + (size_t)u * 4096, 64, 0, 64);
-                              }
-                              fm_commit();
-    };
-#pragma unroll
-    for (int u = 0; u < S - 1; u++)
-        stage(u);
-    float acc[32];
-    float2 tcs[2][4], tsn[2][4]; /* the rope tables' values for the store (rp.y) */
-#pragma unroll
-    for (int i = 0; i < 32; i++)
-        acc[i] = 0.f;
-    for (int u = 0; u < nt; u++) {
-        fm_wait_group<S - 2>(); /* tile u has landed */
-        fw_proxy_fence();
-        __syncthreads(); /* and every thread is done with tile u - 1 (waited for), whose buffer: */
-        stage(u + S - 1);
-        const unsigned Ks = sm0 + 2 * (u % S) * FW_TILE;
-        fw_keep(acc);
-        fw_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) /* dQ += dS K */
-            if constexpr (L == 1)
-                fw_mma_s<T16, 1, 1>(acc, fw_desc(Ks + FW_TILE + 2048 * kk),
-                                    fw_desc(Ks + 2048 * kk));
-            else
-                fw_mma_s<T16, 1, 0>(acc, fw_desc(Ks + FW_TILE + 32 * kk), fw_desc(Ks + 2048 * kk));
-        fw_commit();
-        if (u == nt - 1 && rp.y)
-            fw_rope_load(rp, first, T, lane, tcs, tsn);
-        fw_wait<0>();
-        fw_keep(acc);
-    }
-    fw_store_dq<T16>(rp, dq, b, h, T, first, scale, acc, lane, tcs, tsn, base, ld, dq16);
+    if (rp.y) /* part 0 of [dq | dk | dv] */
+        fw_store_rope<T16, true>(rp, (size_t)b * T * rp.ldy + (size_t)h * 64, first, T, scale,
+                                 *reinterpret_cast<const float(*)[8][4]>(&acc), lane, tcs, tsn,
+                                 NULL, NULL, 0);
+    else
+        fm_store_rows<T16, 64>(dq, base, ld, first, T, 64, scale,
+                               *reinterpret_cast<const float(*)[8][4]>(&acc), lane, dq16);
 #endif
 }
 
@@ -546,14 +431,12 @@ static __global__ void __launch_bounds__(128, 3)
  * from shared memory), P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q (dO, Q
  * read MN-major). The Q, dO tiles and their row statistics sit in S buffers, tile u + S - 1
  * copied from step u on (S = 2: double-buffered). grid (B*H, key blocks), the longest
- * (first keys) first. dk or dv may be NULL. WDS (1, 2): each tile's dS^T, rounded to 16 bits
- * as its dK product reads it, also goes to dsw in that layout (fw_store_ds), for
- * fw_dqs_kernel. */
-template <class T16, int NWG, int S, int WDS = 0>
+ * (first keys) first. dk or dv may be NULL. */
+template <class T16, int NWG, int S>
 static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     fw_dkv_kernel(real *dk, real *dv, const uint16_t *dout, const real *lse, const float *dsum,
                   const uint16_t *q, const uint16_t *k, const uint16_t *v, int T, int H,
-                  float scale, float sl2, int dk16, int dv16, fw_rope rp, uint16_t *dsw)
+                  float scale, float sl2, int dk16, int dv16, fw_rope rp)
 {
 #if FW_SKIP
     __trap();
@@ -622,8 +505,6 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
             unsigned pa[4][4], da[4][4];
             fw_pack_a<T16>(pa, p);
             fw_pack_a<T16>(da, dp);
-            if constexpr (WDS != 0)
-                fw_store_ds<WDS>(dsw, da, bh, T, i0 / 64, g0 / 64, wq, lane);
             fw_keep(dva);
             fw_keep(dka);
             fw_keep_a(pa);
@@ -711,63 +592,21 @@ extern "C" int cuda_wgmma_attention_forward(int bf16, real *out, real *lse, cons
     return 1;
 }
 
-/* The bytes of the dS tiles of a backward of B sequences of T tokens, H heads. */
-extern "C" size_t cuda_wgmma_attention_ds_bytes(int B, int T, int H)
-{
-    return fw_ds_tile(B * H, T, 0, 0) * FW_TILE;
-}
-
 /* The backward for head dim 64 from 16-bit q, k, v and dout, after dsum (Di = dout_i .
  * out_i): dq if dq, dk and dv if either; dq_wg, dkv_wg warpgroups a block of each (1 or
- * 2), dkv_stages the buffers of dk/dv's walk (2 or 3). ds (non-NULL, of
- * cuda_wgmma_attention_ds_bytes(B, T, H) bytes): where dq and dk or dv are asked for,
- * dk/dv's kernel stores each tile's dS there first, in layout ds_layout (fw_store_ds: 1
- * or 2), and dq's is fw_dqs_kernel, which reads it (dq_wg unused). 0 (recorded) when a kernel
- * cannot take its shared memory. */
-
-extern "C" int cuda_wgmma_attention_backward(
-    int bf16, real *dq, real *dk, real *dv, const uint16_t *dout, const real *lse,
-    const float *dsum, const uint16_t *q, const uint16_t *k, const uint16_t *v, int B, int T, int H,
-    int dq16, int dk16, int dv16, int dq_wg, int dkv_wg, int dkv_stages, uint16_t *dqkv,
-    const real *cos_t, const real *sin_t, uint16_t *ds, int ds_layout)
+ * 2), dkv_stages the buffers of dk/dv's walk (2 or 3). 0 (recorded) when a kernel cannot
+ * take its shared memory. */
+extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real *dv,
+                                             const uint16_t *dout, const real *lse,
+                                             const float *dsum, const uint16_t *q,
+                                             const uint16_t *k, const uint16_t *v, int B, int T,
+                                             int H, int dq16, int dk16, int dv16, int dq_wg,
+                                             int dkv_wg, int dkv_stages, uint16_t *dqkv,
+                                             const real *cos_t, const real *sin_t)
 {
     const fw_rope rp = {dqkv, (size_t)3 * H * 64, cos_t, sin_t};
     const float scale = 0.125f, sl2 = (float)(1.4426950408889634 / 8.0); /* 1 / sqrt(64) */
-    static int ready[2][3][3];       /* [bf16][0: dq, 1, 2: dk/dv of 2, 3 stages][nwg] */
-    static int ready_ds[2][2][3][3]; /* [layout - 1][bf16][0: dq from dS, 1, 2: dk/dv][nwg] */
-    if (ds && dq && (dk || dv)) {    /* dk/dv writing dS, then dq from it */
-        const int nwg = dkv_wg == 1 ? 1 : 2, ns = dkv_stages == 3 ? 3 : 2, L = ds_layout == 2;
-        typedef void (*dkv_fn)(real *, real *, const uint16_t *, const real *, const float *,
-                               const uint16_t *, const uint16_t *, const uint16_t *, int, int,
-                               float, float, int, int, fw_rope, uint16_t *);
-        typedef void (*dqs_fn)(real *, const uint16_t *, const uint16_t *, int, int, float, int,
-                               fw_rope);
-        /* [layout - 1][bf16][stages - 2][nwg - 1] */
-        static const dkv_fn dkv_pick[2][2][2][2] = {
-            {{{fw_dkv_kernel<__half, 1, 2, 1>, fw_dkv_kernel<__half, 2, 2, 1>},
-              {fw_dkv_kernel<__half, 1, 3, 1>, fw_dkv_kernel<__half, 2, 3, 1>}},
-             {{fw_dkv_kernel<__nv_bfloat16, 1, 2, 1>, fw_dkv_kernel<__nv_bfloat16, 2, 2, 1>},
-              {fw_dkv_kernel<__nv_bfloat16, 1, 3, 1>, fw_dkv_kernel<__nv_bfloat16, 2, 3, 1>}}},
-            {{{fw_dkv_kernel<__half, 1, 2, 2>, fw_dkv_kernel<__half, 2, 2, 2>},
-              {fw_dkv_kernel<__half, 1, 3, 2>, fw_dkv_kernel<__half, 2, 3, 2>}},
-             {{fw_dkv_kernel<__nv_bfloat16, 1, 2, 2>, fw_dkv_kernel<__nv_bfloat16, 2, 2, 2>},
-              {fw_dkv_kernel<__nv_bfloat16, 1, 3, 2>, fw_dkv_kernel<__nv_bfloat16, 2, 3, 2>}}}};
-        static const dqs_fn dqs_pick[2][2] = {
-            {fw_dqs_kernel<__half, 1>, fw_dqs_kernel<__nv_bfloat16, 1>},
-            {fw_dqs_kernel<__half, 2>, fw_dqs_kernel<__nv_bfloat16, 2>}};
-        const dkv_fn fw_dkv = dkv_pick[L][bf16 != 0][ns - 2][nwg - 1];
-        const dqs_fn fw_dqs = dqs_pick[L][bf16 != 0];
-        const size_t smem = FW_DKV_SMEM(nwg, ns);
-        if (!fw_smem((const void *)fw_dkv, smem, &ready_ds[L][bf16 != 0][ns - 1][nwg]) ||
-            !fw_smem((const void *)fw_dqs, FW_DQS_SMEM, &ready_ds[L][bf16 != 0][0][1]))
-            return 0;
-        const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
-        MOE_CUDA_LAUNCH(fw_dkv, grid, 128 * nwg, smem, dk, dv, dout, lse, dsum, q, k, v, T, H,
-                        scale, sl2, dk16, dv16, rp, ds);
-        const dim3 gq((unsigned)(B * H), (unsigned)((T + 63) / 64));
-        MOE_CUDA_LAUNCH(fw_dqs, gq, 128, FW_DQS_SMEM, dq, ds, k, T, H, scale, dq16, rp);
-        return 1;
-    }
+    static int ready[2][3][3]; /* [bf16][0: dq, 1, 2: dk/dv of 2, 3 stages][nwg] */
     if (dq) {
         const int nwg = dq_wg == 1 ? 1 : 2;
         void (*fw_dq)(real *, const uint16_t *, const real *, const float *, const uint16_t *,
@@ -784,7 +623,7 @@ extern "C" int cuda_wgmma_attention_backward(
         const int nwg = dkv_wg == 1 ? 1 : 2, ns = dkv_stages == 3 ? 3 : 2;
         void (*fw_dkv)(real *, real *, const uint16_t *, const real *, const float *,
                        const uint16_t *, const uint16_t *, const uint16_t *, int, int, float, float,
-                       int, int, fw_rope, uint16_t *) =
+                       int, int, fw_rope) =
             ns == 3
                 ? (nwg == 1
                        ? (bf16 ? fw_dkv_kernel<__nv_bfloat16, 1, 3> : fw_dkv_kernel<__half, 1, 3>)
@@ -797,7 +636,7 @@ extern "C" int cuda_wgmma_attention_backward(
             return 0;
         const dim3 grid((unsigned)(B * H), (unsigned)((T + 64 * nwg - 1) / (64 * nwg)));
         MOE_CUDA_LAUNCH(fw_dkv, grid, 128 * nwg, smem, dk, dv, dout, lse, dsum, q, k, v, T, H,
-                        scale, sl2, dk16, dv16, rp, (uint16_t *)NULL);
+                        scale, sl2, dk16, dv16, rp);
     }
     return 1;
 }

@@ -74,11 +74,11 @@ static __device__ __forceinline__ void fw_stage(unsigned dst, const uint16_t *sr
                  : FW_D32                                                                          \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB), "r"(1))
 #define FW_MMA_SS(TY)                                                                              \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"                                      \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %35, 0;\n"                                      \
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " FW_ACC32              \
-                 "%32, %33, p, 1, 1, %34, %35;\n}\n"                                               \
+                 "%32, %33, p, 1, 1, 0, %34;\n}\n"                                                 \
                  : FW_D32                                                                          \
-                 : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(1))
+                 : "l"(a), "l"(b), "n"(TB), "r"(1))
 
 template <class T16, int TB>
 static __device__ __forceinline__ void fw_mma(float (&d)[32], const unsigned (&a)[4], uint64_t b)
@@ -89,10 +89,8 @@ static __device__ __forceinline__ void fw_mma(float (&d)[32], const unsigned (&a
         FW_MMA_RS("bf16");
 }
 
-/* The same with A (64 x 16) from a swizzled tile too: descriptor a; TA: a is MN-major (its
- * rows the summed k index, its columns A's m index; the 16 rows 16 kk .. start 2048 kk
- * bytes in, as B's), else K-major. */
-template <class T16, int TB, int TA = 0>
+/* The same with A (64 x 16) from a K-major swizzled tile too: descriptor a. */
+template <class T16, int TB>
 static __device__ __forceinline__ void fw_mma_s(float (&d)[32], uint64_t a, uint64_t b)
 {
     if constexpr (std::is_same<T16, __half>::value)
