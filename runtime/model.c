@@ -1451,8 +1451,6 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
             use_chunk(m, i);
             MOE_CHECK(layer_backward_experts(m, l));
         }
-        if (m->experts_ready && l >= m->cfg.dense_layers)
-            m->experts_ready(m->grad_ready_ctx, l);
     }
     for (int i = 0; i < m->C; i++) {
         use_chunk(m, i);

@@ -185,9 +185,6 @@ typedef struct moe_model {
     const struct moe_backend *be; /* where buffers live and ops run */
     int32_t *expert_rank_dev, *expert_local_dev; /* (L, E) copies in backend memory */
     moe_grad_ready_fn grad_ready;                /* NULL: nobody listens */
-    moe_grad_ready_fn experts_ready; /* layer `stage`'s expert weight gradients hold this
-                                      * micro-batch's all (every chunk), before its router's
-                                      * and attention's backward; NULL: nobody listens */
     void *grad_ready_ctx;
 
     moe_tensor *tensors;
@@ -302,7 +299,7 @@ moe_status moe_model_take_ce(moe_model *m, double *ce_sum);
  * sequences in all. After moe_model_fresh_expert_grads, the expert gradients (the
  * parameters from n_dense on) are written instead, whatever they held.
  * Collective over the EP group (token exchanges). Calls m->grad_ready after each
- * stage when set, and m->experts_ready after each MoE layer's experts. */
+ * stage when set. */
 moe_status moe_model_backward(moe_model *m, int64_t step_sequences);
 
 /* The next forward also runs the LM head's backward (cross-entropy gradient, dh and the

@@ -125,17 +125,6 @@ static void on_grad_ready(void *ctx, int stage)
     moe_model_phase_end(m, t0, MOE_PHASE_REDUCTION);
 }
 
-/* Called by backward when layer `layer`'s experts are done (before its attention's
- * backward): with update_early and experts_early, queues their update then, where no
- * other rank holds them, so that the last layer's does not wait for that attention's
- * backward (MOE_UPDATE_EXPERTS_EARLY=1, a trial knob). */
-static void on_experts_ready(void *ctx, int layer)
-{
-    moe_trainer *tr = ctx;
-    if (tr->last_micro && tr->experts_early && expert_holders(tr) == 1)
-        update_piece(tr, layer + 1, 1);
-}
-
 static moe_status wait_bucket(moe_trainer *tr, int b)
 {
     for (int h = 0; h < 2; h++) {
@@ -259,19 +248,11 @@ const char *moe_trainer_update_mode(const moe_trainer *tr)
         return "AdamW after the backward (MOE_UPDATE_IN_BACKWARD=0)";
     const int edp = expert_holders(tr);
     if (tr->world == 1)
-        return tr->experts_early
-                   ? "AdamW beside the backward, each stage's parameters once their gradients "
-                     "are final, a layer's experts as their backward ends "
-                     "(MOE_UPDATE_EXPERTS_EARLY=1)"
-                   : "AdamW beside the backward, each stage's parameters once their gradients "
-                     "are final";
+        return "AdamW beside the backward, each stage's parameters once their gradients are "
+               "final";
     if (edp == 1)
-        return tr->experts_early
-                   ? "AdamW beside the backward for the expert parameters (each layer's as its "
-                     "experts' backward ends: MOE_UPDATE_EXPERTS_EARLY=1), after their "
-                     "reduction for the dense ones"
-                   : "AdamW beside the backward for the expert parameters, after their reduction "
-                     "for the dense ones";
+        return "AdamW beside the backward for the expert parameters, after their reduction for "
+               "the dense ones";
     return "AdamW after the backward (every gradient is reduced across ranks first)";
 }
 
@@ -318,15 +299,12 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
     /* MOE_UPDATE_IN_BACKWARD=0: every piece after the backward (a knob to measure it) */
     const char *early = getenv("MOE_UPDATE_IN_BACKWARD");
     tr->update_early = norm_in_update(tr) && !(early && strcmp(early, "0") == 0);
-    const char *experts_early = getenv("MOE_UPDATE_EXPERTS_EARLY");
-    tr->experts_early = tr->update_early && experts_early && strcmp(experts_early, "1") == 0;
     if (!tr->norm_sq || !tr->norm_parts || !tr->updated || !tr->step_host) {
         st = MOE_ERR_NOMEM;
         moe_log_at(__FILE__, __LINE__, "cannot allocate the gradient norm's sums");
         goto fail;
     }
     tr->model->grad_ready = on_grad_ready;
-    tr->model->experts_ready = on_experts_ready;
     tr->model->grad_ready_ctx = tr;
     MOE_CHECK_GOTO(st, build_buckets(tr));
     MOE_CHECK_GOTO(st, moe_data_create(&tr->data, cfg));

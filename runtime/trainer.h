@@ -71,8 +71,6 @@ typedef struct {
                              * squares (moe_trainer_apply), at 2 (2 bucket + part) */
     unsigned char *updated; /* (2 (L + 2)) the pieces of this step's update queued */
     int update_early;       /* update_in_backward: the update's pieces queued as stages end */
-    int experts_early;      /* update_early and MOE_UPDATE_EXPERTS_EARLY=1: an expert piece
-                             * as its experts end */
     int step_counted;       /* this step's AdamW step counted (its first piece queued) */
     double *step_host;      /* (3 + 4 (L + 2)) pinned: the step's ce sum, norm_sq and
                              * norm_parts, fetched at its end */

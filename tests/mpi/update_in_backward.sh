@@ -5,7 +5,8 @@
 # queues every piece after it. The pieces give each element the whole step's bits, so
 # the two orders must give the same losses and gradient norms bit for bit: in one
 # process (plain and with two micro-batches a step, whose first must not update) and
-# on two ranks with ep 2 (experts early, the dense parameters after their reduction).
+# on two ranks with ep 2 (the experts beside the backward, the dense parameters after
+# their reduction).
 # (The default config clips at 1.0, which takes the whole-arena update after the norm:
 # these runs set grad_clip = 0.) The whole-arena update (grad_clip huge: the same factor
 # 1, its norm summed apart) must
@@ -14,8 +15,7 @@ source "$(dirname "$0")/../lib.sh"
 run() { # name ranks extra-sets...
   local name=$1 np=$2
   shift 2
-  mpi "$np" -x MOE_UPDATE_IN_BACKWARD="${MOE_UPDATE_IN_BACKWARD:-1}" \
-    -x MOE_UPDATE_EXPERTS_EARLY="${MOE_UPDATE_EXPERTS_EARLY:-0}" "$MOE" train --set train.steps=12 --set train.grad_clip=0 --set log.jsonl="$WORK/$name.jsonl" "$@" \
+  mpi "$np" -x MOE_UPDATE_IN_BACKWARD="${MOE_UPDATE_IN_BACKWARD:-1}" "$MOE" train --set train.steps=12 --set train.grad_clip=0 --set log.jsonl="$WORK/$name.jsonl" "$@" \
     >"$WORK/$name.log" 2>&1 || { fail "$name: exit $?"; tail -3 "$WORK/$name.log"; }
 }
 same() { # a b what (a missing or empty log is no match: losses of neither would be empty)
@@ -32,15 +32,6 @@ same accum accum-after "two micro-batches a step"
 run ep2 2 --set parallel.ep=2
 MOE_UPDATE_IN_BACKWARD=0 run ep2-after 2 --set parallel.ep=2
 same ep2 ep2-after "two ranks, ep 2"
-# MOE_UPDATE_EXPERTS_EARLY=1 (a trial knob): a layer's expert piece queued as its experts'
-# backward ends, before its attention's; the same bits again
-early() { MOE_UPDATE_EXPERTS_EARLY=1 run "$@"; }
-early plain-early 1
-same plain-early plain-after "one process, experts early"
-early accum-early 1 --set train.grad_accum=2
-same accum-early accum-after "two micro-batches a step, experts early"
-early ep2-early 2 --set parallel.ep=2
-same ep2-early ep2-after "two ranks, ep 2, experts early"
 # the start-up line says which order ran (so the comparisons cannot pass with one twice)
 said() { # name pattern
   grep -q "^optimizer: $2" "$WORK/$1.log" && pass "$1: says '$2'" ||
@@ -49,10 +40,6 @@ said() { # name pattern
 said plain "AdamW beside the backward, each stage"
 said accum "AdamW beside the backward, each stage"
 said plain-after "AdamW after the backward (MOE_UPDATE_IN_BACKWARD=0)"
-said plain-early "AdamW beside the backward, each stage.*MOE_UPDATE_EXPERTS_EARLY=1"
-said ep2-early "AdamW beside the backward for the expert parameters (each layer's"
-grep -q "MOE_UPDATE_EXPERTS_EARLY" "$WORK/plain.log" &&
-  fail "plain: says MOE_UPDATE_EXPERTS_EARLY without it" || pass "plain: not experts early"
 said ep2 "AdamW beside the backward for the expert parameters"
 run whole 1 --set train.grad_clip=1e30
 said whole "AdamW after the backward (the global norm first"

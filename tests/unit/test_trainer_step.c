@@ -11,8 +11,7 @@
  *   only their storage rounds) but not identically (so the bf16 path ran).
  * - The next step's first micro-batch, read while the optimizer runs, is the one the step
  *   then takes, with the losses of reading it at the step's start.
- * - The model's grad_ready and experts_ready callbacks come in the stages' order, and at
- *   experts_ready a layer's expert gradients are final. */
+ * - The model's grad_ready callbacks come in the stages' order. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -221,16 +220,11 @@ static void test_next_batch_read_ahead(void **state)
     moe_trainer_destroy(b);
 }
 
-/* The model's callbacks in a backward: grad_ready after each stage (L, the layers from
- * the last, -1 the embedding) and experts_ready after each MoE layer's experts, before
- * that layer's stage, every micro-batch; at experts_ready(l) layer l's expert gradients
- * must already hold the values the micro-batch's whole backward leaves them (every chunk
- * done), since the trainer may update them then on a step's last micro-batch
- * (MOE_UPDATE_EXPERTS_EARLY). */
+/* The model's grad_ready callback in a backward: after each stage (L, the layers from the
+ * last, -1 the embedding), every micro-batch, in that order (the trainer queues each
+ * stage's reduction and update from it). */
 static struct {
-    moe_trainer *tr;
     int events[32], n;
-    real *snap[3]; /* layer l's expert gradients at its last experts_ready(l) */
 } calls;
 
 static void record_stage(void *ctx, int stage)
@@ -240,60 +234,31 @@ static void record_stage(void *ctx, int stage)
     calls.events[calls.n++] = stage;
 }
 
-static void record_experts(void *ctx, int layer)
-{
-    (void)ctx;
-    assert_true(calls.n < 32 && layer >= 1 && layer <= 2); /* layer 0 is dense */
-    calls.events[calls.n++] = 100 + layer;
-    const moe_grad_bucket *b = &calls.tr->buckets[layer + 1];
-    const size_t n = b->expert_hi - b->expert_lo;
-    assert_true(n > 0);
-    free(calls.snap[layer]);
-    calls.snap[layer] = malloc(sizeof(real) * n);
-    assert_non_null(calls.snap[layer]);
-    memcpy(calls.snap[layer], calls.tr->model->grads + b->expert_lo, sizeof(real) * n);
-}
-
-static void check_expert_callbacks(int chunks, int accum)
+static void check_stage_callbacks(int chunks, int accum)
 {
     moe_trainer *tr = make_trainer(chunks, accum, "fp32");
     memset(&calls, 0, sizeof calls);
-    calls.tr = tr;
     tr->model->grad_ready = record_stage;
-    tr->model->experts_ready = record_experts;
-    /* 3 layers, layer 0 dense: stage 3 (head), the experts of 2, stage 2, the experts of
-     * 1, stage 1, stage 0, the embedding (-1); once per micro-batch */
-    const int want[7] = {3, 102, 2, 101, 1, 0, -1};
+    /* 3 layers: stage 3 (head), 2, 1, 0, the embedding (-1); once per micro-batch */
+    const int want[5] = {3, 2, 1, 0, -1};
     for (int s = 0; s < 2; s++) {
         moe_step_result r;
         calls.n = 0;
         assert_int_equal(moe_trainer_accumulate(tr, &r), MOE_OK);
-        assert_int_equal(calls.n, 7 * accum);
+        assert_int_equal(calls.n, 5 * accum);
         for (int a = 0; a < accum; a++)
-            assert_memory_equal(calls.events + 7 * a, want, sizeof want);
-        for (int l = 1; l <= 2; l++) { /* the last snapshot is the final gradient, not 0 */
-            const moe_grad_bucket *b = &tr->buckets[l + 1];
-            const size_t n = b->expert_hi - b->expert_lo;
-            assert_non_null(calls.snap[l]);
-            assert_memory_equal(calls.snap[l], tr->model->grads + b->expert_lo, sizeof(real) * n);
-            double sq = 0;
-            for (size_t i = 0; i < n; i++)
-                sq += (double)calls.snap[l][i] * calls.snap[l][i];
-            assert_true(sq > 0);
-        }
+            assert_memory_equal(calls.events + 5 * a, want, sizeof want);
         assert_int_equal(moe_trainer_apply(tr, &r), MOE_OK);
     }
-    for (int l = 0; l < 3; l++)
-        free(calls.snap[l]);
     moe_trainer_destroy(tr);
 }
 
-static void test_expert_callbacks(void **state)
+static void test_stage_callbacks(void **state)
 {
     (void)state;
-    check_expert_callbacks(1, 1);
-    check_expert_callbacks(2, 1);
-    check_expert_callbacks(2, 2);
+    check_stage_callbacks(1, 1);
+    check_stage_callbacks(2, 1);
+    check_stage_callbacks(2, 2);
 }
 
 int main(void)
@@ -304,7 +269,7 @@ int main(void)
         cmocka_unit_test(test_nan_step_changes_nothing),
         cmocka_unit_test(test_bf16_moments_follow_fp32),
         cmocka_unit_test(test_next_batch_read_ahead),
-        cmocka_unit_test(test_expert_callbacks),
+        cmocka_unit_test(test_stage_callbacks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
