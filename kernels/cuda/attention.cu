@@ -1394,16 +1394,7 @@ static int fm_family(void)
  * 90: MOE_HAVE_SM90A) run on compute capability 9.0 for head dim 64, unless
  * MOE_ATTENTION=mma (or wmma) in the environment keeps the mma.sync (wmma) kernels. */
 #if MOE_HAVE_SM90A
-extern "C" int cuda_wgmma_attention_forward(int bf16, real *out, real *lse, const uint16_t *q,
-                                            const uint16_t *k, const uint16_t *v, int B, int T,
-                                            int H, int o16, int wg);
-extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real *dv,
-                                             const uint16_t *dout, const real *lse,
-                                             const float *dsum, const uint16_t *q,
-                                             const uint16_t *k, const uint16_t *v, int B, int T,
-                                             int H, int dq16, int dk16, int dv16, int dq_wg,
-                                             int dkv_wg, int dkv_stages, uint16_t *dqkv,
-                                             const real *cos_t, const real *sin_t);
+#include "kernels/cuda/sm90/attention_wgmma.h"
 #endif
 static int fw_family(void)
 {

@@ -20,6 +20,7 @@
 #include "kernels/cuda/cuda_common.cuh"
 
 #include "kernels/cuda/attention_mma.cuh"
+#include "kernels/cuda/sm90/attention_wgmma.h"
 #include "kernels/cuda/sm90/wgmma.cuh"
 
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -572,9 +573,7 @@ static int fw_smem(const void *kernel, size_t smem, int *ready)
     ((nwg) == 1 ? ((bf16) ? kernel<__nv_bfloat16, 1> : kernel<__half, 1>)                          \
                 : ((bf16) ? kernel<__nv_bfloat16, 2> : kernel<__half, 2>))
 
-/* The forward for head dim 64 from 16-bit q, k, v (16-byte aligned): bf16 or fp16 values;
- * wg warpgroups a block (1 or 2); 0 (recorded) when the kernel cannot take its shared
- * memory. Called by attention.cu on compute capability 9.0 only. */
+/* The forward (attention_wgmma.h). */
 extern "C" int cuda_wgmma_attention_forward(int bf16, real *out, real *lse, const uint16_t *q,
                                             const uint16_t *k, const uint16_t *v, int B, int T,
                                             int H, int o16, int wg)
@@ -592,10 +591,7 @@ extern "C" int cuda_wgmma_attention_forward(int bf16, real *out, real *lse, cons
     return 1;
 }
 
-/* The backward for head dim 64 from 16-bit q, k, v and dout, after dsum (Di = dout_i .
- * out_i): dq if dq, dk and dv if either; dq_wg, dkv_wg warpgroups a block of each (1 or
- * 2), dkv_stages the buffers of dk/dv's walk (2 or 3). 0 (recorded) when a kernel cannot
- * take its shared memory. */
+/* The backward (attention_wgmma.h). */
 extern "C" int cuda_wgmma_attention_backward(int bf16, real *dq, real *dk, real *dv,
                                              const uint16_t *dout, const real *lse,
                                              const float *dsum, const uint16_t *q,
