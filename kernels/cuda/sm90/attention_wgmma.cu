@@ -450,8 +450,9 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     /* K (a tile a warpgroup), V (likewise), the buffers (Q, dO each), their statistics */
     const unsigned Ks = sm0 + wg * FW_TILE, Vs = sm0 + (NWG + wg) * FW_TILE;
     const unsigned QG = sm0 + 2 * NWG * FW_TILE;
-    float *st =
-        (float *)(fw_sm + (QG + 2 * S * FW_TILE - (unsigned)__cvta_generic_to_shared(fw_sm)));
+    /* the statistics as copied (lse, then dsum, 64 each, a buffer): read through st */
+    const unsigned St = QG + 2 * S * FW_TILE;
+    const float *st = (const float *)(fw_sm + (St - (unsigned)__cvta_generic_to_shared(fw_sm)));
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
     const int j0 = blockIdx.y * 64 * NWG, g0 = j0 + 64 * wg, first = g0 + 16 * wq;
     const int key[2] = {first + (lane >> 2), first + (lane >> 2) + 8};
@@ -462,7 +463,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
                                   const unsigned d = QG + 2 * (u % S) * FW_TILE;
                                   fw_stage<NT>(d, q + base, ld, j0 + 64 * u, T);
                                   fw_stage<NT>(d + FW_TILE, dout + base, ld, j0 + 64 * u, T);
-                                  fm_stage_stats(st + 128 * (u % S), lse, dsum, bh, T, j0 + 64 * u);
+                                  fw_stage_stats(St + 512 * (u % S), lse, dsum, bh, T, j0 + 64 * u);
                               }
                               fm_commit();
     };
@@ -500,7 +501,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
                 },
                 [&](int n, int e, bool keep) {
                     const int x = 4 * n + e, col = 8 * n + 2 * quad + (e & 1);
-                    p[x] = keep ? fm_exp2(p[x] * sl2 - ls[col]) : 0.f;
+                    p[x] = keep ? fm_exp2(p[x] * sl2 - __fmul_rn(ls[col], FA_LOG2E)) : 0.f;
                     dp[x] = p[x] * (dp[x] - Ds[col]); /* dS^T */
                 });
             unsigned pa[4][4], da[4][4];

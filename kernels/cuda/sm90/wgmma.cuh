@@ -38,18 +38,45 @@ static __device__ __forceinline__ uint64_t fw_desc(unsigned a)
 }
 
 /* Rows [r0, r0 + 64) of a 16-bit matrix (row stride ld values, 64 columns from src) into
- * the tile at shared address dst by cp.async of 16 bytes, zero past T; NT threads. The
+ * the tile at shared address dst by cp.async of 16 bytes, zero past T; the block's NT
+ * threads (blockDim.x == NT, a multiple of 64). Thread t copies the 16-byte columns t % 8
+ * of rows t / 8 + i NT / 8 (i < 512 / NT): its swizzle (t / 8) % 8 and its offsets are
+ * the same in each pass, so the loop is unrolled with no per-copy index work. The
  * caller commits the group. */
 template <int NT>
 static __device__ __forceinline__ void fw_stage(unsigned dst, const uint16_t *src, size_t ld,
                                                 int r0, int T)
 {
-    for (int e = threadIdx.x; e < 64 * 8; e += NT) {
-        const int r = e >> 3, c = e & 7, row = r0 + r, in = row < T;
-        const uint16_t *s = in ? src + (size_t)row * ld + 8 * c : src; /* 0 bytes read */
-        const unsigned d = dst + (unsigned)(r * 128 + ((c ^ (r & 7)) << 4));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(s),
-                     "r"(in ? 16 : 0));
+    static_assert(NT % 64 == 0 && 512 % NT == 0, "fw_stage: NT threads, rows 8 apart");
+    constexpr int RS = NT / 8; /* rows a pass */
+    const int r = (int)threadIdx.x >> 3, c = (int)threadIdx.x & 7;
+    const unsigned d = dst + (unsigned)(r * 128 + ((c ^ (r & 7)) << 4));
+    const uint16_t *s = src + (size_t)(r0 + r) * ld + 8 * c;
+#pragma unroll
+    for (int i = 0; i < 64 / RS; i++) {
+        const int in = r0 + r + i * RS < T;
+        const uint16_t *si = in ? s + (size_t)(i * RS) * ld : src; /* 0 bytes read */
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d + i * RS * 128),
+                     "l"(si), "r"(in ? 16 : 0));
+    }
+}
+
+/* The raw statistics of query rows [i0, i0 + 64) of (sequence, head) bh, lse into st and
+ * dsum into st + 64, by cp.async of 4 bytes from threads 0..63 (0 past T), in the
+ * caller's group: the copies do not hold the threads up as loads into registers would
+ * (the dk/dv kernel's stats were a load and a store, waited for every step). The reader
+ * multiplies lse by log2(e) (__fmul_rn: the product fm_stage_stats stores). */
+static __device__ __forceinline__ void fw_stage_stats(unsigned st, const real *lse,
+                                                      const float *dsum, int bh, int T, int i0)
+{
+    if (threadIdx.x < 64) {
+        const int i = i0 + (int)threadIdx.x, in = i < T;
+        const size_t at = in ? (size_t)bh * T + i : 0;
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(st + 4 * threadIdx.x),
+                     "l"(lse + at), "r"(in ? 4 : 0));
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(st + 256 +
+                                                                            4 * threadIdx.x),
+                     "l"(dsum + at), "r"(in ? 4 : 0));
     }
 }
 
