@@ -74,9 +74,9 @@ static __device__ __forceinline__ void fw_stage_stats(unsigned st, const real *l
         const size_t at = in ? (size_t)bh * T + i : 0;
         asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(st + 4 * threadIdx.x),
                      "l"(lse + at), "r"(in ? 4 : 0));
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(st + 256 +
-                                                                            4 * threadIdx.x),
-                     "l"(dsum + at), "r"(in ? 4 : 0));
+        asm volatile(
+            "cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(st + 256 + 4 * threadIdx.x),
+            "l"(dsum + at), "r"(in ? 4 : 0));
     }
 }
 
