@@ -109,16 +109,21 @@ typedef struct moe_backend {
      * streams (communication) that only their owner can time out (moe_comm_watch). */
     long (*queue_mark)(void);
     moe_status (*queue_wait)(long mark, moe_status (*watch)(void *ctx), void *ctx);
-    /* A second queue, for work that may run beside the queue's later work (the trainer's
-     * AdamW over a layer whose gradients are final while the backward goes on):
-     * background(1) makes the ops queued from then on run there, after everything queued
-     * so far; background(0) queues on the queue again, which does not wait for them;
-     * background_join() makes the queue's later work (and so its marks, syncs and
-     * fetches) wait for everything queued in the background so far. Only
-     * adamw_update_multi may be queued there: it uses no scratch of the backend's.
-     * The cpu runs everything at once: both do nothing. */
-    void (*background)(int on);
+    /* Background lanes, for work that may run beside the queue's later work (the
+     * trainer's AdamW over a layer whose gradients are final while the backward goes on,
+     * or over the first layers while the next step's forward begins): background(1) or
+     * background(2) makes the ops queued from then on run on that lane, after everything
+     * queued on the queue so far; background(0) queues on the queue again, which does not
+     * wait for them; background_join() makes the queue's later work (and so its marks,
+     * syncs and fetches) wait for everything queued on both lanes so far.
+     * background_mark(id), on a lane, marks the point it has reached (id in [0, 64); a
+     * mark made again moves); background_await(id) makes the queue's later work wait for
+     * that point only. Only adamw_update_multi may be queued on a lane: it uses no
+     * scratch of the backend's. The cpu runs everything at once: these do nothing. */
+    void (*background)(int lane);
     void (*background_join)(void);
+    void (*background_mark)(int id);
+    void (*background_await)(int id);
     /* the stream every op runs on (a cudaStream_t; NULL on the cpu), for NCCL */
     void *(*native_stream)(void);
     /* compute capability of the device, major*10 + minor (0 on the cpu) */

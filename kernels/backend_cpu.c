@@ -96,6 +96,7 @@ static long cpu_allocations(void) { return 0; }
 static void cpu_fetch(void *host, const void *src, size_t nbytes) { memcpy(host, src, nbytes); }
 static void cpu_background(int on) { (void)on; }
 static void cpu_background_join(void) {}
+static void cpu_background_mark(int id) { (void)id; }
 
 static size_t cpu_mem_in_use(void)
 {
@@ -118,6 +119,8 @@ const moe_backend moe_backend_cpu = {.name = "cpu",
                                      .queue_wait = cpu_wait,
                                      .background = cpu_background,
                                      .background_join = cpu_background_join,
+                                     .background_mark = cpu_background_mark,
+                                     .background_await = cpu_background_mark,
                                      .native_stream = cpu_stream,
                                      .compute_capability = cpu_capability,
                                      .set_precision = cpu_set_precision,

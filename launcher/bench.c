@@ -27,24 +27,37 @@ double moe_bench_flops_per_token(const moe_config *cfg)
     return 3.0 * (2.0 * params + L * 2.0 * T * D);
 }
 
-/* n steps; comm (may be NULL) += their communication times, 6 values as moe_step_result;
- * rows (may be NULL) += the expert rows this rank computed */
+/* A finished step's result (r->ready) into *last, its communication times added to comm
+ * (may be NULL; 6 values as moe_step_result) and its expert rows to rows (may be NULL). */
+static void take(const moe_step_result *r, moe_step_result *last, double *comm, double *rows)
+{
+    if (!r->ready)
+        return;
+    *last = *r;
+    if (comm) {
+        comm[0] += r->exchange_s;
+        comm[1] += r->exchange_exposed_s;
+        comm[2] += r->reduction_s;
+        comm[3] += r->reduction_exposed_s;
+        comm[4] += r->counts_s;
+        comm[5] += r->counts_exposed_s;
+    }
+    if (rows)
+        *rows += (double)r->expert_rows;
+}
+
+/* n steps, then the update that may still run beside nothing (moe_trainer_settle); the
+ * last step's result into *last, and the steps' comm and rows as take */
 static moe_status steps(moe_trainer *tr, int n, moe_step_result *last, double *comm, double *rows)
 {
+    moe_step_result r;
     for (int i = 0; i < n; i++) {
-        MOE_CHECK(moe_trainer_accumulate(tr, last));
-        MOE_CHECK(moe_trainer_apply(tr, last));
-        if (comm) {
-            comm[0] += last->exchange_s;
-            comm[1] += last->exchange_exposed_s;
-            comm[2] += last->reduction_s;
-            comm[3] += last->reduction_exposed_s;
-            comm[4] += last->counts_s;
-            comm[5] += last->counts_exposed_s;
-        }
-        if (rows)
-            *rows += (double)last->expert_rows;
+        MOE_CHECK(moe_trainer_accumulate(tr, &r));
+        MOE_CHECK(moe_trainer_apply(tr, &r));
+        take(&r, last, comm, rows);
     }
+    MOE_CHECK(moe_trainer_settle(tr, &r));
+    take(&r, last, comm, rows);
     return tr->model->be->sync();
 }
 

@@ -1092,8 +1092,15 @@ static moe_status layer_forward_end(moe_model *m, int l)
  * chunks after it --, (d) of chunk i-1, (c) of chunk i. The exchanges enter their stream
  * as dispatch 0, dispatch 1, combine 0, dispatch 2, combine 1, ...: no dispatch queues
  * behind a combine that waits for experts. */
+static void params_needed(moe_model *m, int stage, int part)
+{
+    if (m->params_needed)
+        m->params_needed(m->params_needed_ctx, stage, part);
+}
+
 static moe_status layer_forward_chunks(moe_model *m, int l, moe_fwd_stats *stats)
 {
+    params_needed(m, l, 0);
     for (int i = 0; i < m->C; i++) {
         use_chunk(m, i);
         if (l > 0)
@@ -1108,6 +1115,8 @@ static moe_status layer_forward_chunks(moe_model *m, int l, moe_fwd_stats *stats
             MOE_CHECK(layer_forward_return(m, l));
             use_chunk(m, i);
         }
+        if (i == 0)
+            params_needed(m, l, 1);
         MOE_CHECK(layer_forward_experts(m, l));
     }
     use_chunk(m, m->C - 1);
@@ -1176,6 +1185,7 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
             m->tokens_h[(size_t)N + (size_t)b * T + t] = tg;
         }
     }
+    params_needed(m, -1, 0);
     for (int i = 0; i < m->C; i++) { /* chunk i: sequences [i*Bc, (i+1)*Bc) */
         use_chunk(m, i);
         m->be->copy(m->tokens, m->tokens_h + (size_t)i * Nc, sizeof(int32_t) * Nc, MOE_COPY_H2D);
@@ -1185,6 +1195,7 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
     }
     for (int l = 0; l < m->L; l++)
         MOE_CHECK(layer_forward_chunks(m, l, stats));
+    params_needed(m, m->L, 0);
     for (int i = 0; i < m->C; i++) {
         use_chunk(m, i);
         MOE_CHECK(layer_forward_end(m, m->L - 1));

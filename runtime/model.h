@@ -134,6 +134,11 @@ struct moe_backend;
 /* Called by backward when the gradients of a stage are final: stage L (final norm and
  * LM head), L-1 ... 0 (layers), -1 (embedding). */
 typedef void (*moe_grad_ready_fn)(void *ctx, int stage);
+/* Called by forward before it first reads a stage's parameters in a micro-batch: stage
+ * -1 (the embedding), 0 ... L-1 (layer l: part 0 its dense parameters -- norms,
+ * attention, router, dense and shared FFN --, part 1 its experts), L (final norm and LM
+ * head), in that order. Whatever the listener queues there runs before those reads. */
+typedef void (*moe_params_needed_fn)(void *ctx, int stage, int part);
 
 /* Phases of a training step, timed when moe_model.timing is set: each boundary then
  * waits for the backend, so the phases add up to the step (at the cost of the overlap of
@@ -186,6 +191,8 @@ typedef struct moe_model {
     int32_t *expert_rank_dev, *expert_local_dev; /* (L, E) copies in backend memory */
     moe_grad_ready_fn grad_ready;                /* NULL: nobody listens */
     void *grad_ready_ctx;
+    moe_params_needed_fn params_needed; /* NULL: nobody listens */
+    void *params_needed_ctx;
 
     moe_tensor *tensors;
     int n_tensors;

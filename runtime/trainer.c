@@ -52,11 +52,13 @@ static moe_status build_buckets(moe_trainer *tr)
 static size_t n_pieces(const moe_trainer *tr) { return 2 * ((size_t)tr->model->L + 2); }
 
 /* The update in pieces (norm_in_update: nothing clips, nothing skips): AdamW over bucket
- * b's dense (part 0) or expert (part 1) parameters, queued on the backend's background
- * queue, once a step; its sums of squares go to its own slot of norm_parts (an empty
- * piece leaves its zeros). Every piece runs there, in the order queued: the update's
- * partial sums are ordered (optim.cu), and the queue waits for all of them in apply. */
-static void update_piece(moe_trainer *tr, int b, int part)
+ * b's dense (part 0) or expert (part 1) parameters, queued on background lane `lane` of
+ * the backend, once a step; its sums of squares go to its own slot of norm_parts (an
+ * empty piece leaves its zeros). The pieces of lane 1 run in the order queued: the
+ * update's partial sums are ordered (optim.cu); apply joins them. A piece of lane 2
+ * (tr->defer) leaves a mark that the next forward waits for before it reads the piece's
+ * parameters (on_params_needed). */
+static void update_piece(moe_trainer *tr, int b, int part, int lane)
 {
     const moe_grad_bucket *k = &tr->buckets[b];
     const size_t lo = part ? k->expert_lo : k->dense_lo, hi = part ? k->expert_hi : k->dense_hi;
@@ -71,10 +73,31 @@ static void update_piece(moe_trainer *tr, int b, int part)
         moe_optimizer_next(tr->opt);
         tr->step_counted = 1;
     }
-    m->be->background(1);
+    m->be->background(lane);
     moe_optimizer_piece(tr->opt, m, &tr->cfg, moe_lr_at(&tr->cfg, tr->step), tr->loss_scale, lo, hi,
-                        tr->norm_parts + 2 * slot);
+                        tr->norm_parts + 2 * (n_pieces(tr) * tr->norm_half + slot));
+    if (lane == 2) {
+        m->be->background_mark(slot);
+        tr->pending[slot] = 1;
+    }
     m->be->background(0);
+}
+
+/* Called by forward before it reads a stage's parameters: where their update still runs
+ * on lane 2, the queue waits for it, then zeroes the bucket's dense gradients (read by
+ * that update, so left out when accumulate zeroed the others). */
+static void on_params_needed(void *ctx, int stage, int part)
+{
+    moe_trainer *tr = ctx;
+    const int b = stage + 1, slot = 2 * b + part;
+    if (b < 0 || b >= tr->model->L + 2 || !tr->pending[slot])
+        return;
+    tr->pending[slot] = 0;
+    moe_model *m = tr->model;
+    m->be->background_await(slot);
+    const moe_grad_bucket *k = &tr->buckets[b];
+    if (part == 0 && k->dense_hi > k->dense_lo)
+        m->be->zero(m->grads + k->dense_lo, sizeof(real) * (k->dense_hi - k->dense_lo));
 }
 
 /* The ranks that hold each expert (1: its gradients need no reduction). */
@@ -100,11 +123,11 @@ static void on_grad_ready(void *ctx, int stage)
         moe_log("MOE_FAULT: injected a NaN into the gradients of layer %d at step %d", stage,
                 tr->step);
     }
-    if (tr->last_micro && tr->update_early) {
+    if (tr->last_micro && tr->update_early && stage + 1 >= tr->defer) {
         if (tr->world == 1)
-            update_piece(tr, stage + 1, 0);
+            update_piece(tr, stage + 1, 0, 1);
         if (expert_holders(tr) == 1)
-            update_piece(tr, stage + 1, 1);
+            update_piece(tr, stage + 1, 1, 1);
     }
     if (!tr->reduce_now || tr->reduce_status != MOE_OK)
         return;
@@ -240,7 +263,7 @@ static moe_status setup_precision(moe_trainer *tr)
     return be->refresh_shadow();
 }
 
-const char *moe_trainer_update_mode(const moe_trainer *tr)
+static const char *update_mode(const moe_trainer *tr)
 {
     if (!norm_in_update(tr))
         return "AdamW after the backward (the global norm first: it clips or scales the loss)";
@@ -254,6 +277,18 @@ const char *moe_trainer_update_mode(const moe_trainer *tr)
         return "AdamW beside the backward for the expert parameters, after their reduction for "
                "the dense ones";
     return "AdamW after the backward (every gradient is reduced across ranks first)";
+}
+
+const char *moe_trainer_update_mode(const moe_trainer *tr)
+{
+    static char buf[320];
+    if (!tr->defer)
+        return update_mode(tr);
+    snprintf(buf, sizeof buf,
+             "%s; the first %d of its %d buckets (embedding, layers, head) beside the next "
+             "step's forward, each waited for where it is read (the norm logged a step later)",
+             update_mode(tr), tr->defer, tr->model->L + 2);
+    return buf;
 }
 
 const char *moe_trainer_precision(const moe_trainer *tr)
@@ -293,19 +328,36 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
     }
     const size_t n_parts = n_pieces(tr);
     tr->norm_sq = be->alloc(2 * sizeof(double));
-    tr->norm_parts = be->alloc(2 * n_parts * sizeof(double));
+    tr->norm_parts = be->alloc(4 * n_parts * sizeof(double));
     tr->updated = calloc(n_parts, 1);
-    tr->step_host = be->alloc_host((3 + 2 * n_parts) * sizeof(double));
+    tr->pending = calloc(n_parts, 1);
+    tr->held_parts = calloc(2 * n_parts, sizeof(double));
+    tr->step_host = be->alloc_host((3 + 4 * n_parts) * sizeof(double));
     /* MOE_UPDATE_IN_BACKWARD=0: every piece after the backward (a knob to measure it) */
     const char *early = getenv("MOE_UPDATE_IN_BACKWARD");
     tr->update_early = norm_in_update(tr) && !(early && strcmp(early, "0") == 0);
-    if (!tr->norm_sq || !tr->norm_parts || !tr->updated || !tr->step_host) {
+    /* The update of the first (L + 2) / 2 buckets (the embedding, the first half of the
+     * layers) beside the next step's forward, on a GPU; MOE_UPDATE_DEFER=n: the first n
+     * (0: none; a knob to measure it, and for tests on the cpu) */
+    const char *defer = getenv("MOE_UPDATE_DEFER");
+    const int n_buckets = tr->model->L + 2;
+    tr->defer = defer ? atoi(defer) : be->on_device ? n_buckets / 2 : 0;
+    if (!tr->update_early || tr->defer < 0)
+        tr->defer = 0;
+    if (tr->defer > n_buckets)
+        tr->defer = n_buckets;
+    if (tr->defer > 32) /* the backend's 64 background marks */
+        tr->defer = 32;
+    if (!tr->norm_sq || !tr->norm_parts || !tr->updated || !tr->pending || !tr->held_parts ||
+        !tr->step_host) {
         st = MOE_ERR_NOMEM;
         moe_log_at(__FILE__, __LINE__, "cannot allocate the gradient norm's sums");
         goto fail;
     }
     tr->model->grad_ready = on_grad_ready;
     tr->model->grad_ready_ctx = tr;
+    tr->model->params_needed = on_params_needed;
+    tr->model->params_needed_ctx = tr;
     MOE_CHECK_GOTO(st, build_buckets(tr));
     MOE_CHECK_GOTO(st, moe_data_create(&tr->data, cfg));
     MOE_CHECK_GOTO(st, moe_optimizer_create(&tr->opt, tr->model, cfg, be));
@@ -336,6 +388,8 @@ void moe_trainer_destroy(moe_trainer *tr)
     free(tr->tokens_next);
     free(tr->buckets);
     free(tr->updated);
+    free(tr->pending);
+    free(tr->held_parts);
     moe_routing_stats_destroy(tr->routing);
     moe_optimizer_destroy(tr->opt);
     if (tr->model) {
@@ -367,10 +421,22 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     res->micro_batches = accum;
     res->sequences = S;
     MOE_CHECK(moe_fault_check(&tr->fault, tr->rank, tr->step));
-    /* the dense gradients; the first backward writes the experts' (the larger part) */
-    m->be->zero(m->grads, sizeof(real) * m->n_dense);
+    /* the dense gradients; the first backward writes the experts' (the larger part). A
+     * bucket whose update still runs is zeroed where the forward waits for it. */
+    if (!memchr(tr->pending, 1, n_pieces(tr))) {
+        m->be->zero(m->grads, sizeof(real) * m->n_dense);
+    } else {
+        for (int b = 0; b < m->L + 2; b++) {
+            const moe_grad_bucket *k = &tr->buckets[b];
+            if (!tr->pending[2 * b] && k->dense_hi > k->dense_lo)
+                m->be->zero(m->grads + k->dense_lo, sizeof(real) * (k->dense_hi - k->dense_lo));
+        }
+    }
     if (norm_in_update(tr)) { /* the update's pieces: none queued yet */
-        m->be->zero(tr->norm_parts, sizeof(double) * 2 * n_pieces(tr));
+        if (tr->defer)        /* the other half may be the held step's */
+            tr->norm_half ^= 1;
+        m->be->zero(tr->norm_parts + 2 * n_pieces(tr) * tr->norm_half,
+                    sizeof(double) * 2 * n_pieces(tr));
         memset(tr->updated, 0, n_pieces(tr));
         tr->step_counted = 0;
     }
@@ -398,6 +464,11 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
         t = moe_model_phase_begin(m);
         moe_model_fuse_head(m, S); /* the LM head's backward while its logits are at hand */
         MOE_CHECK(moe_model_forward(m, tr->tokens, &fs));
+        if (j == 0 && memchr(tr->pending, 1, n_pieces(tr))) /* the forward asks for all */
+            MOE_FAIL(MOE_ERR_INVALID,
+                     "step %d: the forward did not wait for every parameter "
+                     "update that ran beside it",
+                     tr->step + 1);
         double comm1 = ph[MOE_PHASE_EXCHANGE] + ph[MOE_PHASE_REDUCTION];
         moe_model_phase_end(m, t + (comm1 - comm0), MOE_PHASE_FORWARD);
         tr->reduce_now = tr->comm && j == accum - 1;
@@ -425,45 +496,86 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     return MOE_OK;
 }
 
-/* The step's one wait: brings back the cross-entropy sum (zeroed behind the copy for the
- * next step) and the sums of squares, then fills the losses summed over ranks (tr->sums,
- * ce from the backend) and the communication times. When AdamW's pass summed the squares
- * (norm_in_update), they are this rank's and become global in the same sum over the
- * world: the dense one (the same on every rank) from world rank 0, the experts' from the
- * ranks of EDP rank 0 (one holder of each expert). */
-moe_status moe_trainer_losses(moe_trainer *tr, moe_step_result *res)
+/* Queues the fetch of the step's cross-entropy sum (zeroed behind the copy for the next
+ * step) and sums of squares: with the update in pieces (norm_in_update), both halves of
+ * norm_parts (the step's and, with tr->defer, the held step's). Returns the mark that the
+ * wait in losses_finish waits for. */
+static long losses_fetch(moe_trainer *tr)
 {
     const moe_backend *be = tr->model->be;
     be->fetch(tr->step_host, tr->model->ce_acc, sizeof(double));
-    const int parts = norm_in_update(tr), n_parts = (int)n_pieces(tr);
-    if (parts)
-        be->fetch(tr->step_host + 3, tr->norm_parts, sizeof(double) * 2 * n_parts);
+    if (norm_in_update(tr))
+        be->fetch(tr->step_host + 3, tr->norm_parts, sizeof(double) * 4 * n_pieces(tr));
     else
         be->fetch(tr->step_host + 1, tr->norm_sq, 2 * sizeof(double));
     const long mark = be->queue_mark();
     be->zero(tr->model->ce_acc, sizeof(double));
+    return mark;
+}
+
+/* The two sums of squares of the pieces' slots in parts, added in the order of the
+ * buckets. */
+static void sum_parts(const moe_trainer *tr, const double *parts, double sq[2])
+{
+    sq[0] = sq[1] = 0.0;
+    for (size_t i = 0; i < n_pieces(tr); i++) {
+        sq[0] += parts[2 * i];
+        sq[1] += parts[2 * i + 1];
+    }
+}
+
+static const double *fetched_half(const moe_trainer *tr, int h)
+{
+    return tr->step_host + 3 + 2 * n_pieces(tr) * (size_t)h;
+}
+
+/* The held step's sums of squares, this rank's: its pieces' own (kept by apply), those of
+ * lane 2 from the half they wrote (fetched since), in the order of the buckets, as
+ * without the deferral. */
+static void held_sums(moe_trainer *tr, int half, double sq[2])
+{
+    memcpy(tr->held_parts, fetched_half(tr, half), sizeof(double) * 4 * (size_t)tr->defer);
+    sum_parts(tr, tr->held_parts, sq);
+}
+
+/* The step's one wait for what losses_fetch queued, then the losses summed over ranks
+ * (tr->sums, ce from the backend) and the communication times. When AdamW's pass summed
+ * the squares (norm_in_update), they are this rank's and become global in the same sum
+ * over the world: the dense one (the same on every rank) from world rank 0, the experts'
+ * from the ranks of EDP rank 0 (one holder of each expert); so do the held step's
+ * (tr->held), into held_sq. */
+static moe_status losses_finish(moe_trainer *tr, moe_step_result *res, long mark, double held_sq[2])
+{
+    const moe_backend *be = tr->model->be;
     const double t_wait = moe_clock_seconds();
     MOE_CHECK(be->queue_wait(mark, moe_comm_watch, tr->comm));
     tr->model->host_wait_s += moe_clock_seconds() - t_wait;
     double *sums = tr->sums, *sq = tr->step_host + 1;
-    if (parts) { /* the pieces' sums, added in the order of the buckets */
-        sq[0] = sq[1] = 0.0;
-        for (int i = 0; i < n_parts; i++) {
-            sq[0] += tr->step_host[3 + 2 * i];
-            sq[1] += tr->step_host[3 + 2 * i + 1];
-        }
-    }
+    if (norm_in_update(tr)) /* the step's (lane 2's slots still zero with tr->defer) */
+        sum_parts(tr, fetched_half(tr, tr->norm_half), sq);
+    const int held = tr->held && held_sq;
+    if (held)
+        held_sums(tr, tr->norm_half ^ 1, held_sq);
     sums[0] = tr->step_host[0];
     const int local_sq = norm_in_update(tr) && tr->comm;
     if (local_sq) {
-        sums[6] = moe_comm_rank(tr->comm, MOE_GROUP_WORLD) == 0 ? sq[0] : 0.0;
-        sums[7] = moe_comm_rank(tr->comm, MOE_GROUP_EDP) == 0 ? sq[1] : 0.0;
+        const int dense = moe_comm_rank(tr->comm, MOE_GROUP_WORLD) == 0;
+        const int expert = moe_comm_rank(tr->comm, MOE_GROUP_EDP) == 0;
+        sums[6] = dense ? sq[0] : 0.0;
+        sums[7] = expert ? sq[1] : 0.0;
+        sums[8] = held && dense ? held_sq[0] : 0.0;
+        sums[9] = held && expert ? held_sq[1] : 0.0;
     }
     if (tr->comm)
-        MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, sums, local_sq ? 8 : 6));
+        MOE_CHECK(
+            moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, sums, local_sq ? (held ? 10 : 8) : 6));
     if (local_sq) {
         sq[0] = sums[6];
         sq[1] = sums[7];
+        if (held) {
+            held_sq[0] = sums[8];
+            held_sq[1] = sums[9];
+        }
     }
     moe_comm_times ct;
     moe_comm_take_times(tr->comm, &ct);
@@ -483,6 +595,11 @@ moe_status moe_trainer_losses(moe_trainer *tr, moe_step_result *res)
     res->a2a_saved = (int64_t)sums[5];
     res->loss = res->ce + tr->cfg.aux_loss_coef * res->aux + tr->cfg.z_loss_coef * res->z;
     return MOE_OK;
+}
+
+moe_status moe_trainer_losses(moe_trainer *tr, moe_step_result *res)
+{
+    return losses_finish(tr, res, losses_fetch(tr), NULL);
 }
 
 /* Reads the first micro-batch of the step after this one (its first sequence follows
@@ -507,11 +624,69 @@ static void prefetch_next(moe_trainer *tr, const moe_step_result *res)
     moe_model_phase_end(m, t, MOE_PHASE_DATA);
 }
 
+/* A step's gradient norm that is not finite ends the job. found_late: the step's update
+ * ran beside the next step's forward (tr->defer) and is found now, when the gradients
+ * have been overwritten: the bucket is named by the pieces' sums of squares (held_parts),
+ * not the tensor by a scan of the gradients. */
+static moe_status norm_not_finite(moe_trainer *tr, int step, double norm, int found_late)
+{
+    moe_model *m = tr->model;
+    if (found_late) {
+        for (int slot = 0; slot < 2 * tr->defer; slot++) {
+            const double v = tr->held_parts[2 * slot] + tr->held_parts[2 * slot + 1];
+            if (isfinite(v))
+                continue;
+            const int b = slot / 2;
+            char what[64];
+            if (b == 0)
+                snprintf(what, sizeof what, "the embedding");
+            else
+                snprintf(what, sizeof what, "layer %d's %s parameters", b - 1,
+                         slot % 2 ? "expert" : "dense");
+            MOE_FAIL(MOE_ERR_NUMERIC,
+                     "step %d: gradient norm is %g: the gradient of %s is not finite on this "
+                     "rank (found after step %d: this update ran beside its forward)",
+                     step, norm, what, step + 1);
+        }
+        MOE_FAIL(MOE_ERR_NUMERIC,
+                 "step %d: gradient norm is %g (the non-finite gradient is on another rank)", step,
+                 norm);
+    }
+    /* name the first tensor whose gradient is not finite here (dense gradients are the
+     * same on every rank; expert ones differ) */
+    for (int i = 0; i < m->n_tensors; i++) {
+        const moe_tensor *t = &m->tensors[i];
+        if (!m->be->all_finite(m->grads + t->offset, t->count))
+            MOE_FAIL(MOE_ERR_NUMERIC,
+                     "step %d: gradient norm is %g: the gradient of %s (layer %d) is not "
+                     "finite on this rank",
+                     step, norm, t->name, t->layer);
+    }
+    MOE_FAIL(MOE_ERR_NUMERIC,
+             "step %d: gradient norm is %g (the non-finite gradient is on another rank)", step,
+             norm);
+}
+
+/* The held step's result with its norm from its global sums of squares: into *res. */
+static moe_status release_held(moe_trainer *tr, const double held_sq[2], moe_step_result *res)
+{
+    const double norm = sqrt(held_sq[0] + held_sq[1]) / tr->held_res.loss_scale;
+    tr->held = 0;
+    if (!isfinite(norm))
+        return norm_not_finite(tr, tr->held_res.step + 1, norm, 1);
+    *res = tr->held_res;
+    res->grad_norm = norm;
+    res->ready = 1;
+    return MOE_OK;
+}
+
 /* AdamW is queued before the host knows the gradient norm: the kernel clips with the
  * sums of squares on the backend, or skips the step when they are not finite (the same
  * decision on every rank: the sums are global). Then the step's one wait for the
  * backend brings back the cross-entropy sum and the sums of squares together, and the
- * host learns what the device decided. */
+ * host learns what the device decided. With tr->defer the pieces of buckets
+ * [0, defer) are queued on lane 2 after that fetch, in the forward's order, and the
+ * step is held until the next apply (or settle) brings back their sums. */
 moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
 {
     moe_model *m = tr->model;
@@ -521,20 +696,30 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
     res->loss_scale = tr->loss_scale;
     res->lr = moe_lr_at(&tr->cfg, tr->step);
     const int fused = norm_in_update(tr);
+    long mark = -1;
     if (fused) { /* the pieces not queued during the backward, then the wait for all */
-        for (int b = 0; b < m->L + 2; b++)
+        for (int b = tr->defer; b < m->L + 2; b++)
             for (int part = 0; part < 2; part++)
-                update_piece(tr, b, part);
-        be->background_join();
+                update_piece(tr, b, part, 1);
+        be->background_join(); /* and the held step's lane 2, long done */
+        mark = losses_fetch(tr);
+        for (int b = 0; b < tr->defer; b++)
+            for (int part = 0; part < 2; part++)
+                update_piece(tr, b, part, 2);
     } else {
         moe_optimizer_step(tr->opt, m, &tr->cfg, res->lr, tr->norm_sq, tr->loss_scale);
     }
     MOE_CHECK(be->refresh_shadow());
     moe_model_phase_end(m, tp, MOE_PHASE_OPTIMIZER);
     prefetch_next(tr, res);
-    MOE_CHECK(moe_trainer_losses(tr, res)); /* fused: the sums made global there */
+    if (mark < 0)
+        mark = losses_fetch(tr);
+    double held_sq[2] = {0, 0};
+    const int held = tr->held; /* the step before, whose lane 2 the forward waited for */
+    MOE_CHECK(losses_finish(tr, res, mark, held_sq)); /* fused: the sums made global there */
     const double *sq = tr->step_host + 1;
     double norm = sqrt(sq[0] + sq[1]);
+    res->ready = 1;
     if (tr->scaling && moe_adamw_factor(sq, tr->cfg.grad_clip, tr->loss_scale) < 0) {
         /* fp16 overflow: the step was skipped (the data moves on); halve the scale. */
         res->skipped = 1;
@@ -550,22 +735,13 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
         return MOE_OK;
     }
     norm /= tr->loss_scale; /* the gradients carry the loss scale */
-    if (!isfinite(norm)) {  /* the device skipped the update (unless fused): nothing changed */
+    moe_step_result before = {0};
+    if (held) /* the earlier step first: its update ran before this one's */
+        MOE_CHECK(release_held(tr, held_sq, &before));
+    if (!isfinite(norm)) { /* the device skipped the update (unless fused): nothing changed */
         if (!fused)
             moe_optimizer_unstep(tr->opt);
-        /* name the first tensor whose gradient is not finite here (dense gradients are
-         * the same on every rank; expert ones differ) */
-        for (int i = 0; i < m->n_tensors; i++) {
-            const moe_tensor *t = &m->tensors[i];
-            if (!m->be->all_finite(m->grads + t->offset, t->count))
-                MOE_FAIL(MOE_ERR_NUMERIC,
-                         "step %d: gradient norm is %g: the gradient of %s (layer %d) is not "
-                         "finite on this rank",
-                         tr->step + 1, norm, t->name, t->layer);
-        }
-        MOE_FAIL(MOE_ERR_NUMERIC,
-                 "step %d: gradient norm is %g (the non-finite gradient is on another rank)",
-                 tr->step + 1, norm);
+        return norm_not_finite(tr, tr->step + 1, norm, 0);
     }
     res->grad_norm = norm;
     if (tr->scaling && ++tr->scale_good >= tr->cfg.loss_scale_growth_interval) {
@@ -576,7 +752,36 @@ moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res)
     tr->consumed += res->sequences;
     tr->step++;
     res->seconds += moe_clock_seconds() - t0;
+    if (fused && tr->defer) { /* lane 2's sums come back with the next step's */
+        memcpy(tr->held_parts, fetched_half(tr, tr->norm_half), sizeof(double) * 2 * n_pieces(tr));
+        tr->held_res = *res;
+        tr->held = 1;
+        *res = before; /* ready 0 on the first step */
+    }
     return MOE_OK;
+}
+
+moe_status moe_trainer_settle(moe_trainer *tr, moe_step_result *res)
+{
+    memset(res, 0, sizeof *res);
+    if (!tr->held)
+        return MOE_OK;
+    const moe_backend *be = tr->model->be;
+    be->background_join();
+    be->fetch(tr->step_host + 3, tr->norm_parts, sizeof(double) * 4 * n_pieces(tr));
+    const double t_wait = moe_clock_seconds();
+    MOE_CHECK(be->queue_wait(be->queue_mark(), moe_comm_watch, tr->comm));
+    tr->model->host_wait_s += moe_clock_seconds() - t_wait;
+    double sq[2];
+    held_sums(tr, tr->norm_half, sq); /* no step since: the held step's half */
+    if (tr->comm) {
+        double v[2] = {moe_comm_rank(tr->comm, MOE_GROUP_WORLD) == 0 ? sq[0] : 0.0,
+                       moe_comm_rank(tr->comm, MOE_GROUP_EDP) == 0 ? sq[1] : 0.0};
+        MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, v, 2));
+        sq[0] = v[0];
+        sq[1] = v[1];
+    }
+    return release_held(tr, sq, res);
 }
 
 /* "41k", "1.2M": a compact count for the progress line. */
@@ -688,6 +893,11 @@ moe_status moe_trainer_checkpoint(moe_trainer *tr)
                             .loss_scale_good = tr->scale_good,
                             .loss_scale_dynamic = tr->scaling};
     double t0 = moe_clock_seconds();
+    if (tr->held)
+        MOE_FAIL(MOE_ERR_INVALID,
+                 "a checkpoint of step %d while its update still runs "
+                 "(moe_trainer_settle first)",
+                 tr->step);
     MOE_CHECK(tr->model->be->sync_master()); /* bf16 master weights into the arena */
     MOE_CHECK(moe_checkpoint_save(&tr->cfg, tr->comm, tr->model, tr->opt, &state, &tr->fault,
                                   tr->ckpt_path, sizeof tr->ckpt_path));
@@ -732,9 +942,9 @@ moe_status moe_trainer_resume(moe_trainer *tr, const char *spec)
 }
 
 /* At a step boundary: every rank learns whether any rank was asked to stop and whether
- * rank 0's clock says a checkpoint is due; saves when one is due. *stop: the run must
- * end now (a stop request with steps left). Collective. */
-static moe_status checkpoint_boundary(moe_trainer *tr, int *stop)
+ * rank 0's clock says a checkpoint is due. *stop: the run must end now (a stop request
+ * with steps left), after a checkpoint; *due: a checkpoint is due. Collective. */
+static moe_status checkpoint_boundary(moe_trainer *tr, int *stop, int *due)
 {
     const moe_config *cfg = &tr->cfg;
     int64_t flags[2] = {tr->stop_request && *tr->stop_request != 0, 0};
@@ -750,10 +960,9 @@ static moe_status checkpoint_boundary(moe_trainer *tr, int *stop)
     if (*stop && tr->rank == 0)
         moe_log("stop requested (SIGUSR1/SIGTERM on %lld rank(s)): checkpoint, then exit",
                 (long long)flags[0]);
-    int due =
-        (cfg->ckpt_interval > 0 && tr->step % cfg->ckpt_interval == 0) || flags[1] > 0 || *stop;
-    if (due && tr->ckpt_step != tr->step)
-        MOE_CHECK(moe_trainer_checkpoint(tr));
+    *due =
+        ((cfg->ckpt_interval > 0 && tr->step % cfg->ckpt_interval == 0) || flags[1] > 0 || *stop) &&
+        tr->ckpt_step != tr->step;
     return MOE_OK;
 }
 
@@ -785,6 +994,11 @@ moe_status moe_trainer_replan(moe_trainer *tr, FILE *out)
     moe_plan_report report;
     moe_plan_params params = moe_plan_params_default();
     moe_status st = MOE_OK;
+    if (tr->held)
+        MOE_FAIL(MOE_ERR_INVALID,
+                 "a re-plan at step %d while its update still runs "
+                 "(moe_trainer_settle first)",
+                 tr->step);
     MOE_CHECK(reduce_routing_stats(tr));
     tr->routing->steps = tr->cfg.replan_interval;
     if (tr->rank == 0 && tr->cfg.routing_stats_path[0])
@@ -827,16 +1041,34 @@ moe_status moe_trainer_replan(moe_trainer *tr, FILE *out)
     return st;
 }
 
+/* A finished step's result (r->ready): the progress line (every [log] interval steps,
+ * the first and the last) and the JSONL record; *tokens counts the steps reported. */
+static void report_step(moe_trainer *tr, const moe_step_result *r, int first_step, double start,
+                        int64_t *tokens, moe_step_result *final, int tty, FILE *out)
+{
+    if (!r->ready)
+        return;
+    *tokens += r->sequences * tr->cfg.seq_len;
+    const double elapsed = moe_clock_seconds() - start;
+    const double tps = *tokens / elapsed;
+    const int done = r->step + 1;
+    if (tr->rank == 0 &&
+        (done % tr->cfg.log_interval == 0 || done == tr->cfg.steps || done == first_step + 1))
+        print_progress(tr, r, elapsed, tps, tty, out);
+    if (tr->jsonl)
+        write_jsonl(tr->jsonl, r, tps);
+    *final = *r;
+}
+
 moe_status moe_trainer_run(moe_trainer *tr, FILE *out)
 {
     /* a launcher (mpirun, srun) hands ranks a pseudo-terminal even when its own output
      * goes to a file: under one, print plain lines */
     const int tty = isatty(fileno(out)) && !getenv("OMPI_COMM_WORLD_SIZE") && !getenv("PMI_RANK") &&
                     !getenv("SLURM_PROCID");
-    const int log_every = tr->cfg.log_interval;
     double start = moe_clock_seconds();
     int64_t tokens = 0;
-    moe_step_result r = {0};
+    moe_step_result r = {0}, final = {0};
     if (tr->cfg.jsonl_path[0] && tr->rank == 0 && !tr->jsonl) {
         tr->jsonl = fopen(tr->cfg.jsonl_path, tr->step > 0 ? "a" : "w");
         if (!tr->jsonl)
@@ -847,22 +1079,25 @@ moe_status moe_trainer_run(moe_trainer *tr, FILE *out)
     while (tr->step < tr->cfg.steps) {
         MOE_CHECK(moe_trainer_accumulate(tr, &r));
         MOE_CHECK(moe_trainer_apply(tr, &r));
-        tokens += r.sequences * tr->cfg.seq_len;
-        double elapsed = moe_clock_seconds() - start;
-        double tps = tokens / elapsed;
-        int last = tr->step == tr->cfg.steps;
-        if (tr->rank == 0 && (tr->step % log_every == 0 || last || tr->step == first_step + 1))
-            print_progress(tr, &r, elapsed, tps, tty, out);
-        if (tr->jsonl)
-            write_jsonl(tr->jsonl, &r, tps);
-        if (tr->cfg.expert_load_interval > 0 && tr->step % tr->cfg.expert_load_interval == 0 &&
-            tr->cfg.dense_layers < tr->cfg.n_layers)
+        report_step(tr, &r, first_step, start, &tokens, &final, tty, out);
+        const int last = tr->step == tr->cfg.steps;
+        const int load = tr->cfg.expert_load_interval > 0 &&
+                         tr->step % tr->cfg.expert_load_interval == 0 &&
+                         tr->cfg.dense_layers < tr->cfg.n_layers;
+        const int replan = tr->routing && strcmp(tr->cfg.placement, "auto") == 0 &&
+                           tr->step % tr->cfg.replan_interval == 0 && tr->step < tr->cfg.steps;
+        int stop = 0, due = 0;
+        MOE_CHECK(checkpoint_boundary(tr, &stop, &due));
+        if (last || load || replan || due) { /* the step just taken, reported first */
+            MOE_CHECK(moe_trainer_settle(tr, &r));
+            report_step(tr, &r, first_step, start, &tokens, &final, tty, out);
+        }
+        if (load)
             MOE_CHECK(print_expert_load(tr, tty, out));
-        if (tr->routing && strcmp(tr->cfg.placement, "auto") == 0 &&
-            tr->step % tr->cfg.replan_interval == 0 && tr->step < tr->cfg.steps)
+        if (replan)
             MOE_CHECK(moe_trainer_replan(tr, out));
-        int stop = 0;
-        MOE_CHECK(checkpoint_boundary(tr, &stop));
+        if (due)
+            MOE_CHECK(moe_trainer_checkpoint(tr));
         if (stop) {
             tr->stopped = 1;
             break;
@@ -882,7 +1117,7 @@ moe_status moe_trainer_run(moe_trainer *tr, FILE *out)
                     tr->ckpt_path);
         else
             fprintf(out, "done: %d steps, final loss %.4f, %.0f tokens/s, %.1fs\n", tr->cfg.steps,
-                    r.ce, tokens / elapsed, elapsed);
+                    final.ce, tokens / elapsed, elapsed);
     }
     return MOE_OK;
 }

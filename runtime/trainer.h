@@ -46,6 +46,8 @@ typedef struct {
     double exchange_s, exchange_exposed_s, reduction_s, reduction_exposed_s;
     double counts_s, counts_exposed_s; /* of the exchange: the count exchanges (moe_comm_times) */
     int64_t expert_rows; /* rows this rank's experts computed in the step (not summed) */
+    int ready; /* moe_trainer_apply, _settle: 1 when this is a finished step's result, 0 when
+                * there is none to report yet (the update of the step just taken still runs) */
 } moe_step_result;
 
 /* A gradient bucket: the tensors of one backward stage, dense and expert ranges. */
@@ -66,16 +68,25 @@ typedef struct {
     int reduce_now;           /* the last micro-batch of a step: reduce as stages finish */
     int last_micro;           /* the last micro-batch of a step is running */
     moe_status reduce_status;
-    double *norm_sq;        /* (2) backend memory: squares of the dense and expert gradients */
-    double *norm_parts;     /* (4 (L + 2)) backend memory: each update piece's two sums of
-                             * squares (moe_trainer_apply), at 2 (2 bucket + part) */
-    unsigned char *updated; /* (2 (L + 2)) the pieces of this step's update queued */
-    int update_early;       /* update_in_backward: the update's pieces queued as stages end */
-    int step_counted;       /* this step's AdamW step counted (its first piece queued) */
-    double *step_host;      /* (3 + 4 (L + 2)) pinned: the step's ce sum, norm_sq and
-                             * norm_parts, fetched at its end */
-    double sums[8];         /* this rank's ce, aux, z, dropped, a2a bytes, a2a saved of the step,
-                             * and its share of the norm's two sums of squares (moe_trainer_losses) */
+    double *norm_sq;          /* (2) backend memory: squares of the dense and expert gradients */
+    double *norm_parts;       /* (2, 4 (L + 2)) backend memory, two halves (a step's pieces
+                               * write half norm_half): each update piece's two sums of
+                               * squares (moe_trainer_apply), at 2 (2 bucket + part) */
+    int norm_half;            /* the half of norm_parts this step's pieces write */
+    unsigned char *updated;   /* (2 (L + 2)) the pieces of this step's update queued */
+    int defer;                /* the update of buckets [0, defer) runs beside the next step's
+                               * forward (moe_trainer_apply); 0: none */
+    unsigned char *pending;   /* (2 (L + 2)) such pieces the next forward has not waited for */
+    int held;                 /* a step whose deferred pieces were queued, not yet reported */
+    moe_step_result held_res; /* its result but the gradient norm */
+    double *held_parts;       /* (4 (L + 2)) its pieces' sums of squares (this rank's) */
+    int update_early;         /* update_in_backward: the update's pieces queued as stages end */
+    int step_counted;         /* this step's AdamW step counted (its first piece queued) */
+    double *step_host;        /* (3 + 8 (L + 2)) pinned: the step's ce sum, norm_sq and
+                               * both halves of norm_parts, fetched at its end */
+    double sums[10];          /* this rank's ce, aux, z, dropped, a2a bytes, a2a saved of the step,
+                               * its share of the norm's two sums of squares, and of the held
+                               * step's (moe_trainer_losses) */
     moe_model *model;
     moe_data *data;
     moe_optimizer *opt;
@@ -122,8 +133,19 @@ moe_status moe_trainer_losses(moe_trainer *tr, moe_step_result *res);
 
 /* Queues AdamW (clipping and the fp16 skip decided on the device), then waits for the
  * step once and fills the loss fields (summed over ranks), grad_norm, lr, skipped and the
- * communication times; advances the step and the data position. Collective. */
+ * communication times; advances the step and the data position. Collective.
+ * With tr->defer, the update of the first buckets runs beside the next step's forward:
+ * the step's gradient norm is not known when apply returns. apply then keeps the step's
+ * result and fills res with the step before it (res->ready 0 on the first); a non-finite
+ * gradient in those buckets is reported by the next apply or settle. Without, res is
+ * this step's (res->ready 1). */
 moe_status moe_trainer_apply(moe_trainer *tr, moe_step_result *res);
+
+/* Waits for the update still running (tr->defer) and fills res with the step apply
+ * kept (res->ready 1), or sets res->ready 0 when none is kept. Before anything reads or
+ * moves the parameters or the optimizer's state between steps (checkpoint, re-plan) and
+ * at the end. Collective. */
+moe_status moe_trainer_settle(moe_trainer *tr, moe_step_result *res);
 
 /* Collective: sums the routing statistics over ranks, plans a placement from them
  * (sched/), moves expert weights and Adam state to their new ranks, and resets the

@@ -16,14 +16,19 @@
 #define WORKSPACE_BYTES ((size_t)32 << 20)
 #define MAX_LOGGED 16 /* failures logged in full; later ones are counted */
 #define MARKS 64      /* queue marks alive at once (an older one waits a little longer) */
+#define BG_MARKS 64   /* background marks (backend.h background_mark) */
 
 static struct {
     int device;
-    cudaStream_t stream; /* where ops are queued: the queue, or bg between background(1) and (0) */
+    cudaStream_t stream; /* where ops are queued: the queue, or a background lane between
+                          * background(1 or 2) and background(0) */
     cudaStream_t queue;  /* the backend's queue */
-    cudaStream_t bg;     /* the background queue (made on first use) */
+    cudaStream_t bg;     /* background lane 1 (made on first use) */
     cudaEvent_t bg_fork, bg_join;
-    cudaStream_t aside; /* beside bg, for its small tails (moe_cuda_aside_begin) */
+    cudaStream_t bg2; /* background lane 2 (made on first use) */
+    cudaEvent_t bg2_fork, bg2_join;
+    cudaEvent_t bg_marks[BG_MARKS]; /* background_mark's events (made on first use) */
+    cudaStream_t aside;             /* beside a lane, for its small tails (moe_cuda_aside_begin) */
     cudaEvent_t aside_fork, aside_join;
     int aside_queued; /* aside_join recorded since the last join */
     int priority;     /* the queue's priority (and the GEMM lanes'): moe_cuda_priority */
@@ -228,52 +233,81 @@ static int make_side_stream(cudaStream_t *s, cudaEvent_t *fork, cudaEvent_t *joi
     return 1;
 }
 
-/* The background queue: a stream of the least priority, so that the queue's work (at
- * moe_cuda_priority, higher by default) takes the SMs first and the background's blocks
- * fill what it leaves. */
-static void cuda_background(int on)
+/* The background lanes: streams of the least priority, so that the queue's work (at
+ * moe_cuda_priority, higher by default) takes the SMs first and the lanes' blocks fill
+ * what it leaves. */
+static int on_lane(void) { return g.stream != g.queue && (g.stream == g.bg || g.stream == g.bg2); }
+
+static void cuda_background(int lane)
 {
-    if (on && g.stream == g.bg)
+    cudaStream_t *s = lane == 2 ? &g.bg2 : &g.bg;
+    cudaEvent_t *fork = lane == 2 ? &g.bg2_fork : &g.bg_fork;
+    cudaEvent_t *join = lane == 2 ? &g.bg2_join : &g.bg_join;
+    if (lane && *s && g.stream == *s)
         return;
-    if (!on) {
-        if (g.stream == g.bg) {
-            MOE_CUDA_OK(cudaEventRecord(g.bg_join, g.bg));
-            g.stream = g.queue;
-        }
-        return;
+    if (on_lane()) { /* leave the lane queued on so far */
+        MOE_CUDA_OK(cudaEventRecord(g.stream == g.bg2 ? g.bg2_join : g.bg_join, g.stream));
+        g.stream = g.queue;
     }
-    if (!g.bg && !make_side_stream(&g.bg, &g.bg_fork, &g.bg_join, 0))
+    if (!lane)
+        return;
+    if (!*s && !make_side_stream(s, fork, join, 0))
         return; /* the failure is recorded; the ops stay on the queue */
-    MOE_CUDA_OK(cudaEventRecord(g.bg_fork, g.queue));
-    MOE_CUDA_OK(cudaStreamWaitEvent(g.bg, g.bg_fork, 0));
-    g.stream = g.bg;
+    MOE_CUDA_OK(cudaEventRecord(*fork, g.queue));
+    MOE_CUDA_OK(cudaStreamWaitEvent(*s, *fork, 0));
+    g.stream = *s;
 }
 
 static void cuda_background_join(void)
 {
-    if (g.stream == g.bg)
-        cuda_background(0);
+    cuda_background(0);
     if (g.bg)
         MOE_CUDA_OK(cudaStreamWaitEvent(g.queue, g.bg_join, 0));
+    if (g.bg2)
+        MOE_CUDA_OK(cudaStreamWaitEvent(g.queue, g.bg2_join, 0));
     if (g.aside_queued) {
         MOE_CUDA_OK(cudaStreamWaitEvent(g.queue, g.aside_join, 0));
         g.aside_queued = 0;
     }
 }
 
+static void cuda_background_mark(int id)
+{
+    if (id < 0 || id >= BG_MARKS || !on_lane()) {
+        MOE_CUDA_FAIL("background_mark(%d): not on a background lane, or not in [0, %d)", id,
+                      BG_MARKS);
+        return;
+    }
+    if (!g.bg_marks[id] &&
+        !MOE_CUDA_OK(cudaEventCreateWithFlags(&g.bg_marks[id], cudaEventDisableTiming)))
+        return;
+    MOE_CUDA_OK(cudaEventRecord(g.bg_marks[id], g.stream));
+}
+
+static void cuda_background_await(int id)
+{
+    if (id < 0 || id >= BG_MARKS || !g.bg_marks[id]) {
+        MOE_CUDA_FAIL("background_await(%d): no such mark recorded", id);
+        return;
+    }
+    MOE_CUDA_OK(cudaStreamWaitEvent(g.queue, g.bg_marks[id], 0));
+}
+
 /* Between moe_cuda_aside_begin and _end the backend's stream is a stream beside the
- * background queue (of the greatest priority), which starts after what the background
- * has queued so far; the next join (background_join) and every sync wait for it too.
- * Only while the stream is the background (else 0, nothing changed). */
+ * background lane it was called on (of the greatest priority), which starts after what
+ * that lane has queued so far; the next join (background_join) and every sync wait for
+ * it too. Only while the stream is a lane (else 0, nothing changed). */
+static cudaStream_t aside_from;
 extern "C" int moe_cuda_aside_begin(void)
 {
-    if (!g.bg || g.stream != g.bg)
+    if (!on_lane())
         return 0;
     if (!g.aside && !make_side_stream(&g.aside, &g.aside_fork, &g.aside_join, 1))
         return 0; /* the failure is recorded; the work stays on the background */
-    if (!MOE_CUDA_OK(cudaEventRecord(g.aside_fork, g.bg)) ||
+    if (!MOE_CUDA_OK(cudaEventRecord(g.aside_fork, g.stream)) ||
         !MOE_CUDA_OK(cudaStreamWaitEvent(g.aside, g.aside_fork, 0)))
         return 0;
+    aside_from = g.stream;
     g.stream = g.aside;
     return 1;
 }
@@ -284,7 +318,7 @@ extern "C" void moe_cuda_aside_end(void)
         return;
     if (MOE_CUDA_OK(cudaEventRecord(g.aside_join, g.aside)))
         g.aside_queued = 1;
-    g.stream = g.bg;
+    g.stream = aside_from;
 }
 
 int moe_cuda_priority(void) { return g.priority; }
@@ -388,6 +422,7 @@ static void prof_drain(void)
     /* the pieces may lie on the background queue too (an update queued there), which the
      * last one's completion does not imply */
     if ((g.bg && !MOE_CUDA_OK(cudaStreamSynchronize(g.bg))) ||
+        (g.bg2 && !MOE_CUDA_OK(cudaStreamSynchronize(g.bg2))) ||
         (g.aside && !MOE_CUDA_OK(cudaStreamSynchronize(g.aside))) ||
         !MOE_CUDA_OK(cudaEventSynchronize(prof.ev[2 * prof.n_pending - 1]))) {
         prof.n_pending = 0;
@@ -489,6 +524,8 @@ static moe_status cuda_sync(void)
     MOE_CUDA_OK(cudaStreamSynchronize(g.queue));
     if (g.bg) /* and what was queued in the background, joined or not */
         MOE_CUDA_OK(cudaStreamSynchronize(g.bg));
+    if (g.bg2)
+        MOE_CUDA_OK(cudaStreamSynchronize(g.bg2));
     if (g.aside)
         MOE_CUDA_OK(cudaStreamSynchronize(g.aside));
     MOE_CUDA_OK(cudaGetLastError());
@@ -583,6 +620,8 @@ static void fill_table(moe_backend *b)
     b->native_stream = cuda_native_stream;
     b->background = cuda_background;
     b->background_join = cuda_background_join;
+    b->background_mark = cuda_background_mark;
+    b->background_await = cuda_background_await;
     b->compute_capability = cuda_compute_capability;
     b->set_precision = cuda_set_precision;
     b->refresh_shadow = cuda_refresh_shadow;
