@@ -336,12 +336,12 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
     /* MOE_UPDATE_IN_BACKWARD=0: every piece after the backward (a knob to measure it) */
     const char *early = getenv("MOE_UPDATE_IN_BACKWARD");
     tr->update_early = norm_in_update(tr) && !(early && strcmp(early, "0") == 0);
-    /* The update of the first (L + 2) / 2 buckets (the embedding, the first half of the
-     * layers) beside the next step's forward, on a GPU; MOE_UPDATE_DEFER=n: the first n
-     * (0: none; a knob to measure it, and for tests on the cpu) */
+    /* MOE_UPDATE_DEFER=n: the update of the first n buckets (the embedding, then the
+     * first layers) beside the next step's forward; unset or 0: none (opt-in until it is
+     * timed on a GPU: docs/design.md) */
     const char *defer = getenv("MOE_UPDATE_DEFER");
     const int n_buckets = tr->model->L + 2;
-    tr->defer = defer ? atoi(defer) : be->on_device ? n_buckets / 2 : 0;
+    tr->defer = defer ? atoi(defer) : 0;
     if (!tr->update_early || tr->defer < 0)
         tr->defer = 0;
     if (tr->defer > n_buckets)

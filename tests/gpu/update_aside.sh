@@ -21,25 +21,26 @@ run() { # name clip [env...]
 run aside 0 MOE_ADAMW_ASIDE=1
 run queue 0 MOE_ADAMW_ASIDE=0
 run whole 1e30
-# the first buckets' pieces beside the next step's forward (the default on a GPU: here
-# 2 of the tiny config's 5 buckets), none (MOE_UPDATE_DEFER=0) and all 5: the forward
-# must wait for each piece where it reads its parameters, so all three log the same
+# the first buckets' pieces beside the next step's forward: none (MOE_UPDATE_DEFER=0), 2 and
+# all 5 of the tiny config's 5 buckets; the forward must wait for each piece where it
+# reads its parameters, so all three log the same
 run none 0 MOE_UPDATE_DEFER=0
+run two 0 MOE_UPDATE_DEFER=2
 run all 0 MOE_UPDATE_DEFER=5
-for v in none:0 all:5; do
+for v in two:2 all:5; do
   name=${v%:*} n=${v#*:}
-  [ "$(wc -l <"$WORK/$name.jsonl")" -eq 12 ] && cmp -s <(losses "$WORK/aside.jsonl") <(losses "$WORK/$name.jsonl") &&
-    pass "buckets a step later: the default and MOE_UPDATE_DEFER=$n the same 12 steps bit for bit ($mode)" ||
-    { fail "the default against MOE_UPDATE_DEFER=$n"; diff <(losses "$WORK/aside.jsonl") \
+  [ "$(wc -l <"$WORK/$name.jsonl")" -eq 12 ] && cmp -s <(losses "$WORK/none.jsonl") <(losses "$WORK/$name.jsonl") &&
+    pass "MOE_UPDATE_DEFER=$n and 0: the same 12 steps bit for bit ($mode)" ||
+    { fail "MOE_UPDATE_DEFER=$n against 0"; diff <(losses "$WORK/none.jsonl") \
       <(losses "$WORK/$name.jsonl") | head -4; }
 done
 if [ "$mode" = bf16 ]; then
   grep -q "^optimizer: AdamW beside the backward, each stage" "$WORK/aside.log" &&
     pass "the pieces ran beside the backward" ||
     fail "no pieces: $(grep '^optimizer' "$WORK/aside.log")"
-  grep -q "^optimizer: .*; the first 2 of its 5 buckets .* beside the next step's forward" "$WORK/aside.log" &&
-    pass "by default 2 of 5 buckets beside the next step's forward" ||
-    fail "not deferred by default: $(grep '^optimizer' "$WORK/aside.log")"
+  grep -q "^optimizer: .*; the first 2 of its 5 buckets .* beside the next step's forward" "$WORK/two.log" &&
+    pass "MOE_UPDATE_DEFER=2: 2 of 5 buckets beside the next step's forward" ||
+    fail "MOE_UPDATE_DEFER=2 not deferred: $(grep '^optimizer' "$WORK/two.log")"
 fi
 [ "$(wc -l <"$WORK/aside.jsonl")" -eq 12 ] && [ "$(wc -l <"$WORK/queue.jsonl")" -eq 12 ] &&
   cmp -s <(losses "$WORK/aside.jsonl") <(losses "$WORK/queue.jsonl") &&
