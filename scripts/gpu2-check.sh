@@ -2,7 +2,8 @@
 # On a 2-GPU host (after `. .device-kit/setup.sh`): the NCCL path. Trains the tiny config on
 # 2 GPUs (ep 2 and ep 1) and on 2 CPU ranks, compares the losses, and times the bench shape
 # on 2 GPUs with ep 2 (`moe-dist bench`: tokens/s, phases, communication total and
-# exposed) next to the peer's DDP. Logs under $OUT.
+# exposed) next to the peer's DDP. Logs under $OUT. DEFER_TRY=n: the bench once more with
+# MOE_UPDATE_DEFER=n (docs/design.md: at ep 2 the dense pieces run after their reduction).
 set -uo pipefail
 OUT=${OUT:-gpu2-out}
 mkdir -p "$OUT"
@@ -76,6 +77,10 @@ if [ "${BENCH:-1}" = 1 ]; then
       NCCL_SET="$NCCL_TRY" bench "bench2_c2_r${k}_nccl" --set parallel.a2a_chunks=2 \
         --set parallel.exchange_repeat=$k
     done
+  fi
+  if [ -n "${DEFER_TRY:-}" ]; then # the first DEFER_TRY buckets' update beside the next forward
+    NCCL_SET="MOE_UPDATE_DEFER=$DEFER_TRY ${NCCL_SET:-}" bench bench2_c2_defer \
+      --set parallel.a2a_chunks=2
   fi
   if [ "${PEER:-1}" = 1 ]; then
     timeout 150 torchrun --nproc_per_node=2 .device-kit/peers/hf_mixtral_bench.py 4 32 8 2048 \
