@@ -1088,7 +1088,7 @@ moe_status moe_trainer_run(moe_trainer *tr, FILE *out)
                            tr->step % tr->cfg.replan_interval == 0 && tr->step < tr->cfg.steps;
         int stop = 0, due = 0;
         MOE_CHECK(checkpoint_boundary(tr, &stop, &due));
-        if (last || load || replan || due) { /* the step just taken, reported first */
+        if (last || load || replan || due || stop) { /* the step just taken, reported first */
             MOE_CHECK(moe_trainer_settle(tr, &r));
             report_step(tr, &r, first_step, start, &tokens, &final, tty, out);
         }
