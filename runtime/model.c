@@ -1086,18 +1086,19 @@ static moe_status layer_forward_end(moe_model *m, int l)
     return MOE_OK;
 }
 
-/* Layer l over the chunks, in the order that keeps the compute stream fed while the
- * host waits and tokens travel: (e) of layer l-1 and (a) for every chunk; then per chunk
- * i: (b) -- the host waits for chunk i's counts while the stream still computes the
- * chunks after it --, (d) of chunk i-1, (c) of chunk i. The exchanges enter their stream
- * as dispatch 0, dispatch 1, combine 0, dispatch 2, combine 1, ...: no dispatch queues
- * behind a combine that waits for experts. */
+/* The listener's call before the forward first reads a stage's parameters (model.h). */
 static void params_needed(moe_model *m, int stage, int part)
 {
     if (m->params_needed)
         m->params_needed(m->params_needed_ctx, stage, part);
 }
 
+/* Layer l over the chunks, in the order that keeps the compute stream fed while the
+ * host waits and tokens travel: (e) of layer l-1 and (a) for every chunk; then per chunk
+ * i: (b) -- the host waits for chunk i's counts while the stream still computes the
+ * chunks after it --, (d) of chunk i-1, (c) of chunk i. The exchanges enter their stream
+ * as dispatch 0, dispatch 1, combine 0, dispatch 2, combine 1, ...: no dispatch queues
+ * behind a combine that waits for experts. */
 static moe_status layer_forward_chunks(moe_model *m, int l, moe_fwd_stats *stats)
 {
     params_needed(m, l, 0);
