@@ -83,6 +83,15 @@ static void update_piece(moe_trainer *tr, int b, int part, int lane)
     m->be->background(0);
 }
 
+/* Zeroes bucket b's dense gradients (queued). */
+static void zero_dense(moe_trainer *tr, int b)
+{
+    const moe_grad_bucket *k = &tr->buckets[b];
+    moe_model *m = tr->model;
+    if (k->dense_hi > k->dense_lo)
+        m->be->zero(m->grads + k->dense_lo, sizeof(real) * (k->dense_hi - k->dense_lo));
+}
+
 /* Called by forward before it reads a stage's parameters: where their update still runs
  * on lane 2, the queue waits for it, then zeroes the bucket's dense gradients (read by
  * that update, so left out when accumulate zeroed the others). */
@@ -93,11 +102,9 @@ static void on_params_needed(void *ctx, int stage, int part)
     if (b < 0 || b >= tr->model->L + 2 || !tr->pending[slot])
         return;
     tr->pending[slot] = 0;
-    moe_model *m = tr->model;
-    m->be->background_await(slot);
-    const moe_grad_bucket *k = &tr->buckets[b];
-    if (part == 0 && k->dense_hi > k->dense_lo)
-        m->be->zero(m->grads + k->dense_lo, sizeof(real) * (k->dense_hi - k->dense_lo));
+    tr->model->be->background_await(slot);
+    if (part == 0)
+        zero_dense(tr, b);
 }
 
 /* The ranks that hold each expert (1: its gradients need no reduction). */
@@ -426,11 +433,9 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     if (!memchr(tr->pending, 1, n_pieces(tr))) {
         m->be->zero(m->grads, sizeof(real) * m->n_dense);
     } else {
-        for (int b = 0; b < m->L + 2; b++) {
-            const moe_grad_bucket *k = &tr->buckets[b];
-            if (!tr->pending[2 * b] && k->dense_hi > k->dense_lo)
-                m->be->zero(m->grads + k->dense_lo, sizeof(real) * (k->dense_hi - k->dense_lo));
-        }
+        for (int b = 0; b < m->L + 2; b++)
+            if (!tr->pending[2 * b])
+                zero_dense(tr, b);
     }
     if (norm_in_update(tr)) { /* the update's pieces: none queued yet */
         if (tr->defer)        /* the other half may be the held step's */
@@ -504,8 +509,9 @@ static long losses_fetch(moe_trainer *tr)
 {
     const moe_backend *be = tr->model->be;
     be->fetch(tr->step_host, tr->model->ce_acc, sizeof(double));
-    if (norm_in_update(tr))
-        be->fetch(tr->step_host + 3, tr->norm_parts, sizeof(double) * 4 * n_pieces(tr));
+    if (norm_in_update(tr)) /* half 0 only without tr->defer */
+        be->fetch(tr->step_host + 3, tr->norm_parts,
+                  sizeof(double) * (tr->defer ? 4 : 2) * n_pieces(tr));
     else
         be->fetch(tr->step_host + 1, tr->norm_sq, 2 * sizeof(double));
     const long mark = be->queue_mark();
@@ -538,6 +544,24 @@ static void held_sums(moe_trainer *tr, int half, double sq[2])
     sum_parts(tr, tr->held_parts, sq);
 }
 
+/* Waits for the queue to pass mark, the time counted as the host's wait. */
+static moe_status wait_mark(moe_trainer *tr, long mark)
+{
+    const double t_wait = moe_clock_seconds();
+    MOE_CHECK(tr->model->be->queue_wait(mark, moe_comm_watch, tr->comm));
+    tr->model->host_wait_s += moe_clock_seconds() - t_wait;
+    return MOE_OK;
+}
+
+/* This rank's share of global sums of squares sq (dense, expert): the dense one from world
+ * rank 0 (the same on every rank), the experts' from the ranks of EDP rank 0 (one holder
+ * of each expert); 0 elsewhere. */
+static void sq_share(const moe_trainer *tr, const double sq[2], double out[2])
+{
+    out[0] = moe_comm_rank(tr->comm, MOE_GROUP_WORLD) == 0 ? sq[0] : 0.0;
+    out[1] = moe_comm_rank(tr->comm, MOE_GROUP_EDP) == 0 ? sq[1] : 0.0;
+}
+
 /* The step's one wait for what losses_fetch queued, then the losses summed over ranks
  * (tr->sums, ce from the backend) and the communication times. When AdamW's pass summed
  * the squares (norm_in_update), they are this rank's and become global in the same sum
@@ -546,10 +570,7 @@ static void held_sums(moe_trainer *tr, int half, double sq[2])
  * (tr->held), into held_sq. */
 static moe_status losses_finish(moe_trainer *tr, moe_step_result *res, long mark, double held_sq[2])
 {
-    const moe_backend *be = tr->model->be;
-    const double t_wait = moe_clock_seconds();
-    MOE_CHECK(be->queue_wait(mark, moe_comm_watch, tr->comm));
-    tr->model->host_wait_s += moe_clock_seconds() - t_wait;
+    MOE_CHECK(wait_mark(tr, mark));
     double *sums = tr->sums, *sq = tr->step_host + 1;
     if (norm_in_update(tr)) /* the step's (lane 2's slots still zero with tr->defer) */
         sum_parts(tr, fetched_half(tr, tr->norm_half), sq);
@@ -559,12 +580,9 @@ static moe_status losses_finish(moe_trainer *tr, moe_step_result *res, long mark
     sums[0] = tr->step_host[0];
     const int local_sq = norm_in_update(tr) && tr->comm;
     if (local_sq) {
-        const int dense = moe_comm_rank(tr->comm, MOE_GROUP_WORLD) == 0;
-        const int expert = moe_comm_rank(tr->comm, MOE_GROUP_EDP) == 0;
-        sums[6] = dense ? sq[0] : 0.0;
-        sums[7] = expert ? sq[1] : 0.0;
-        sums[8] = held && dense ? held_sq[0] : 0.0;
-        sums[9] = held && expert ? held_sq[1] : 0.0;
+        sq_share(tr, sq, sums + 6);
+        if (held)
+            sq_share(tr, held_sq, sums + 8);
     }
     if (tr->comm)
         MOE_CHECK(
@@ -648,13 +666,10 @@ static moe_status norm_not_finite(moe_trainer *tr, int step, double norm, int fo
                      "rank (found after step %d: this update ran beside its forward)",
                      step, norm, what, step + 1);
         }
-        MOE_FAIL(MOE_ERR_NUMERIC,
-                 "step %d: gradient norm is %g (the non-finite gradient is on another rank)", step,
-                 norm);
     }
     /* name the first tensor whose gradient is not finite here (dense gradients are the
      * same on every rank; expert ones differ) */
-    for (int i = 0; i < m->n_tensors; i++) {
+    for (int i = 0; !found_late && i < m->n_tensors; i++) {
         const moe_tensor *t = &m->tensors[i];
         if (!m->be->all_finite(m->grads + t->offset, t->count))
             MOE_FAIL(MOE_ERR_NUMERIC,
@@ -769,14 +784,12 @@ moe_status moe_trainer_settle(moe_trainer *tr, moe_step_result *res)
     const moe_backend *be = tr->model->be;
     be->background_join();
     be->fetch(tr->step_host + 3, tr->norm_parts, sizeof(double) * 4 * n_pieces(tr));
-    const double t_wait = moe_clock_seconds();
-    MOE_CHECK(be->queue_wait(be->queue_mark(), moe_comm_watch, tr->comm));
-    tr->model->host_wait_s += moe_clock_seconds() - t_wait;
+    MOE_CHECK(wait_mark(tr, be->queue_mark()));
     double sq[2];
     held_sums(tr, tr->norm_half, sq); /* no step since: the held step's half */
     if (tr->comm) {
-        double v[2] = {moe_comm_rank(tr->comm, MOE_GROUP_WORLD) == 0 ? sq[0] : 0.0,
-                       moe_comm_rank(tr->comm, MOE_GROUP_EDP) == 0 ? sq[1] : 0.0};
+        double v[2];
+        sq_share(tr, sq, v);
         MOE_CHECK(moe_comm_sum_doubles(tr->comm, MOE_GROUP_WORLD, v, 2));
         sq[0] = v[0];
         sq[1] = v[1];
