@@ -212,6 +212,7 @@ struct Gemm {
         cublasLtMatmulHeuristicResult_t r;
         int got = 0;
         CB(cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &r, &got));
+        CB(cublasLtMatmulPreferenceDestroy(pref));
         if (!got) {
             printf("no algo\n");
             exit(1);
@@ -223,9 +224,35 @@ struct Gemm {
         float a = 1, b = 0;
         CB(cublasLtMatmul(lt, op, &a, A, la, B, lb, &b, Cm, lc, Cm, lc, &algo, ws, wss, s));
     }
+    /* ms for reps products on s, after 3 to warm up */
+    float timed(cudaStream_t s, int reps, cudaEvent_t e0, cudaEvent_t e1)
+    {
+        for (int i = 0; i < 3; i++)
+            run(s);
+        CK(cudaEventRecord(e0, s));
+        for (int i = 0; i < reps; i++)
+            run(s);
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        return ms;
+    }
+    void fini()
+    {
+        CB(cublasLtMatrixLayoutDestroy(la));
+        CB(cublasLtMatrixLayoutDestroy(lb));
+        CB(cublasLtMatrixLayoutDestroy(lc));
+        CB(cublasLtMatmulDescDestroy(op));
+        CB(cublasLtDestroy(lt));
+        CK(cudaFree(A));
+        CK(cudaFree(B));
+        CK(cudaFree(Cm));
+        CK(cudaFree(ws));
+    }
 };
 
-int main(int argc, char **argv)
+int main(void)
 {
     int nsm;
     CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
@@ -300,15 +327,8 @@ int main(int argc, char **argv)
     const int N = 8192, reps = 20;
     Gemm full;
     full.init(N, 0);
-    for (int i = 0; i < 3; i++)
-        full.run(sg);
-    CK(cudaEventRecord(e0, sg));
-    for (int i = 0; i < reps; i++)
-        full.run(sg);
-    CK(cudaEventRecord(e1, sg));
-    CK(cudaEventSynchronize(e1));
-    float tfull;
-    CK(cudaEventElapsedTime(&tfull, e0, e1));
+    const float tfull = full.timed(sg, reps, e0, e1);
+    full.fini();
     // the whole pass alone at full width (plain U2, 2 blocks an SM x many)
     CK(cudaEventRecord(e0, sa));
     plain<2><<<nsm * 8, 512, 0, sa>>>((uint4 *)p, (const uint4 *)g, (uint4 *)m, (uint4 *)v, n / 8);
@@ -323,16 +343,7 @@ int main(int argc, char **argv)
     for (int k : {4, 8, 12, 16}) {
         Gemm gk;
         gk.init(N, nsm - k);
-        for (int i = 0; i < 3; i++)
-            gk.run(sg);
-        CK(cudaEventRecord(e0, sg));
-        for (int i = 0; i < reps; i++)
-            gk.run(sg);
-        CK(cudaEventRecord(e1, sg));
-        CK(cudaEventSynchronize(e1));
-        float talone;
-        CK(cudaEventElapsedTime(&talone, e0, e1));
-        CK(cudaDeviceSynchronize());
+        const float talone = gk.timed(sg, reps, e0, e1);
         CK(cudaEventRecord(e2, sa));
         bulk<S, C><<<k, 512, smem, sa>>>(p, g, m, v, n);
         CK(cudaEventRecord(e3, sa));
@@ -347,6 +358,7 @@ int main(int argc, char **argv)
         CK(cudaEventElapsedTime(&tp, e2, e3));
         printf("%4d %12.2f %12.2f %12.2f %12.0f %14.2f\n", k, talone, tb, tp, bytes / tp / 1e6,
                tfull + tpass);
+        gk.fini();
     }
     return 0;
 }
