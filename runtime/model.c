@@ -890,6 +890,11 @@ static void moe_dispatch_pack(moe_model *m, int l)
         m->expert_local_dev + (size_t)l * m->E, N, m->D, K, m->ep, m->El, m->dispatch_bytes,
         m->row_x16);
     ch->mark = m->be->queue_mark();
+    /* Taking the tokens, the experts have N K rows (no slot is dropped), so their input
+     * rows are gathered from h2 here, behind the mark: the stream has work while the host
+     * waits for the counts and plans the GEMMs (moe_dispatch_send checks the count). */
+    if (direct)
+        m->be->moe_permute(a->xperm, a->h2, a->row_token, N * K, m->D);
 }
 
 /* The layer's one wait for the backend per chunk: the dispatch counts (and the router's
@@ -955,6 +960,9 @@ static moe_status moe_dispatch_send(moe_model *m, int l, moe_fwd_stats *stats)
         a->offsets[e + 1] = a->offsets[e] + (int)rows;
     }
     a->n_rows = a->offsets[El];
+    if (experts_take_tokens(m) && a->n_rows != N * K) /* moe_dispatch_pack permuted N K */
+        MOE_FAIL(MOE_ERR_COMM, "layer %d: %d expert rows, not the %d of %d tokens' %d slots", l,
+                 a->n_rows, N * K, N, K);
     stats->expert_rows += a->n_rows;
     if (a->n_rows > m->Mmax)
         MOE_FAIL(MOE_ERR_COMM, "layer %d: %d expert rows announced, more than the %d sized for", l,
@@ -977,7 +985,8 @@ static void moe_experts_forward(moe_model *m, int l, real *out)
         m->be->moe_route_plan(NULL, a->row_token, a->row_slot, a->lslot_row, m->route_scratch,
                               a->lidx, a->lw, R, m->El, K, R > 0 ? R : 1, -1);
     const int M = a->n_rows;
-    m->be->moe_permute(a->xperm, direct ? a->h2 : a->xrecv, a->row_token, M, D);
+    if (!direct) /* else moe_dispatch_pack gathered them */
+        m->be->moe_permute(a->xperm, a->xrecv, a->row_token, M, D);
     m->be->grouped_matmul_forward_pair_swiglu(a->eh, a->ea, a->eb, a->xperm, w->ew1, w->ew3,
                                               a->offsets, m->El, D, F);
     m->be->grouped_matmul_forward(a->eout, a->eh, w->ew2, a->offsets, m->El, F, D);
