@@ -7,11 +7,7 @@ set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 B=build-gpu
-t0=$(date +%s)
-{ cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES="75;90" && cmake --build $B; } >"$OUT/build.log" 2>&1 ||
-  { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(($(date +%s) - t0)) s"
+bash scripts/gpu-build.sh $B "75;90" "$OUT/build.log" || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 nvcc --version | tail -2 | head -1 | tee -a "$OUT/gpu.txt"
 for t in test_cuda_ops test_cuda_model test_cuda_precision; do

@@ -20,11 +20,7 @@ if [ "${PROBE:-1}" = 1 ]; then
   fi
   rm -f "$OUT/probe.bin"
 fi
-t0=$(date +%s)
-{ cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES="${ARCHS:-90}" && cmake --build "$B" --target moe-dist; } \
-  >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log" && exit 1; }
-echo "build: $(($(date +%s) - t0)) s"
+bash scripts/gpu-build.sh "$B" "${ARCHS:-90}" "$OUT/build.log" moe-dist || exit 1
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 n=$(nvidia-smi --query-gpu=multiprocessor_count --format=csv,noheader 2>/dev/null | head -1)
 [[ "$n" =~ ^[0-9]+$ ]] || n=132 # H100 SXM and H200: 132 SMs

@@ -8,9 +8,7 @@ set -uo pipefail
 OUT=${OUT:-gpu2-out}
 mkdir -p "$OUT"
 B=build-gpu
-{ cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES="75;90" && cmake --build $B; } >"$OUT/build.log" 2>&1 ||
-  { tail -40 "$OUT/build.log"; exit 1; }
+bash scripts/gpu-build.sh $B "75;90" "$OUT/build.log" || exit 1
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ "${TESTS:-1}" = 1 ]; then # every GPU test (labels gpu and mgpu) against the CPU
   bash scripts/run-tests.sh $B "gpu|mgpu" >"$OUT/tests.log" 2>&1
