@@ -51,6 +51,7 @@ extern "C" {
     X(softmax_backward)                                                                            \
     X(router_aux_partials)                                                                         \
     X(router_aux_backward)                                                                         \
+    X(router_backward)                                                                             \
     X(moe_route_plan)                                                                              \
     X(moe_permute)                                                                                 \
     X(moe_permute_backward)                                                                        \

@@ -56,9 +56,11 @@ void add_inplace(real *y, const real *x, size_t n);
 /* out (N,D), rstd (N) saved for backward, x (N,D), weight (D). */
 void rmsnorm_forward(real *out, real *rstd, const real *x, const real *weight, int N, int D,
                      real eps);
-/* dx (N,D) +=, dweight (D) +=. */
+/* dx (N,D) +=, dweight (D) +=; either may be NULL. write (the flags MOE_WRITE_DX,
+ * MOE_WRITE_DW below): that gradient is written, not added to (its contents before are
+ * ignored: the final norm's dx, a step's first dweight). */
 void rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x, const real *weight,
-                      const real *rstd, int N, int D);
+                      const real *rstd, int N, int D, int write);
 
 /* ---- linear: out (N,O) = x (N,I) W^T, W (O,I) -------------------------------------- */
 void matmul_forward(real *out, const real *x, const real *w, int N, int I, int O);
@@ -184,6 +186,15 @@ double router_aux_partials(int64_t *counts, double *psum, const double *aux_part
 void router_aux_backward(real *dprobs, real *dlogits, const real *probs, const real *lse,
                          const int64_t *counts, int64_t Ng, int N, int E, int K, double coef_aux,
                          double coef_z);
+/* The router's backward in one: dlogits (N,E) = (written, not added to) the gradient of
+ * the logits from that of the top-k weights dw (N,K) and the aux and z terms. The same as
+ * zeroing dprobs and dlogits, then router_topk_backward(dprobs, dw, probs, idx, ...),
+ * router_aux_backward(dprobs, dlogits, probs, lse, counts, ...) and
+ * softmax_backward(dlogits, dprobs, probs, ...). dprobs (N,E): scratch (a backend may
+ * leave it untouched; its contents after are unspecified). counts: host memory. */
+void router_backward(real *dlogits, real *dprobs, const real *dw, const real *probs,
+                     const int32_t *idx, const real *lse, const int64_t *counts, int64_t Ng, int N,
+                     int E, int K, int renorm, double coef_aux, double coef_z);
 
 /* ---- routing plan: which (token, slot) goes to which expert row ------------- */
 /* Orders the N*K assignments stably by expert (then token, then slot) and applies the

@@ -27,7 +27,7 @@ void rmsnorm_forward(real *out, real *rstd, const real *x, const real *weight, i
 
 /* dx_d = r * (w_d g_d - x_d * r^2 * sum_j(w_j g_j x_j) / D), r = rstd. */
 static void rmsnorm_backward_dx(real *dx, const real *dout, const real *x, const real *weight,
-                                const real *rstd, int N, int D)
+                                const real *rstd, int N, int D, int write)
 {
 #pragma omp parallel for schedule(static) if ((long)N * D > 65536)
     for (int n = 0; n < N; n++) {
@@ -40,13 +40,13 @@ static void rmsnorm_backward_dx(real *dx, const real *dout, const real *x, const
             dot += (double)weight[d] * g[d] * xr[d];
         double c = r * r * dot / D;
         for (int d = 0; d < D; d++)
-            dxr[d] += (real)(r * ((double)weight[d] * g[d] - xr[d] * c));
+            dxr[d] = (real)(r * ((double)weight[d] * g[d] - xr[d] * c)) + (write ? 0 : dxr[d]);
     }
 }
 
 /* dweight_d = sum_n g_nd * x_nd * r_n, over a block of columns at a time. */
 static void rmsnorm_backward_dweight(real *dweight, const real *dout, const real *x,
-                                     const real *rstd, int N, int D)
+                                     const real *rstd, int N, int D, int write)
 {
     int nblocks = (D + RMS_COL_BLOCK - 1) / RMS_COL_BLOCK;
 #pragma omp parallel for schedule(static) if ((long)N * D > 65536)
@@ -62,15 +62,15 @@ static void rmsnorm_backward_dweight(real *dweight, const real *dout, const real
                 acc[j] += (double)g[j] * xr[j] * r;
         }
         for (int j = 0; j < nd; j++)
-            dweight[d0 + j] += (real)acc[j];
+            dweight[d0 + j] = (real)acc[j] + (write ? 0 : dweight[d0 + j]);
     }
 }
 
 void rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x, const real *weight,
-                      const real *rstd, int N, int D)
+                      const real *rstd, int N, int D, int write)
 {
     if (dx)
-        rmsnorm_backward_dx(dx, dout, x, weight, rstd, N, D);
+        rmsnorm_backward_dx(dx, dout, x, weight, rstd, N, D, (write & MOE_WRITE_DX) != 0);
     if (dweight)
-        rmsnorm_backward_dweight(dweight, dout, x, rstd, N, D);
+        rmsnorm_backward_dweight(dweight, dout, x, rstd, N, D, (write & MOE_WRITE_DW) != 0);
 }

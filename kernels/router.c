@@ -4,6 +4,7 @@
  * Sums are in double; rows and chunks run in parallel, the sums inside a chunk run
  * sequentially over its rows and router_aux_partials adds the chunks in order. */
 #include <math.h>
+#include <string.h>
 
 #include "kernels/ops.h"
 
@@ -155,4 +156,17 @@ void router_aux_backward(real *dprobs, real *dlogits, const real *probs, const r
                 dl[e] += (real)(c * p[e]);
         }
     }
+}
+
+void router_backward(real *dlogits, real *dprobs, const real *dw, const real *probs,
+                     const int32_t *idx, const real *lse, const int64_t *counts, int64_t Ng, int N,
+                     int E, int K, int renorm, double coef_aux, double coef_z)
+{
+    if (N <= 0 || E <= 0)
+        return;
+    memset(dprobs, 0, sizeof(real) * (size_t)N * E);
+    memset(dlogits, 0, sizeof(real) * (size_t)N * E);
+    router_topk_backward(dprobs, dw, probs, idx, N, E, K, renorm);
+    router_aux_backward(dprobs, dlogits, probs, lse, counts, Ng, N, E, K, coef_aux, coef_z);
+    softmax_backward(dlogits, dprobs, probs, N, E);
 }

@@ -1138,7 +1138,17 @@ void moe_model_fuse_head(moe_model *m, int64_t step_sequences)
     m->head_sequences = step_sequences;
 }
 
-void moe_model_fresh_expert_grads(moe_model *m) { m->expert_grads_fresh = 1; }
+void moe_model_fresh_grads(moe_model *m) { m->grads_fresh = 1; }
+
+void moe_model_added_grads(const moe_model *m, size_t *lo, size_t *hi)
+{
+    *lo = (size_t)(m->g.embedding - m->grads);
+    *hi = *lo + (size_t)m->V * m->D;
+}
+
+/* MOE_WRITE_DW where the backward's weight gradients are the step's first contribution
+ * (moe_model_fresh_grads: the step's first backward, its first chunk), else 0. */
+static int first_dw(const moe_model *m) { return m->grads_fresh && m->cur == 0 ? MOE_WRITE_DW : 0; }
 
 void moe_model_set_precision(moe_model *m, int p)
 {
@@ -1165,15 +1175,15 @@ static void head_backward(moe_model *m, int r0, int rows, int64_t step_sequences
         m->be->cross_entropy_backward(m->dlogits, m->logits, m->ce_lse + r0, m->targets + r0,
                                       head_dloss(m, step_sequences), rows, m->V);
     m->be->matmul_backward(m->dh + (size_t)r0 * m->D, m->g.lm_head, m->dlogits, h, m->p.lm_head,
-                           rows, m->D, m->V, MOE_WRITE_DX); /* each head chunk's rows of dh */
+                           rows, m->D, m->V, MOE_WRITE_DX | (r0 == 0 ? first_dw(m) : 0));
 }
 
-/* The final norm's backward for the current chunk: dL/dx[L] into m->dres from m->dh. */
+/* The final norm's backward for the current chunk: dL/dx[L] into m->dres (written) from
+ * m->dh. */
 static void final_norm_backward(moe_model *m)
 {
-    m->be->zero(m->dres, sizeof(real) * (size_t)m->Nc * m->D);
     m->be->rmsnorm_backward(m->dres, m->g.final_norm, m->dh, m->x[m->L], m->p.final_norm, m->rstdf,
-                            m->Nc, m->D);
+                            m->Nc, m->D, MOE_WRITE_DX | first_dw(m));
 }
 
 static moe_status layer_backward_begin(moe_model *m, int l);
@@ -1253,17 +1263,19 @@ moe_status moe_model_take_ce(moe_model *m, double *ce_sum)
 
 /* ---- backward ---------------------------------------------------------------------- */
 
-/* Backward of swiglu_ffn_forward: dx (n, D) +=, weight gradients +=. dh is (n, D). */
+/* Backward of swiglu_ffn_forward: dx (n, D) +=, weight gradients += (written where they
+ * are the step's first: first_dw). dh is (n, D). */
 static void swiglu_ffn_backward(moe_model *m, real *dx, real *gw1, real *gw3, real *gw2,
                                 const real *dout, const real *x, const real *fa, const real *fb,
                                 const real *fh, const real *w1, const real *w3, const real *w2,
                                 int n, int D, int F)
 {
     size_t nf = (size_t)n * F;
-    m->be->matmul_backward(m->dfh, gw2, dout, fh, w2, n, F, D, MOE_WRITE_DX);
+    const int first = first_dw(m);
+    m->be->matmul_backward(m->dfh, gw2, dout, fh, w2, n, F, D, MOE_WRITE_DX | first);
     m->be->swiglu_backward(m->dfa, m->dfb, m->dfh, fa, fb, nf); /* overwrites dfa, dfb */
-    m->be->matmul_backward(dx, gw1, m->dfa, x, w1, n, D, F, 0);
-    m->be->matmul_backward(dx, gw3, m->dfb, x, w3, n, D, F, 0);
+    m->be->matmul_backward(dx, gw1, m->dfa, x, w1, n, D, F, first);
+    m->be->matmul_backward(dx, gw3, m->dfb, x, w3, n, D, F, first);
 }
 
 /* Gradient of the router: top-k weights (dw), aux and z terms, softmax, linear. The aux
@@ -1274,16 +1286,14 @@ static void router_backward_layer(moe_model *m, int l, int64_t step_sequences)
     const moe_layer_view *g = &m->g.layers[l];
     moe_layer_acts *a = &m->acts[l];
     const int N = m->Nc, E = m->E, K = m->K;
-    m->be->zero(m->dprobs, sizeof(real) * (size_t)N * E);
-    m->be->zero(m->drlogits, sizeof(real) * (size_t)N * E);
-    m->be->router_topk_backward(m->dprobs, m->dw, a->probs, a->idx, N, E, K, m->cfg.renorm_topk);
     /* aux: averaged over the step's micro-batches; z: over its tokens */
     const double n_micro = (double)step_sequences / m->B;
-    m->be->router_aux_backward(m->dprobs, m->drlogits, a->probs, a->rlse, a->mb_counts, m->N, N, E,
-                               K, m->loss_scale * m->cfg.aux_loss_coef / n_micro,
-                               m->loss_scale * m->cfg.z_loss_coef / n_micro);
-    m->be->softmax_backward(m->drlogits, m->dprobs, a->probs, N, E);
-    m->be->matmul_backward(m->dh, g->router, m->drlogits, a->h2, w->router, N, m->D, E, 0);
+    m->be->router_backward(m->drlogits, m->dprobs, m->dw, a->probs, a->idx, a->rlse, a->mb_counts,
+                           m->N, N, E, K, m->cfg.renorm_topk,
+                           m->loss_scale * m->cfg.aux_loss_coef / n_micro,
+                           m->loss_scale * m->cfg.z_loss_coef / n_micro);
+    m->be->matmul_backward(m->dh, g->router, m->drlogits, a->h2, w->router, N, m->D, E,
+                           first_dw(m));
 }
 
 /* Whether layer l's dispatch rows are the tokens themselves, in order: at ep 1 the rows
@@ -1312,7 +1322,7 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
     moe_layer_acts *a = &m->acts[l];
     const int R = a->n_recv, D = m->D, K = m->K, F = m->F, M = a->n_rows;
     /* the weight gradients are written by a step's first chunk (chunks run in order) */
-    const int first = m->expert_grads_fresh && m->cur == 0 ? MOE_WRITE_DW : 0;
+    const int first = first_dw(m);
     real *dlw = out ? m->dlw : m->dw;
     m->be->zero(dlw, sizeof(real) * (size_t)R * K); /* deout: written by the op */
     m->be->moe_combine_backward(m->deout, dlw, dy, a->eout, experts_slot_w(m, a), a->row_token,
@@ -1393,15 +1403,18 @@ static moe_status layer_backward_end(moe_model *m, int l, int64_t step_sequences
                                          D, K, a->token_rows, N, m->ep);
         router_backward_layer(m, l, step_sequences);
     }
-    m->be->rmsnorm_backward(m->dres, g->ffn_norm, m->dh, a->xmid, w->ffn_norm, a->rstd2, N, D);
+    const int first = first_dw(m);
+    m->be->rmsnorm_backward(m->dres, g->ffn_norm, m->dh, a->xmid, w->ffn_norm, a->rstd2, N, D,
+                            first);
 
     /* attention branch: xmid = x[l] + attn(norm(x[l])) */
-    m->be->matmul_backward(m->datt, g->wo, m->dres, a->att, w->wo, N, D, D, MOE_WRITE_DX);
+    m->be->matmul_backward(m->datt, g->wo, m->dres, a->att, w->wo, N, D, D, MOE_WRITE_DX | first);
     /* the q, k, v projections' backward as one GEMM over [dq | dk | dv] and [wq; wk; wv] */
     m->be->attention_backward_qkv(m->dqkv, m->dq, m->dk, m->dv, m->datt, a->att, a->att_lse, a->q,
                                   a->k, a->v, m->rope_cos, m->rope_sin, m->Bc, m->T, m->H, m->Hd);
-    m->be->matmul_backward(m->dh, g->wq, m->dqkv, a->h1, w->wq, N, D, 3 * D, MOE_WRITE_DX);
-    m->be->rmsnorm_backward(m->dres, g->attn_norm, m->dh, m->x[l], w->attn_norm, a->rstd1, N, D);
+    m->be->matmul_backward(m->dh, g->wq, m->dqkv, a->h1, w->wq, N, D, 3 * D, MOE_WRITE_DX | first);
+    m->be->rmsnorm_backward(m->dres, g->attn_norm, m->dh, m->x[l], w->attn_norm, a->rstd1, N, D,
+                            first);
     return MOE_OK;
 }
 
@@ -1482,7 +1495,7 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences)
         use_chunk(m, i);
         m->be->embedding_backward(m->g.embedding, m->dres, m->tokens, Nc, D, m->V);
     }
-    m->expert_grads_fresh = 0;
+    m->grads_fresh = 0;
     grad_ready(m, -1);
     return MOE_OK;
 }

@@ -171,7 +171,8 @@ typedef struct moe_model {
     int64_t head_sequences;     /* > 0: the next forward runs the LM head's backward too */
     int64_t head_done;          /* the step size it ran for, until the backward that follows */
     int backward_begun;         /* that forward also began the last layer's backward */
-    int expert_grads_fresh;     /* the next backward writes the expert gradients, not adds */
+    int grads_fresh;            /* the next backward writes the gradients, not adds (but the
+                                 * embedding's: moe_model_added_grads) */
     size_t max_gemm_operand;    /* elements of the largest activation operand of any GEMM */
     int ep, ep_rank;            /* expert-parallel degree and this rank's place in its EP group */
     int *expert_rank;           /* (L, E): EP rank holding each expert of each layer */
@@ -303,8 +304,8 @@ moe_status moe_model_take_ce(moe_model *m, double *ce_sum);
 
 /* Backward of the last forward, accumulating into m->grads the gradient of the step
  * loss (see the top of this file), times m->loss_scale, for a step of `step_sequences`
- * sequences in all. After moe_model_fresh_expert_grads, the expert gradients (the
- * parameters from n_dense on) are written instead, whatever they held.
+ * sequences in all. After moe_model_fresh_grads, the gradients are written instead,
+ * whatever they held, but for those of moe_model_added_grads.
  * Collective over the EP group (token exchanges). Calls m->grad_ready after each
  * stage when set. */
 moe_status moe_model_backward(moe_model *m, int64_t step_sequences);
@@ -315,10 +316,15 @@ moe_status moe_model_backward(moe_model *m, int64_t step_sequences);
  * that follows must be for the same step_sequences. Gradients are identical either way. */
 void moe_model_fuse_head(moe_model *m, int64_t step_sequences);
 
-/* The next backward is a step's first: it writes the expert gradients [n_dense, n_params)
- * (its first chunk's weight-gradient GEMMs overwrite, empty experts' slices are zeroed),
- * so the caller need zero only the dense ones. Later backwards add, as before. */
-void moe_model_fresh_expert_grads(moe_model *m);
+/* The next backward (with the LM head's part in the forward before it, where fused) is a
+ * step's first: it writes the gradients (its first chunk's weight-gradient GEMMs and
+ * norms overwrite, empty experts' slices are zeroed), all but those of
+ * moe_model_added_grads, which the caller must zero. Later backwards add, as before. */
+void moe_model_fresh_grads(moe_model *m);
+/* The gradients [*lo, *hi) of m->grads that a backward only adds to, the fresh one too:
+ * the embedding table's (a scatter of the tokens' rows, rows of absent tokens untouched).
+ * They lie within the dense ones [0, n_dense). */
+void moe_model_added_grads(const moe_model *m, size_t *lo, size_t *hi);
 
 /* The GEMM precision the backend runs: in bf16 / fp16 the dispatch rows carry the token
  * in that 16-bit form (ops.h MOE_ROW_*), half the bytes, the same bits as the experts'

@@ -83,13 +83,18 @@ static void update_piece(moe_trainer *tr, int b, int part, int lane)
     m->be->background(0);
 }
 
-/* Zeroes bucket b's dense gradients (queued). */
+/* Zeroes those of bucket b's dense gradients that the step's first backward adds to, not
+ * writes (moe_model_added_grads: the embedding's), queued. */
 static void zero_dense(moe_trainer *tr, int b)
 {
     const moe_grad_bucket *k = &tr->buckets[b];
     moe_model *m = tr->model;
-    if (k->dense_hi > k->dense_lo)
-        m->be->zero(m->grads + k->dense_lo, sizeof(real) * (k->dense_hi - k->dense_lo));
+    size_t lo, hi;
+    moe_model_added_grads(m, &lo, &hi);
+    lo = lo > k->dense_lo ? lo : k->dense_lo;
+    hi = hi < k->dense_hi ? hi : k->dense_hi;
+    if (hi > lo)
+        m->be->zero(m->grads + lo, sizeof(real) * (hi - lo));
 }
 
 /* Called by forward before it reads a stage's parameters: where their update still runs
@@ -428,15 +433,11 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
     res->micro_batches = accum;
     res->sequences = S;
     MOE_CHECK(moe_fault_check(&tr->fault, tr->rank, tr->step));
-    /* the dense gradients; the first backward writes the experts' (the larger part). A
-     * bucket whose update still runs is zeroed where the forward waits for it. */
-    if (!memchr(tr->pending, 1, n_pieces(tr))) {
-        m->be->zero(m->grads, sizeof(real) * m->n_dense);
-    } else {
-        for (int b = 0; b < m->L + 2; b++)
-            if (!tr->pending[2 * b])
-                zero_dense(tr, b);
-    }
+    /* the gradients the first backward adds to (the embedding's; it writes the others).
+     * A bucket whose update still runs is zeroed where the forward waits for it. */
+    for (int b = 0; b < m->L + 2; b++)
+        if (!tr->pending[2 * b])
+            zero_dense(tr, b);
     if (norm_in_update(tr)) { /* the update's pieces: none queued yet */
         if (tr->defer)        /* the other half may be the held step's */
             tr->norm_half ^= 1;
@@ -445,7 +446,7 @@ moe_status moe_trainer_accumulate(moe_trainer *tr, moe_step_result *res)
         memset(tr->updated, 0, n_pieces(tr));
         tr->step_counted = 0;
     }
-    moe_model_fresh_expert_grads(m);
+    moe_model_fresh_grads(m);
     /* ce (on the backend, m->ce_acc, until apply), aux, z, dropped, a2a bytes, a2a saved:
      * summed over micro-batches here, over ranks in apply */
     double *sums = tr->sums;

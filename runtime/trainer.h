@@ -119,8 +119,8 @@ typedef struct {
 moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct moe_comm *comm);
 void moe_trainer_destroy(moe_trainer *tr);
 
-/* Zeroes the dense gradients (the first backward writes the experts': see
- * moe_model_fresh_expert_grads) and queues every micro-batch of step tr->step (forward +
+/* Zeroes the embedding's gradients (the first backward writes the others: see
+ * moe_model_fresh_grads) and queues every micro-batch of step tr->step (forward +
  * backward), reducing gradients across ranks as the last micro-batch's stages finish,
  * and the sums of squares of the gradient norm. Fills step, micro_batches, sequences.
  * The host waits only for each MoE layer's counts. Collective. */

@@ -14,5 +14,5 @@ tools="memcheck racecheck"
 for tool in $tools; do
   timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 ./$B/tests/test_cuda_model \
     >"$OUT/sanitizer_${tool}.log" 2>&1
-  echo "compute-sanitizer $tool test_cuda_model: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_${tool}.log") clean summaries)"
+  echo "compute-sanitizer $tool test_cuda_model: exit $? ($(grep -cE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$OUT/sanitizer_${tool}.log") clean summaries)"
 done

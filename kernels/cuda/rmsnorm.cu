@@ -170,11 +170,12 @@ extern "C" void cuda_rmsnorm_forward(real *out, real *rstd, const real *x, const
 #undef RMS_FORWARD
 }
 
-/* dx_d += r * (w_d g_d - x_d * r^2 * sum_j(w_j g_j x_j) / D); rows as the forward's. */
+/* dx_d += r * (w_d g_d - x_d * r^2 * sum_j(w_j g_j x_j) / D) (write: =); rows as the
+ * forward's. */
 template <int V>
 static __global__ void rmsnorm_backward_dx_kernel(real *dx, const real *dout, const real *x,
                                                   const real *weight, const real *rstd, int N,
-                                                  int D)
+                                                  int D, int write)
 {
     const int row = blockIdx.x * blockDim.y + threadIdx.y;
     const int live = row < N;
@@ -200,7 +201,14 @@ static __global__ void rmsnorm_backward_dx_kernel(real *dx, const real *dout, co
     for (int d = threadIdx.x * V; d < D; d += blockDim.x * V) {
         const moe_fvec<V> w = moe_load_v<V>(weight + d), gv = moe_load_v<V>(g + d),
                           xv = moe_load_v<V>(xr + d);
-        moe_fvec<V> dv = moe_load_v<V>(dxr + d);
+        moe_fvec<V> dv;
+        if (write) {
+#pragma unroll
+            for (int k = 0; k < V; k++)
+                dv.v[k] = 0;
+        } else {
+            dv = moe_load_v<V>(dxr + d);
+        }
 #pragma unroll
         for (int k = 0; k < V; k++)
             dv.v[k] += (real)(r * ((double)w.v[k] * gv.v[k] - xv.v[k] * c));
@@ -252,7 +260,7 @@ static __global__ void rmsnorm_dweight_partial(double *part, const real *dout, c
  * the dot product (per thread in column order, then the warps in order, in double), dx,
  * and each column's g x r added to the thread's partial of dweight, which goes to
  * part[b][d] at the end (rmsnorm_dweight_final adds the blocks in order). The two-kernel
- * form reads x and dout a second time for dweight. */
+ * form reads x and dout a second time for dweight. write_dx: dx is written, not read. */
 #define FUSED_THREADS 256
 #define FUSED_GROUPS 4 /* the most; the kernel is built for 1, 2 and 4 */
 /* Rows a block, by default (MOE_RMSNORM_ROWS): at D = 1024 on an H200 (N = 16384, 4
@@ -264,7 +272,8 @@ static __global__ void rmsnorm_dweight_partial(double *part, const real *dout, c
 template <int G>
 static __global__ void __launch_bounds__(FUSED_THREADS)
     rmsnorm_backward_fused_kernel(real *dx, double *part, const real *dout, const real *x,
-                                  const real *weight, const real *rstd, int N, int D, int rows)
+                                  const real *weight, const real *rstd, int N, int D, int rows,
+                                  int write_dx)
 {
     __shared__ double red[2][FUSED_THREADS / 32];
     const int lo = blockIdx.x * rows, hi = min(N, lo + rows);
@@ -292,7 +301,13 @@ static __global__ void __launch_bounds__(FUSED_THREADS)
             if (d < D) {
                 gv[q] = moe_load_v<4>(g + d);
                 xv[q] = moe_load_v<4>(xr + d);
-                dv[q] = moe_load_v<4>(dxr + d); /* with the others: one wait for memory a row */
+                if (write_dx) {
+#pragma unroll
+                    for (int k = 0; k < 4; k++)
+                        dv[q].v[k] = 0;
+                } else { /* with the others: one wait for memory a row */
+                    dv[q] = moe_load_v<4>(dxr + d);
+                }
 #pragma unroll
                 for (int k = 0; k < 4; k++)
                     dot += (double)w[q].v[k] * gv[q].v[k] * xv[q].v[k];
@@ -329,7 +344,7 @@ static __global__ void __launch_bounds__(FUSED_THREADS)
     }
 }
 
-/* dweight[d] += sum over the chunks of part[c][d]: block (FINAL_COLS, FINAL_LANES), each
+/* dweight[d] += (write: =) sum over the chunks of part[c][d]: block (FINAL_COLS, FINAL_LANES), each
  * thread a strided subset of the chunks, then the FINAL_LANES partials in order. Few
  * columns a block, so that D / FINAL_COLS blocks share the reading of the partials (32
  * columns a block made 32 blocks at D = 1024: 20 us for 8 MB of partials on an H200);
@@ -337,7 +352,7 @@ static __global__ void __launch_bounds__(FUSED_THREADS)
 #define FINAL_COLS 4
 #define FINAL_LANES 64
 static __global__ void __launch_bounds__(FINAL_COLS *FINAL_LANES)
-    rmsnorm_dweight_final(real *dweight, const double *part, int chunks, int D)
+    rmsnorm_dweight_final(real *dweight, const double *part, int chunks, int D, int write)
 {
     __shared__ double acc[FINAL_LANES][FINAL_COLS];
     const int d = blockIdx.x * FINAL_COLS + threadIdx.x;
@@ -352,21 +367,22 @@ static __global__ void __launch_bounds__(FINAL_COLS *FINAL_LANES)
         double t = 0.0;
         for (int l = 0; l < FINAL_LANES; l++)
             t += acc[l][threadIdx.x];
-        dweight[d] += (real)t;
+        dweight[d] = (real)t + (write ? (real)0 : dweight[d]);
     }
 }
 
-static void dweight_final(real *dweight, const double *part, int chunks, int D)
+static void dweight_final(real *dweight, const double *part, int chunks, int D, int write)
 {
     MOE_CUDA_LAUNCH(rmsnorm_dweight_final, (D + FINAL_COLS - 1) / FINAL_COLS,
-                    dim3(FINAL_COLS, FINAL_LANES), 0, dweight, part, chunks, D);
+                    dim3(FINAL_COLS, FINAL_LANES), 0, dweight, part, chunks, D, write);
 }
 
 extern "C" void cuda_rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x,
-                                      const real *weight, const real *rstd, int N, int D)
+                                      const real *weight, const real *rstd, int N, int D, int write)
 {
     if (N <= 0 || D <= 0)
         return;
+    const int write_dx = (write & MOE_WRITE_DX) != 0, write_dw = (write & MOE_WRITE_DW) != 0;
     /* x and dout feed both kernels: the float4 forms need them aligned */
     const bool vec = D % 4 == 0 && moe_aligned16(dout) && moe_aligned16(x);
     static int two_pass = -1; /* MOE_RMSNORM_TWO_PASS=1: the two-kernel form (a benchmark knob) */
@@ -386,7 +402,7 @@ extern "C" void cuda_rmsnorm_backward(real *dx, real *dweight, const real *dout,
         const int groups = (D / 4 + FUSED_THREADS - 1) / FUSED_THREADS;
 #define RMS_FUSED(G)                                                                               \
     MOE_CUDA_LAUNCH(rmsnorm_backward_fused_kernel<G>, blocks, FUSED_THREADS, 0, dx, part, dout, x, \
-                    weight, rstd, N, D, rows)
+                    weight, rstd, N, D, rows, write_dx)
         if (groups <= 1)
             RMS_FUSED(1);
         else if (groups <= 2)
@@ -394,17 +410,17 @@ extern "C" void cuda_rmsnorm_backward(real *dx, real *dweight, const real *dout,
         else
             RMS_FUSED(4);
 #undef RMS_FUSED
-        dweight_final(dweight, part, blocks, D);
+        dweight_final(dweight, part, blocks, D, write_dw);
         return;
     }
     if (dx && vec && moe_aligned16(dx) && moe_aligned16(weight)) {
         const dim3 rows = row_block(D / 4, DX_GROUPS);
         MOE_CUDA_LAUNCH(rmsnorm_backward_dx_kernel<4>, (N + rows.y - 1) / rows.y, rows, 0, dx, dout,
-                        x, weight, rstd, N, D);
+                        x, weight, rstd, N, D, write_dx);
     } else if (dx) {
         const dim3 rows = row_block(D, DX_GROUPS);
         MOE_CUDA_LAUNCH(rmsnorm_backward_dx_kernel<1>, (N + rows.y - 1) / rows.y, rows, 0, dx, dout,
-                        x, weight, rstd, N, D);
+                        x, weight, rstd, N, D, write_dx);
     }
     if (!dweight)
         return;
@@ -419,5 +435,5 @@ extern "C" void cuda_rmsnorm_backward(real *dx, real *dweight, const real *dout,
     else
         MOE_CUDA_LAUNCH(rmsnorm_dweight_partial<1>, dim3((D + DW_COLS - 1) / DW_COLS, chunks),
                         block, 0, part, dout, x, rstd, N, D);
-    dweight_final(dweight, part, chunks, D);
+    dweight_final(dweight, part, chunks, D, write_dw);
 }

@@ -283,3 +283,88 @@ extern "C" void cuda_router_aux_backward(real *dprobs, real *dlogits, const real
         MOE_CUDA_LAUNCH(aux_dlogits_kernel, moe_cuda_blocks((size_t)N * E, MOE_CUDA_THREADS),
                         MOE_CUDA_THREADS, 0, dlogits, probs, lse, coef_z, ng, N, E);
 }
+
+/* ---- the router's backward in one kernel --------------------------------------------- */
+
+/* Experts a row in one warp's registers (E / 32 a lane). */
+#define FUSED_E_MAX AUX_COLS_MAX
+
+/* One warp per row: dprobs (the top-k term, then the aux term) kept in registers, then
+ * dlogits written: the z term, then the softmax backward added to it. Each value goes
+ * through the same operations in the same order as router_topk_backward_kernel,
+ * aux_dprobs_kernel, aux_dlogits_kernel and softmax_backward_kernel over zeroed dprobs
+ * and dlogits: the same bits, in one pass instead of 4 kernels and 2 memsets. */
+static __global__ void router_backward_kernel(real *dlogits, const real *dw, const real *probs,
+                                              const int32_t *idx, const real *lse, aux_cols c,
+                                              double coef_z, double ng, int N, int E, int K,
+                                              int renorm)
+{
+    const int n = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (n >= N)
+        return;
+    const int32_t *in = idx + (size_t)n * K;
+    const real *g = dw + (size_t)n * K, *p = probs + (size_t)n * E;
+    real *dl = dlogits + (size_t)n * E;
+    double S = 0.0, gw = 0.0;
+    if (renorm) {
+        for (int k = 0; k < K; k++)
+            S += p[in[k]];
+        for (int k = 0; k < K; k++)
+            gw += (double)g[k] * (p[in[k]] / S);
+    }
+    real pv[FUSED_E_MAX / 32], dp[FUSED_E_MAX / 32];
+    double dot = 0.0;
+#pragma unroll
+    for (int j = 0; j < FUSED_E_MAX / 32; j++) {
+        const int e = lane + 32 * j;
+        if (e < E) {
+            real d = 0;
+            for (int k = 0; k < K; k++)
+                if (in[k] == e)
+                    d = renorm ? d + (real)((g[k] - gw) / S) : __fadd_rn(d, g[k]);
+            d = __fadd_rn(d, c.v[e]);
+            pv[j] = p[e];
+            dp[j] = d;
+            dot += (double)pv[j] * d;
+        }
+    }
+    dot = moe_warp_sum_d(dot);
+    const double cz = coef_z * 2.0 * lse[n] / ng;
+#pragma unroll
+    for (int j = 0; j < FUSED_E_MAX / 32; j++) {
+        const int e = lane + 32 * j;
+        if (e < E) {
+            const real t = (real)0 + (real)(cz * pv[j]);
+            dl[e] = t + (real)(pv[j] * (dp[j] - dot));
+        }
+    }
+}
+
+extern "C" void cuda_router_backward(real *dlogits, real *dprobs, const real *dw, const real *probs,
+                                     const int32_t *idx, const real *lse, const int64_t *counts,
+                                     int64_t Ng, int N, int E, int K, int renorm, double coef_aux,
+                                     double coef_z)
+{
+    if (N <= 0 || E <= 0)
+        return;
+    /* MOE_ROUTER_BACKWARD_UNFUSED=1: the 4 kernels (a benchmark knob, read each call: the
+     * tests switch it); more experts than a warp's registers take: always */
+    const char *unfused = getenv("MOE_ROUTER_BACKWARD_UNFUSED");
+    if (E > FUSED_E_MAX || (unfused && atoi(unfused))) {
+        const size_t bytes = sizeof(real) * (size_t)N * E;
+        MOE_CUDA_OK(cudaMemsetAsync(dprobs, 0, bytes, moe_cuda_stream()));
+        MOE_CUDA_OK(cudaMemsetAsync(dlogits, 0, bytes, moe_cuda_stream()));
+        cuda_router_topk_backward(dprobs, dw, probs, idx, N, E, K, renorm);
+        cuda_router_aux_backward(dprobs, dlogits, probs, lse, counts, Ng, N, E, K, coef_aux,
+                                 coef_z);
+        cuda_softmax_backward(dlogits, dprobs, probs, N, E);
+        return;
+    }
+    const double ng = (double)Ng;
+    aux_cols c;
+    for (int e = 0; e < E; e++) /* as cuda_router_aux_backward's */
+        c.v[e] = (real)(coef_aux * E * (double)counts[e] / (ng * K) / ng);
+    MOE_CUDA_LAUNCH(router_backward_kernel, (N + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK,
+                    MOE_CUDA_THREADS, 0, dlogits, dw, probs, idx, lse, c, coef_z, ng, N, E, K,
+                    renorm);
+}

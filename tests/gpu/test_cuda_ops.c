@@ -331,12 +331,18 @@ static void test_rmsnorm(int N, int D, const char *name)
 
     begin("rmsnorm_backward", name);
     float *g = frand(ND, -1, 1), *dg = DEVF(g, ND), *drs = DEVF(rstd, N);
-    for (int variant = 0; variant < 3; variant++) { /* both, dx only, dweight only */
-        float *gx = variant != 2 ? frand(ND, -1, 1) : NULL;
-        float *gw = variant != 1 ? frand(D, -1, 1) : NULL;
+    /* both, dx only, dweight only; added to, then written over NaN (write: both, dx with
+     * dweight added to, dx alone, dweight alone): NaN is never read */
+    static const int writes[7] = {
+        0, 0, 0, MOE_WRITE_DX | MOE_WRITE_DW, MOE_WRITE_DX, MOE_WRITE_DX, MOE_WRITE_DW};
+    for (int variant = 0; variant < 7; variant++) {
+        const int write = writes[variant];
+        const int has_dx = variant != 2 && variant != 6, has_dw = variant != 1 && variant != 5;
+        float *gx = has_dx ? (write & MOE_WRITE_DX ? fnan(ND) : frand(ND, -1, 1)) : NULL;
+        float *gw = has_dw ? (write & MOE_WRITE_DW ? fnan(D) : frand(D, -1, 1)) : NULL;
         float *dgx = gx ? DEVF(gx, ND) : NULL, *dgw = gw ? DEVF(gw, D) : NULL;
-        cpu->rmsnorm_backward(gx, gw, g, x, w, rstd, N, D);
-        gpu->rmsnorm_backward(dgx, dgw, dg, dx_, dw_, drs, N, D);
+        cpu->rmsnorm_backward(gx, gw, g, x, w, rstd, N, D, write);
+        gpu->rmsnorm_backward(dgx, dgw, dg, dx_, dw_, drs, N, D, write);
         gpu_done();
         if (gx)
             check_f("dx", HOSTF(dgx, ND), gx, ND, D, REDUCE);
@@ -722,6 +728,21 @@ static void test_router(int N, int E, int K, int renorm, int quantized, const ch
             check_f("dprobs", HOSTF(dap, NE), ap, NE, E, TIGHT);
         if (al)
             check_f("dlogits", HOSTF(dal, NE), al, NE, E, TIGHT);
+    }
+
+    /* the whole backward, written over NaN: fused (E <= 256), then the 4 kernels */
+    begin("router_backward", name);
+    float *rl = fnan(NE), *rp = fnan(NE), *rdw = frand(NK, -1, 1);
+    cpu->router_backward(rl, rp, rdw, probs, idx, lse, counts, Ng, N, E, K, renorm, 0.3, 0.05);
+    for (int unfused = 0; unfused < 2; unfused++) {
+        float *drl = DEVF(fnan(NE), NE), *drp = DEVF(fnan(NE), NE);
+        if (unfused && setenv("MOE_ROUTER_BACKWARD_UNFUSED", "1", 1) != 0)
+            fail_now("setenv");
+        gpu->router_backward(drl, drp, DEVF(rdw, NK), rprobs, ridx, rlse, counts, Ng, N, E, K,
+                             renorm, 0.3, 0.05);
+        gpu_done();
+        unsetenv("MOE_ROUTER_BACKWARD_UNFUSED");
+        check_f(unfused ? "dlogits (4 kernels)" : "dlogits", HOSTF(drl, NE), rl, NE, E, REDUCE);
     }
     free_all();
 }
