@@ -730,9 +730,10 @@ static void test_router(int N, int E, int K, int renorm, int quantized, const ch
             check_f("dlogits", HOSTF(dal, NE), al, NE, E, TIGHT);
     }
 
-    /* the whole backward, written over NaN: fused (E <= 256), then the 4 kernels */
+    /* the whole backward, written over NaN: fused (E <= 256), then the 4 kernels, which
+     * must give the same bits */
     begin("router_backward", name);
-    float *rl = fnan(NE), *rp = fnan(NE), *rdw = frand(NK, -1, 1);
+    float *rl = fnan(NE), *rp = fnan(NE), *rdw = frand(NK, -1, 1), *fused = NULL;
     cpu->router_backward(rl, rp, rdw, probs, idx, lse, counts, Ng, N, E, K, renorm, 0.3, 0.05);
     for (int unfused = 0; unfused < 2; unfused++) {
         float *drl = DEVF(fnan(NE), NE), *drp = DEVF(fnan(NE), NE);
@@ -742,7 +743,15 @@ static void test_router(int N, int E, int K, int renorm, int quantized, const ch
                              renorm, 0.3, 0.05);
         gpu_done();
         unsetenv("MOE_ROUTER_BACKWARD_UNFUSED");
-        check_f(unfused ? "dlogits (4 kernels)" : "dlogits", HOSTF(drl, NE), rl, NE, E, REDUCE);
+        float *got = HOSTF(drl, NE);
+        check_f(unfused ? "dlogits (4 kernels)" : "dlogits", got, rl, NE, E, REDUCE);
+        if (!unfused) {
+            fused = got;
+        } else if (memcmp(got, fused, sizeof(float) * NE) != 0) {
+            printf("FAIL router_backward [%s]: the 4 kernels' bits differ from the fused's\n",
+                   name);
+            cur->failed++;
+        }
     }
     free_all();
 }
