@@ -98,8 +98,9 @@ static void zero_dense(moe_trainer *tr, int b)
 }
 
 /* Called by forward before it reads a stage's parameters: where their update still runs
- * on lane 2, the queue waits for it, then zeroes the bucket's dense gradients (read by
- * that update, so left out when accumulate zeroed the others). */
+ * on lane 2, the queue waits for it, then zeroes those of the bucket's dense gradients
+ * that the backward adds to (zero_dense: read by that update, so left out when accumulate
+ * zeroed the others). */
 static void on_params_needed(void *ctx, int stage, int part)
 {
     moe_trainer *tr = ctx;
