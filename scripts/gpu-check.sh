@@ -17,12 +17,6 @@ done
 # AdamW's steps of 4 elements (the widest, 8, where the alignments allow, is the default)
 MOE_ADAMW_WIDTH=4 ./$B/tests/test_cuda_ops >"$OUT/test_cuda_ops_w4.log" 2>&1
 echo "test_cuda_ops, AdamW steps of 4: exit $?"
-# the trial knobs of the thirty-ninth session, together: the sorts in one block, the
-# dispatch counts gathered in shared memory
-for t in test_cuda_ops test_cuda_model; do
-  MOE_SORT_ONE_BLOCK=1 MOE_DISPATCH_FLAGS_SHARED=1 ./$B/tests/$t >"$OUT/${t}_trials.log" 2>&1
-  echo "$t, MOE_SORT_ONE_BLOCK=1 MOE_DISPATCH_FLAGS_SHARED=1: exit $?"
-done
 grep -E "FAIL|PASS|rel err" "$OUT/test_cuda_precision.log"
 # the same training on the GPU (fp32, bf16, fp16) and on the CPU, 50 steps
 for mode in fp32 bf16 fp16; do

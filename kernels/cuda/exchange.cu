@@ -41,45 +41,6 @@ static __global__ void dispatch_flags_kernel(int *flags, int *assign, int *exper
     }
 }
 
-/* dispatch_flags_kernel with its counts gathered in shared memory first (block: assign
- * (P), then experts (P*El) when counting them), then one global atomic a block and count
- * that is not 0. At ep 1 every one of the N * K kept slots of a routing plan adds 1 to
- * one of E counts and every token to assign[0]: in the thirty-ninth session's profile the
- * kernel took 20 us a layer on an H100 for 16384 tokens. The same integer sums.
- * MOE_DISPATCH_FLAGS_SHARED=1 (a trial knob, not yet run on a GPU). */
-#define FLAGS_SHARED_MAX 4096 /* P + P * El: 16 KiB of shared memory */
-static __global__ void dispatch_flags_shared_kernel(int *flags, int *assign, int *experts,
-                                                    const int32_t *idx, const int32_t *slot_row,
-                                                    const int32_t *expert_rank,
-                                                    const int32_t *expert_local, int N, int K,
-                                                    int P, int El)
-{
-    extern __shared__ int sh[]; /* assign (P), then experts (P * El) */
-    const int cells = experts ? P + P * El : P;
-    for (int c = threadIdx.x; c < cells; c += blockDim.x)
-        sh[c] = 0;
-    __syncthreads();
-    int *sh_experts = sh + P;
-    MOE_CUDA_GRID_STRIDE(i, (size_t)P * N)
-    {
-        const int p = (int)(i / N), t = (int)(i % N);
-        int hits = 0;
-        for (int k = 0; k < K; k++) {
-            const int a = t * K + k, here = on_dest(idx, slot_row, expert_rank, a, p);
-            hits += here;
-            if (here && experts)
-                atomicAdd(&sh_experts[(size_t)p * El + expert_local[idx[a]]], 1);
-        }
-        flags[i] = hits > 0;
-        if (hits)
-            atomicAdd(&sh[p], hits);
-    }
-    __syncthreads();
-    for (int c = threadIdx.x; c < cells; c += blockDim.x)
-        if (sh[c])
-            atomicAdd(c < P ? &assign[c] : &experts[c - P], sh[c]);
-}
-
 /* res: send_rows (P), send_assign (P), rows in all; rowsrc[row] = p*N + t; token_rows
  * (when not NULL) [t*P + p] = the row of (p, t) or -1. */
 static __global__ void dispatch_counts_kernel(int *res, int *rowsrc, int32_t *token_rows,
@@ -208,15 +169,8 @@ extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int32_t 
     MOE_CUDA_OK(cudaMemsetAsync(assign, 0, sizeof(int) * P, moe_cuda_stream()));
     if (El > 0)
         MOE_CUDA_OK(cudaMemsetAsync(experts, 0, sizeof(int) * (size_t)P * El, moe_cuda_stream()));
-    const size_t cells = (size_t)P + (El > 0 ? (size_t)P * El : 0);
-    if (cells <= FLAGS_SHARED_MAX && moe_cuda_env_is("MOE_DISPATCH_FLAGS_SHARED", "1"))
-        MOE_CUDA_LAUNCH(dispatch_flags_shared_kernel, blocks, MOE_CUDA_THREADS, sizeof(int) * cells,
-                        rowidx, assign, El > 0 ? experts : NULL, idx, slot_row, expert_rank,
-                        expert_local, N, K, P, El);
-    else
-        MOE_CUDA_LAUNCH(dispatch_flags_kernel, blocks, MOE_CUDA_THREADS, 0, rowidx, assign,
-                        El > 0 ? experts : NULL, idx, slot_row, expert_rank, expert_local, N, K, P,
-                        El);
+    MOE_CUDA_LAUNCH(dispatch_flags_kernel, blocks, MOE_CUDA_THREADS, 0, rowidx, assign,
+                    El > 0 ? experts : NULL, idx, slot_row, expert_rank, expert_local, N, K, P, El);
     moe_cuda_scan(rowidx, rowidx, PN, scan);
     MOE_CUDA_LAUNCH(dispatch_counts_kernel, blocks, MOE_CUDA_THREADS, 0, res, rowsrc, token_rows,
                     rowidx, assign, N, P);
