@@ -1117,7 +1117,7 @@ static void run_rmsnorm(void)
 
 static void run_rmsnorm_bwd(void)
 {
-    gpu->rmsnorm_backward(bf.dx, bf.dw, bf.dout, bf.x, bf.w, bf.rstd, N_, opt.D, 0);
+    gpu->rmsnorm_backward(bf.dx, bf.dw, bf.dout, bf.x, bf.w, bf.rstd, N_, opt.D, 0, NULL);
 }
 
 static void bench_rmsnorm(int bwd)

@@ -58,9 +58,13 @@ void rmsnorm_forward(real *out, real *rstd, const real *x, const real *weight, i
                      real eps);
 /* dx (N,D) +=, dweight (D) +=; either may be NULL. write (the flags MOE_WRITE_DX,
  * MOE_WRITE_DW below): that gradient is written, not added to (its contents before are
- * ignored: the final norm's dx, a step's first dweight). */
+ * ignored: the final norm's dx, a step's first dweight). dx_op (N,D), may be NULL (and is
+ * where dx is): gets dx's final values as a GEMM operand, so a buffer marked as holding
+ * 16-bit values (mark_operand) gets them rounded, as a GEMM would round dx, and any other
+ * buffer a copy (the residual gradient, read next by the attention's output projection:
+ * no separate rounding pass over it). */
 void rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x, const real *weight,
-                      const real *rstd, int N, int D, int write);
+                      const real *rstd, int N, int D, int write, real *dx_op);
 
 /* ---- linear: out (N,O) = x (N,I) W^T, W (O,I) -------------------------------------- */
 void matmul_forward(real *out, const real *x, const real *w, int N, int I, int O);

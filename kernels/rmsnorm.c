@@ -3,6 +3,7 @@
  * parallel over rows; dweight, a sum over rows, runs over blocks of columns, each summed
  * over rows in order, so its bits do not depend on the thread count. */
 #include <math.h>
+#include <string.h>
 
 #include "kernels/ops.h"
 
@@ -67,10 +68,12 @@ static void rmsnorm_backward_dweight(real *dweight, const real *dout, const real
 }
 
 void rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x, const real *weight,
-                      const real *rstd, int N, int D, int write)
+                      const real *rstd, int N, int D, int write, real *dx_op)
 {
     if (dx)
         rmsnorm_backward_dx(dx, dout, x, weight, rstd, N, D, (write & MOE_WRITE_DX) != 0);
+    if (dx && dx_op) /* no buffer holds 16-bit values here: the copy */
+        memcpy(dx_op, dx, sizeof(real) * (size_t)N * D);
     if (dweight)
         rmsnorm_backward_dweight(dweight, dout, x, rstd, N, D, (write & MOE_WRITE_DW) != 0);
 }

@@ -108,13 +108,17 @@ void moe_cuda_scan(int *out, const int *in, int n, int *scratch)
 
 /* Bucket of item i (at position i of the input order `in`, identity when NULL): its key's
  * digit at `shift` (radix pass), or the key itself when in [0, V), else -1 (left out). */
-static __device__ __forceinline__ int sort_bucket(const int32_t *keys, const int *in, int i,
-                                                  int shift, int V)
+static __device__ __forceinline__ int sort_digit(int k, int shift, int V)
 {
-    const int k = keys[in ? in[i] : i];
     if (shift >= 0)
         return (k >> shift) & (RADIX - 1);
     return k >= 0 && k < V ? k : -1;
+}
+
+static __device__ __forceinline__ int sort_bucket(const int32_t *keys, const int *in, int i,
+                                                  int shift, int V)
+{
+    return sort_digit(keys[in ? in[i] : i], shift, V);
 }
 
 static __global__ void sort_count(int *cnt, const int32_t *keys, const int *in, int n, int tile,
@@ -145,27 +149,153 @@ static __global__ void sort_columns(int *cnt, int *total, int tiles, int buckets
     }
 }
 
+/* One warp ranks items [lo, hi) in order, 32 at a time: out[(start ? start[b] : 0) +
+ * cursor[b] + rank] = item, cursor[b] advancing past each bucket's items (lanes of one
+ * bucket ranked with __match_any_sync). The keys of RANK_AHEAD rounds are loaded before
+ * the first of them is ranked: the ranking is a chain through cursor, the loads are not. */
+#define RANK_AHEAD 4
+static __device__ void rank_items(int *out, volatile int *cursor, const int *start,
+                                  const int32_t *keys, const int *in, int lo, int hi, int shift,
+                                  int V)
+{
+    const int lane = threadIdx.x & 31;
+    for (int i0 = lo; i0 < hi; i0 += 32 * RANK_AHEAD) {
+        int bs[RANK_AHEAD], items[RANK_AHEAD];
+#pragma unroll
+        for (int u = 0; u < RANK_AHEAD; u++) {
+            const int i = i0 + u * 32 + lane;
+            items[u] = i < hi && in ? in[i] : i;
+            bs[u] = i < hi ? sort_digit(keys[items[u]], shift, V) : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < RANK_AHEAD; u++) {
+            if (i0 + u * 32 >= hi) /* the same for the whole warp */
+                break;
+            const int b = bs[u];
+            const unsigned peers = __match_any_sync(MOE_CUDA_FULL_MASK, b);
+            const int rank = __popc(peers & ((1u << lane) - 1u));
+            const int base = b >= 0 ? cursor[b] : 0;
+            __syncwarp();
+            if (b >= 0) {
+                out[(start ? start[b] : 0) + base + rank] = items[u];
+                if (rank == 0)
+                    cursor[b] = base + __popc(peers);
+            }
+            __syncwarp();
+        }
+    }
+}
+
 /* One warp per tile, in item order: out[start[b] + tile base[b] + rank] = item. */
 static __global__ void sort_rank(int *out, int *cnt, const int *start, const int32_t *keys,
                                  const int *in, int n, int tile, int shift, int V, int buckets)
 {
-    const int lane = threadIdx.x;
     const int lo = blockIdx.x * tile, hi = min(n, lo + tile);
-    volatile int *cursor = cnt + (size_t)blockIdx.x * buckets;
-    for (int i0 = lo; i0 < hi; i0 += 32) {
-        const int i = i0 + lane;
-        const int b = i < hi ? sort_bucket(keys, in, i, shift, V) : -1;
-        const unsigned peers = __match_any_sync(MOE_CUDA_FULL_MASK, b);
-        const int rank = __popc(peers & ((1u << lane) - 1u));
-        const int base = b >= 0 ? cursor[b] : 0;
-        __syncwarp();
-        if (b >= 0) {
-            out[start[b] + base + rank] = in ? in[i] : i;
-            if (rank == 0)
-                cursor[b] = base + __popc(peers);
-        }
-        __syncwarp();
+    rank_items(out, cnt + (size_t)blockIdx.x * buckets, start, keys, in, lo, hi, shift, V);
+}
+
+/* ---- the whole sort in one block (the default; MOE_SORT_ONE_BLOCK=0: the passes above) --
+ * Above, a pass is 7 launches (the counts' memset, sort_count, sort_columns, the 3 scan
+ * kernels, sort_rank): a routing plan's sort of 32768 assignments into 32 experts took
+ * about 76 us on an H100 (thirty-ninth session's profile), most of it launches and
+ * sort_columns' 32 threads walking 128 tiles one after another. Where the items and
+ * buckets are few, one block of ONE_WARPS warps does a pass: warp w takes the w-th
+ * contiguous segment of the items; (1) each warp counts its segment's buckets into its
+ * own row of shared counts; (2) the block scans the counts in (bucket, warp) order, so
+ * each (warp, bucket) gets the position of its first item; (3) each warp walks its
+ * segment again in order, 32 items at a time, ranking the lanes of one bucket with
+ * __match_any_sync, as sort_rank does. The order is by bucket, then by index: the same
+ * result as the multi-block pass. Fortieth session, H100, the bench shape: 12 calls of
+ * about 51 us in place of 60 us of sort kernels and 3 scans a call. */
+#define ONE_WARPS 32
+#define ONE_THREADS (ONE_WARPS * 32)
+#define ONE_MAX_BUCKETS 256     /* counts of 32 KiB in shared memory */
+#define ONE_MAX_ITEMS (1 << 16) /* 64 rounds of 32 items a warp at most */
+#define ONE_PER_THREAD (ONE_MAX_BUCKETS * ONE_WARPS / ONE_THREADS)
+
+/* Exclusive scan over the ONE_THREADS threads of a block, in thread order; *total (shared
+ * memory) gets the sum, for after the call. Every thread must call it, once a kernel. */
+static __device__ int one_block_scan(int v, int *total)
+{
+    __shared__ int warp_sum[ONE_WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(MOE_CUDA_FULL_MASK, x, o);
+        if (lane >= o)
+            x += y;
     }
+    if (lane == 31)
+        warp_sum[warp] = x;
+    __syncthreads();
+    if (warp == 0) { /* ONE_WARPS == 32: lane w scans warp w's sum */
+        const int t = warp_sum[lane];
+        int u = t;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(MOE_CUDA_FULL_MASK, u, o);
+            if (lane >= o)
+                u += y;
+        }
+        warp_sum[lane] = u - t; /* each lane its own entry: the warps before it */
+        if (lane == 31)
+            *total = u;
+    }
+    __syncthreads();
+    return warp_sum[warp] + x - v;
+}
+
+static __global__ void __launch_bounds__(ONE_THREADS)
+    sort_one_block(int *out, int *total, int *bstart, const int32_t *keys, const int *in, int n,
+                   int shift, int V, int buckets)
+{
+    extern __shared__ int cnt[]; /* [ONE_WARPS][buckets]: counts, then positions */
+    __shared__ int kept;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int seg = (n + ONE_WARPS - 1) / ONE_WARPS;
+    const int lo = min(n, warp * seg), hi = min(n, lo + seg);
+    for (int i = threadIdx.x; i < ONE_WARPS * buckets; i += ONE_THREADS)
+        cnt[i] = 0;
+    __syncthreads();
+    int *row = cnt + (size_t)warp * buckets;
+#pragma unroll 4 /* several loads in flight a lane */
+    for (int i = lo + lane; i < hi; i += 32) {
+        const int b = sort_bucket(keys, in, i, shift, V);
+        if (b >= 0)
+            atomicAdd(&row[b], 1);
+    }
+    __syncthreads();
+    /* (bucket, warp) index j = b * ONE_WARPS + w; thread t takes j in [t * per, (t+1) * per) */
+    const int cells = buckets * ONE_WARPS;
+    const int per = (cells + ONE_THREADS - 1) / ONE_THREADS;
+    int v[ONE_PER_THREAD], sum = 0;
+#pragma unroll
+    for (int q = 0; q < ONE_PER_THREAD; q++) {
+        const int j = threadIdx.x * per + q;
+        v[q] = q < per && j < cells ? cnt[(j % ONE_WARPS) * buckets + j / ONE_WARPS] : 0;
+        sum += v[q];
+    }
+    int pos = one_block_scan(sum, &kept);
+    const int all = kept;
+#pragma unroll
+    for (int q = 0; q < ONE_PER_THREAD; q++) {
+        const int j = threadIdx.x * per + q;
+        if (q < per && j < cells) {
+            const int w = j % ONE_WARPS, b = j / ONE_WARPS;
+            if (w == 0)
+                bstart[b] = pos;
+            cnt[w * buckets + b] = pos;
+            pos += v[q];
+        }
+    }
+    if (threadIdx.x == 0)
+        bstart[buckets] = all;
+    __syncthreads();
+    for (int b = threadIdx.x; b < buckets; b += ONE_THREADS) {
+        const int next = b + 1 < buckets ? cnt[b + 1] : all; /* row 0: the bucket starts */
+        total[b] = next - cnt[b];
+    }
+    __syncthreads();
+    rank_items(out, row, NULL, keys, in, lo, hi, shift, V); /* positions: absolute */
 }
 
 void moe_cuda_sort_take(moe_cuda_sort *s, moe_cuda_carve *c, int n, int V)
@@ -215,6 +345,17 @@ void moe_cuda_sort_run(const moe_cuda_sort *s, const int32_t *keys)
         return;
     }
     const int *in = NULL;
+    if (buckets <= ONE_MAX_BUCKETS && s->n <= ONE_MAX_ITEMS &&
+        !moe_cuda_env_is("MOE_SORT_ONE_BLOCK", "0")) { /* read each call: the tests switch it */
+        for (int p = 0; p < s->passes; p++) {
+            const int shift = s->V > 0 ? -1 : p * RADIX_BITS;
+            int *out = s->V > 0 || p % 2 == 1 ? s->order : s->tmp;
+            MOE_CUDA_LAUNCH(sort_one_block, 1, ONE_THREADS, sizeof(int) * ONE_WARPS * buckets, out,
+                            s->total, s->bstart, keys, in, s->n, shift, s->V, buckets);
+            in = out;
+        }
+        return;
+    }
     for (int p = 0; p < s->passes; p++) {
         const int shift = s->V > 0 ? -1 : p * RADIX_BITS;
         /* an even number of radix passes ends in order */

@@ -18,13 +18,28 @@ static __device__ __forceinline__ int on_dest(const int32_t *idx, const int32_t 
 
 /* flags[p*N + t] = 1 if token t sends a row to p; assign[p] += its kept slots there;
  * experts[p*El + local] += 1 per kept slot (when experts is not NULL). Integer atomics:
- * the counts do not depend on the order. */
-static __global__ void dispatch_flags_kernel(int *flags, int *assign, int *experts,
-                                             const int32_t *idx, const int32_t *slot_row,
-                                             const int32_t *expert_rank,
-                                             const int32_t *expert_local, int N, int K, int P,
-                                             int El)
+ * the counts do not depend on the order. SHARED: the block's counts are gathered in
+ * shared memory first (assign (P), then experts (P*El)), then added with one global
+ * atomic a block and count that is not 0 (the default where the counts fit;
+ * MOE_DISPATCH_FLAGS_SHARED=0: global atomics only. At ep 1 every kept slot adds 1 to one
+ * of E global counts and every token to assign[0]: on an H100, 16384 tokens, the kernel
+ * took 20 us with global atomics, 5.7 us with shared ones, fortieth session). The same
+ * integer sums either way. */
+#define FLAGS_SHARED_MAX 4096 /* P + P * El: 16 KiB of shared memory */
+template <bool SHARED>
+static __global__ void
+dispatch_flags_kernel(int *flags, int *assign, int *experts, const int32_t *idx,
+                      const int32_t *slot_row, const int32_t *expert_rank,
+                      const int32_t *expert_local, int N, int K, int P, int El)
 {
+    extern __shared__ int sh[]; /* SHARED: assign (P), then experts (P * El) */
+    const int cells = experts ? P + P * El : P;
+    if (SHARED) {
+        for (int c = threadIdx.x; c < cells; c += blockDim.x)
+            sh[c] = 0;
+        __syncthreads();
+    }
+    int *to_assign = SHARED ? sh : assign, *to_experts = SHARED ? sh + P : experts;
     MOE_CUDA_GRID_STRIDE(i, (size_t)P * N)
     {
         const int p = (int)(i / N), t = (int)(i % N);
@@ -33,11 +48,17 @@ static __global__ void dispatch_flags_kernel(int *flags, int *assign, int *exper
             const int a = t * K + k, here = on_dest(idx, slot_row, expert_rank, a, p);
             hits += here;
             if (here && experts)
-                atomicAdd(&experts[(size_t)p * El + expert_local[idx[a]]], 1);
+                atomicAdd(&to_experts[(size_t)p * El + expert_local[idx[a]]], 1);
         }
         flags[i] = hits > 0;
         if (hits)
-            atomicAdd(&assign[p], hits);
+            atomicAdd(&to_assign[p], hits);
+    }
+    if (SHARED) {
+        __syncthreads();
+        for (int c = threadIdx.x; c < cells; c += blockDim.x)
+            if (sh[c])
+                atomicAdd(c < P ? &assign[c] : &experts[c - P], sh[c]);
     }
 }
 
@@ -169,8 +190,17 @@ extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int32_t 
     MOE_CUDA_OK(cudaMemsetAsync(assign, 0, sizeof(int) * P, moe_cuda_stream()));
     if (El > 0)
         MOE_CUDA_OK(cudaMemsetAsync(experts, 0, sizeof(int) * (size_t)P * El, moe_cuda_stream()));
-    MOE_CUDA_LAUNCH(dispatch_flags_kernel, blocks, MOE_CUDA_THREADS, 0, rowidx, assign,
-                    El > 0 ? experts : NULL, idx, slot_row, expert_rank, expert_local, N, K, P, El);
+    const size_t cells = (size_t)P + (El > 0 ? (size_t)P * El : 0);
+    const bool shared =
+        cells <= FLAGS_SHARED_MAX && !moe_cuda_env_is("MOE_DISPATCH_FLAGS_SHARED", "0");
+    moe_cuda_pick(
+        [&](auto shared_) {
+            constexpr bool S = decltype(shared_)::value;
+            MOE_CUDA_LAUNCH(dispatch_flags_kernel<S>, blocks, MOE_CUDA_THREADS,
+                            S ? sizeof(int) * cells : 0, rowidx, assign, El > 0 ? experts : NULL,
+                            idx, slot_row, expert_rank, expert_local, N, K, P, El);
+        },
+        shared);
     moe_cuda_scan(rowidx, rowidx, PN, scan);
     MOE_CUDA_LAUNCH(dispatch_counts_kernel, blocks, MOE_CUDA_THREADS, 0, res, rowsrc, token_rows,
                     rowidx, assign, N, P);

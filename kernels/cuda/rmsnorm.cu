@@ -260,7 +260,9 @@ static __global__ void rmsnorm_dweight_partial(double *part, const real *dout, c
  * the dot product (per thread in column order, then the warps in order, in double), dx,
  * and each column's g x r added to the thread's partial of dweight, which goes to
  * part[b][d] at the end (rmsnorm_dweight_final adds the blocks in order). The two-kernel
- * form reads x and dout a second time for dweight. write_dx: dx is written, not read. */
+ * form reads x and dout a second time for dweight. write_dx: dx is written, not read.
+ * dx16 (not NULL): dx's values rounded to 16 bits (bf16 or fp16) stored there too, as the
+ * GEMM operand of the residual gradient (a rounding pass of its own reads dx again). */
 #define FUSED_THREADS 256
 #define FUSED_GROUPS 4 /* the most; the kernel is built for 1, 2 and 4 */
 /* Rows a block, by default (MOE_RMSNORM_ROWS): at D = 1024 on an H200 (N = 16384, 4
@@ -271,9 +273,9 @@ static __global__ void rmsnorm_dweight_partial(double *part, const real *dout, c
 
 template <int G>
 static __global__ void __launch_bounds__(FUSED_THREADS)
-    rmsnorm_backward_fused_kernel(real *dx, double *part, const real *dout, const real *x,
-                                  const real *weight, const real *rstd, int N, int D, int rows,
-                                  int write_dx)
+    rmsnorm_backward_fused_kernel(real *dx, uint2 *dx16, double *part, const real *dout,
+                                  const real *x, const real *weight, const real *rstd, int N, int D,
+                                  int rows, int write_dx, int bf16)
 {
     __shared__ double red[2][FUSED_THREADS / 32];
     const int lo = blockIdx.x * rows, hi = min(N, lo + rows);
@@ -331,6 +333,9 @@ static __global__ void __launch_bounds__(FUSED_THREADS)
                     s[q][k] += (double)gv[q].v[k] * xv[q].v[k] * r;
                 }
                 moe_store_v<4>(dxr + d, dv[q]);
+                if (dx16)
+                    dx16[((size_t)n * D + d) / 4] = moe_round16x4(
+                        make_float4(dv[q].v[0], dv[q].v[1], dv[q].v[2], dv[q].v[3]), bf16);
             }
         }
     }
@@ -377,11 +382,33 @@ static void dweight_final(real *dweight, const double *part, int chunks, int D, 
                     dim3(FINAL_COLS, FINAL_LANES), 0, dweight, part, chunks, D, write);
 }
 
+static void rmsnorm_backward_run(real *dx, uint16_t *dx16, int bf16, real *dweight,
+                                 const real *dout, const real *x, const real *weight,
+                                 const real *rstd, int N, int D, int write);
+
+/* dx_op: a marked buffer gets dx's 16-bit values (from the fused kernel where it runs, else
+ * by a rounding pass after it), any other a copy of dx. */
 extern "C" void cuda_rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x,
-                                      const real *weight, const real *rstd, int N, int D, int write)
+                                      const real *weight, const real *rstd, int N, int D, int write,
+                                      real *dx_op)
 {
     if (N <= 0 || D <= 0)
         return;
+    int bf16 = 0;
+    const size_t n = (size_t)N * D;
+    const bool op16 = dx && dx_op && cuda_operand_in_place(dx_op, n, &bf16);
+    rmsnorm_backward_run(dx, op16 ? (uint16_t *)dx_op : NULL, bf16, dweight, dout, x, weight, rstd,
+                         N, D, write);
+    if (dx && dx_op && !op16)
+        MOE_CUDA_OK(cudaMemcpyAsync(dx_op, dx, sizeof(real) * n, cudaMemcpyDeviceToDevice,
+                                    moe_cuda_stream()));
+}
+
+/* dx16 (not NULL): dx's 16-bit values, as bf16 (bf16 != 0) or fp16, written there too. */
+static void rmsnorm_backward_run(real *dx, uint16_t *dx16, int bf16, real *dweight,
+                                 const real *dout, const real *x, const real *weight,
+                                 const real *rstd, int N, int D, int write)
+{
     const int write_dx = (write & MOE_WRITE_DX) != 0, write_dw = (write & MOE_WRITE_DW) != 0;
     /* x and dout feed both kernels: the float4 forms need them aligned */
     const bool vec = D % 4 == 0 && moe_aligned16(dout) && moe_aligned16(x);
@@ -389,7 +416,7 @@ extern "C" void cuda_rmsnorm_backward(real *dx, real *dweight, const real *dout,
     if (two_pass < 0)
         two_pass = getenv("MOE_RMSNORM_TWO_PASS") != NULL;
     if (dx && dweight && vec && moe_aligned16(dx) && moe_aligned16(weight) &&
-        D <= 4 * FUSED_THREADS * FUSED_GROUPS && !two_pass) {
+        (uintptr_t)dx16 % 8 == 0 && D <= 4 * FUSED_THREADS * FUSED_GROUPS && !two_pass) {
         /* MOE_RMSNORM_ROWS=1..1024: rows a block (a benchmark knob, read each call: the tests
          * switch it) */
         const char *rows_env = getenv("MOE_RMSNORM_ROWS");
@@ -401,8 +428,8 @@ extern "C" void cuda_rmsnorm_backward(real *dx, real *dweight, const real *dout,
             return;
         const int groups = (D / 4 + FUSED_THREADS - 1) / FUSED_THREADS;
 #define RMS_FUSED(G)                                                                               \
-    MOE_CUDA_LAUNCH(rmsnorm_backward_fused_kernel<G>, blocks, FUSED_THREADS, 0, dx, part, dout, x, \
-                    weight, rstd, N, D, rows, write_dx)
+    MOE_CUDA_LAUNCH(rmsnorm_backward_fused_kernel<G>, blocks, FUSED_THREADS, 0, dx, (uint2 *)dx16, \
+                    part, dout, x, weight, rstd, N, D, rows, write_dx, bf16)
         if (groups <= 1)
             RMS_FUSED(1);
         else if (groups <= 2)
@@ -422,6 +449,8 @@ extern "C" void cuda_rmsnorm_backward(real *dx, real *dweight, const real *dout,
         MOE_CUDA_LAUNCH(rmsnorm_backward_dx_kernel<1>, (N + rows.y - 1) / rows.y, rows, 0, dx, dout,
                         x, weight, rstd, N, D, write_dx);
     }
+    if (dx && dx16) /* the rounding pass the fused kernel saves */
+        cuda_round_operand(dx16, dx, (size_t)N * D);
     if (!dweight)
         return;
     const int chunks = (N + DW_CHUNK - 1) / DW_CHUNK;

@@ -341,14 +341,49 @@ static void test_rmsnorm(int N, int D, const char *name)
         float *gx = has_dx ? (write & MOE_WRITE_DX ? fnan(ND) : frand(ND, -1, 1)) : NULL;
         float *gw = has_dw ? (write & MOE_WRITE_DW ? fnan(D) : frand(D, -1, 1)) : NULL;
         float *dgx = gx ? DEVF(gx, ND) : NULL, *dgw = gw ? DEVF(gw, D) : NULL;
-        cpu->rmsnorm_backward(gx, gw, g, x, w, rstd, N, D, write);
-        gpu->rmsnorm_backward(dgx, dgw, dg, dx_, dw_, drs, N, D, write);
+        cpu->rmsnorm_backward(gx, gw, g, x, w, rstd, N, D, write, NULL);
+        gpu->rmsnorm_backward(dgx, dgw, dg, dx_, dw_, drs, N, D, write, NULL);
         gpu_done();
         if (gx)
             check_f("dx", HOSTF(dgx, ND), gx, ND, D, REDUCE);
         if (gw)
             check_f("dweight", HOSTF(dgw, D), gw, D, 1, REDUCE);
     }
+    /* dx_op: in fp32 a copy of dx; marked in bf16 and fp16, dx rounded: the device's own dx
+     * rounded by the host's functions (ops.h), bit for bit. By shape, the fused kernel
+     * writes them (D = 1024), or a rounding pass after the two-kernel form (D = 13, 4100). */
+    static const moe_precision precs[3] = {MOE_PREC_FP32, MOE_PREC_BF16, MOE_PREC_FP16};
+    static const char *prec_names[3] = {"fp32: a copy", "bf16, marked", "fp16, marked"};
+    for (int p = 0; p < 3; p++) {
+        char label[160];
+        snprintf(label, sizeof label, "%s, dx_op %s", name, prec_names[p]);
+        begin("rmsnorm_backward", label);
+        if (gpu->set_precision(precs[p], NULL, 0, 0) != MOE_OK)
+            fail_now("set_precision");
+        float *gx = frand(ND, -1, 1), *gw = frand(D, -1, 1);
+        float *dgx = DEVF(gx, ND), *dgw = DEVF(gw, D), *dop = DEVF(fnan(ND), ND);
+        if (p && gpu->mark_operand(dop, ND) != MOE_OK)
+            fail_now("mark_operand");
+        cpu->rmsnorm_backward(gx, gw, g, x, w, rstd, N, D, MOE_WRITE_DW, NULL);
+        gpu->rmsnorm_backward(dgx, dgw, dg, dx_, dw_, drs, N, D, MOE_WRITE_DW, dop);
+        gpu_done();
+        const float *hx = HOSTF(dgx, ND);
+        check_f("dx", hx, gx, ND, D, REDUCE);
+        check_f("dweight", HOSTF(dgw, D), gw, D, 1, REDUCE);
+        int bad = 0, none = 0;
+        if (p == 0) {
+            bad = memcmp(HOSTF(dop, ND), hx, sizeof(float) * ND) != 0;
+        } else {
+            const uint16_t *h16 = (const uint16_t *)host_of(dop, sizeof(uint16_t) * ND);
+            for (size_t i = 0; i < ND; i++)
+                bad += h16[i] != (p == 1 ? moe_bf16_round(hx[i]) : moe_fp16_round(hx[i]));
+            if (gpu->mark_operand(dop, 0) != MOE_OK)
+                fail_now("mark_operand (removing)");
+        }
+        check_i("dx_op: dx, as its GEMM operand", &bad, &none, 1);
+    }
+    if (gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0) != MOE_OK)
+        fail_now("set_precision fp32");
     free_all();
 }
 
@@ -1555,6 +1590,13 @@ int main(void)
     test_embedding(3000, 8, 256, "V=256");
     test_embedding(5000, 8, 65536, "V=65536");
     test_embedding(5000, 8, 65537, "V=65537");
+    /* the sort's passes in one block (the default up to 65536 items), and in several
+     * (past that, or MOE_SORT_ONE_BLOCK=0) */
+    test_embedding(70000, 4, 1000, "N=70000 (the multi-block sort)");
+    setenv("MOE_SORT_ONE_BLOCK", "0", 1);
+    test_embedding(5000, 8, 65537, "V=65537, MOE_SORT_ONE_BLOCK=0");
+    test_embedding(3000, 33, 5, "many repeats, MOE_SORT_ONE_BLOCK=0");
+    unsetenv("MOE_SORT_ONE_BLOCK");
 
     test_rmsnorm(7, 13, "N=7 D=13");
     test_rmsnorm(1, 64, "one token");
@@ -1649,6 +1691,17 @@ int main(void)
     test_route(4096, 64, 4, 4096, 300, IDX_SKEWED, 32, "N=4096 E=64 K=4 capacity");
     test_route(4096, 64, 4, 1, 1, IDX_RANDOM, 4, "capacity 1 per token (many groups)");
     test_route(300, 8, 2, 300, -1, IDX_HOLES, 1000, "D=1000 (rows of several steps)");
+    /* the sort by expert in one block (the default up to 65536 items and 256 experts) at
+     * the bench shape's size, past those limits (several blocks), and in several blocks
+     * at every size (MOE_SORT_ONE_BLOCK=0) */
+    test_route(16384, 32, 2, 16384, -1, IDX_RANDOM, 4, "N=16384 E=32 K=2 (the bench shape)");
+    test_route(40000, 32, 2, 40000, -1, IDX_RANDOM, 4, "N=40000 K=2 (80000 items, several blocks)");
+    test_route(2000, 300, 2, 2000, -1, IDX_RANDOM, 4, "E=300 (several blocks)");
+    setenv("MOE_SORT_ONE_BLOCK", "0", 1);
+    test_route(512, 8, 2, 512, -1, IDX_RANDOM, 64, "tiny dropless, MOE_SORT_ONE_BLOCK=0");
+    test_route(4096, 64, 4, 4096, 300, IDX_SKEWED, 32, "E=64 K=4 capacity, MOE_SORT_ONE_BLOCK=0");
+    test_route(16384, 32, 2, 16384, -1, IDX_RANDOM, 4, "the bench shape, MOE_SORT_ONE_BLOCK=0");
+    unsetenv("MOE_SORT_ONE_BLOCK");
     test_permute_backward_any(37, 200, 11, "any order, repeats");
     test_permute_backward_any(5000, 300, 3, "sparse targets");
 
@@ -1663,6 +1716,14 @@ int main(void)
     test_exchange(512, 8, 2, 4, 64, 160, "tiny P=4");
     test_exchange(1, 4, 2, 2, 5, -1, "one token");
     test_exchange(9, 4, 2, 2, 5, 0, "everything dropped");
+    /* the counts in shared memory (the default where P + E <= 4096), in global memory
+     * past that or with MOE_DISPATCH_FLAGS_SHARED=0 */
+    test_exchange(16384, 32, 2, 1, 4, -1, "N=16384 E=32 P=1 (the bench shape's counts)");
+    test_exchange(300, 4200, 2, 2, 4, -1, "E=4200 (counts past shared memory)");
+    setenv("MOE_DISPATCH_FLAGS_SHARED", "0", 1);
+    test_exchange(512, 8, 2, 4, 64, 160, "tiny P=4, MOE_DISPATCH_FLAGS_SHARED=0");
+    test_exchange(16384, 32, 2, 1, 4, -1, "the bench shape, MOE_DISPATCH_FLAGS_SHARED=0");
+    unsetenv("MOE_DISPATCH_FLAGS_SHARED");
 
     test_cross_entropy(7, 13, 0, 0, 0, "N=7 V=13");
     test_cross_entropy(1, 5, 0, 0, 0, "one token");

@@ -1067,7 +1067,7 @@ static void det_run(det_result *r, const real *x, const real *w, const real *g, 
     r->rstd = malloc(RN * sizeof(real));
     r->drx = copy_of(g, RN * RD), r->drw = copy_of(g, RD);
     rmsnorm_forward(r->rms, r->rstd, rx, rw, RN, RD, 1e-5f);
-    rmsnorm_backward(r->drx, r->drw, g, rx, rw, r->rstd, RN, RD, 0);
+    rmsnorm_backward(r->drx, r->drw, g, rx, rw, r->rstd, RN, RD, 0, NULL);
 }
 
 static void det_free(det_result *r)

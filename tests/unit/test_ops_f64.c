@@ -192,27 +192,33 @@ static void test_rmsnorm_backward(void **state)
     rms_loss(&r); /* rstd */
     real *dx0 = buf_rand(&pl, N * D, 0.1, 1), *dx = buf_copy(&pl, dx0, N * D);
     real *dw0 = buf_rand(&pl, D, 0.1, 1), *dw = buf_copy(&pl, dw0, D);
-    rmsnorm_backward(dx, dw, r.R, r.x, r.w, r.rstd, N, D, 0);
+    rmsnorm_backward(dx, dw, r.R, r.x, r.w, r.rstd, N, D, 0, NULL);
     assert_true(check_fd("dx", r.x, added(&pl, dx, dx0, N * D), N * D, D, rms_loss, &r));
     assert_true(check_fd("dweight", r.w, added(&pl, dw, dw0, D), D, D, rms_loss, &r));
 
     /* NULL gradients: the other one comes out the same. */
     rms_loss(&r); /* rstd of the unperturbed inputs again */
     real *dxb = buf_copy(&pl, dx0, N * D), *dwb = buf_copy(&pl, dw0, D);
-    rmsnorm_backward(dxb, NULL, r.R, r.x, r.w, r.rstd, N, D, 0);
-    rmsnorm_backward(NULL, dwb, r.R, r.x, r.w, r.rstd, N, D, 0);
+    rmsnorm_backward(dxb, NULL, r.R, r.x, r.w, r.rstd, N, D, 0, NULL);
+    rmsnorm_backward(NULL, dwb, r.R, r.x, r.w, r.rstd, N, D, 0, NULL);
     assert_memory_equal(dxb, dx, N * D * sizeof(real));
     assert_memory_equal(dwb, dw, D * sizeof(real));
 
     /* written (over other values) as added to zeros, each flag alone and both */
     real *dxz = buf_zero(&pl, N * D), *dwz = buf_zero(&pl, D);
-    rmsnorm_backward(dxz, dwz, r.R, r.x, r.w, r.rstd, N, D, 0);
+    rmsnorm_backward(dxz, dwz, r.R, r.x, r.w, r.rstd, N, D, 0, NULL);
     for (int write = 1; write <= 3; write++) {
         real *dxw = buf_copy(&pl, dx0, N * D), *dww = buf_copy(&pl, dw0, D);
-        rmsnorm_backward(dxw, dww, r.R, r.x, r.w, r.rstd, N, D, write);
+        rmsnorm_backward(dxw, dww, r.R, r.x, r.w, r.rstd, N, D, write, NULL);
         assert_memory_equal(dxw, write & MOE_WRITE_DX ? dxz : dx, N * D * sizeof(real));
         assert_memory_equal(dww, write & MOE_WRITE_DW ? dwz : dw, D * sizeof(real));
     }
+
+    /* dx_op: a copy of dx's final values (the cpu holds no 16-bit operands) */
+    real *dxo = buf_copy(&pl, dx0, N * D), *op = buf_rand(&pl, N * D, 0.1, 1);
+    rmsnorm_backward(dxo, NULL, r.R, r.x, r.w, r.rstd, N, D, 0, op);
+    assert_memory_equal(dxo, dx, N * D * sizeof(real));
+    assert_memory_equal(op, dx, N * D * sizeof(real));
     pool_free(&pl);
 }
 
