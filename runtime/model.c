@@ -369,7 +369,7 @@ static moe_status mark_operands(moe_model *m, int on)
 {
     const size_t N = (size_t)m->Nc, Mx = (size_t)m->Mmax;
     const size_t Fmax = (size_t)(m->Fd > m->Fs ? m->Fd : m->Fs);
-    const int qkv16 = m->be->attention_operands16(m->Hd);
+    const int qkv16 = m->qkv16 = m->be->attention_operands16(m->Hd);
     for (int i = 0; m->chunk && i < m->C; i++) {
         /* the final norm's output: only the LM head's GEMMs read it (a chunk of rows at a
          * time: the backend finds a part of a marked buffer) */
@@ -1408,7 +1408,7 @@ static moe_status layer_backward_end(moe_model *m, int l, int64_t step_sequences
      * writes the residual gradient rounded, into dq, which is free until the attention's
      * backward below writes it: the output projection's GEMMs read that, and no rounding
      * pass reads dres's 64 MiB (at the bench shape) again. The same bits as that pass. */
-    real *dres_op = m->row_x16 != MOE_ROW_FP32 && m->be->attention_operands16(m->Hd) ? m->dq : NULL;
+    real *dres_op = m->row_x16 != MOE_ROW_FP32 && m->qkv16 ? m->dq : NULL;
     m->be->rmsnorm_backward(m->dres, g->ffn_norm, m->dh, a->xmid, w->ffn_norm, a->rstd2, N, D,
                             first, dres_op);
 

@@ -226,6 +226,7 @@ typedef struct moe_model {
     char *send_buf, *recv_buf;             /* packed exchange rows: max(rows) * row_bytes */
     size_t row_bytes;                      /* D reals + K reals + K int32, 8-aligned */
     int row_x16;                           /* the token part of dispatch rows (ops.h MOE_ROW_*) */
+    int qkv16;             /* q, k, v, att and their gradients marked as 16-bit (mark_operands) */
     size_t dispatch_bytes; /* a dispatch row: moe_dispatch_row_bytes(D, K, row_x16) */
     int Rmax, Mmax;        /* rows received / expert rows, worst case */
     int *route_scratch;    /* (Rmax*K + E + 1) */

@@ -382,28 +382,6 @@ static void dweight_final(real *dweight, const double *part, int chunks, int D, 
                     dim3(FINAL_COLS, FINAL_LANES), 0, dweight, part, chunks, D, write);
 }
 
-static void rmsnorm_backward_run(real *dx, uint16_t *dx16, int bf16, real *dweight,
-                                 const real *dout, const real *x, const real *weight,
-                                 const real *rstd, int N, int D, int write);
-
-/* dx_op: a marked buffer gets dx's 16-bit values (from the fused kernel where it runs, else
- * by a rounding pass after it), any other a copy of dx. */
-extern "C" void cuda_rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x,
-                                      const real *weight, const real *rstd, int N, int D, int write,
-                                      real *dx_op)
-{
-    if (N <= 0 || D <= 0)
-        return;
-    int bf16 = 0;
-    const size_t n = (size_t)N * D;
-    const bool op16 = dx && dx_op && cuda_operand_in_place(dx_op, n, &bf16);
-    rmsnorm_backward_run(dx, op16 ? (uint16_t *)dx_op : NULL, bf16, dweight, dout, x, weight, rstd,
-                         N, D, write);
-    if (dx && dx_op && !op16)
-        MOE_CUDA_OK(cudaMemcpyAsync(dx_op, dx, sizeof(real) * n, cudaMemcpyDeviceToDevice,
-                                    moe_cuda_stream()));
-}
-
 /* dx16 (not NULL): dx's 16-bit values, as bf16 (bf16 != 0) or fp16, written there too. */
 static void rmsnorm_backward_run(real *dx, uint16_t *dx16, int bf16, real *dweight,
                                  const real *dout, const real *x, const real *weight,
@@ -465,4 +443,22 @@ static void rmsnorm_backward_run(real *dx, uint16_t *dx16, int bf16, real *dweig
         MOE_CUDA_LAUNCH(rmsnorm_dweight_partial<1>, dim3((D + DW_COLS - 1) / DW_COLS, chunks),
                         block, 0, part, dout, x, rstd, N, D);
     dweight_final(dweight, part, chunks, D, write_dw);
+}
+
+/* dx_op: a marked buffer gets dx's 16-bit values (from the fused kernel where it runs, else
+ * by a rounding pass after it), any other a copy of dx. */
+extern "C" void cuda_rmsnorm_backward(real *dx, real *dweight, const real *dout, const real *x,
+                                      const real *weight, const real *rstd, int N, int D, int write,
+                                      real *dx_op)
+{
+    if (N <= 0 || D <= 0)
+        return;
+    int bf16 = 0;
+    const size_t n = (size_t)N * D;
+    const bool op16 = dx && dx_op && cuda_operand_in_place(dx_op, n, &bf16);
+    rmsnorm_backward_run(dx, op16 ? (uint16_t *)dx_op : NULL, bf16, dweight, dout, x, weight, rstd,
+                         N, D, write);
+    if (dx && dx_op && !op16)
+        MOE_CUDA_OK(cudaMemcpyAsync(dx_op, dx, sizeof(real) * n, cudaMemcpyDeviceToDevice,
+                                    moe_cuda_stream()));
 }

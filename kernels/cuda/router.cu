@@ -241,6 +241,12 @@ typedef struct {
     float v[AUX_COLS_MAX];
 } aux_cols;
 
+/* The aux term of expert e's dprobs (Ng: the step's tokens, as a double). */
+static real aux_col(double coef_aux, int E, int K, int64_t count, double ng)
+{
+    return (real)(coef_aux * E * (double)count / (ng * K) / ng);
+}
+
 static __global__ void aux_dprobs_kernel(real *dprobs, aux_cols c, int e0, int ncols, int N, int E)
 {
     MOE_CUDA_GRID_STRIDE(i, (size_t)N * ncols)
@@ -275,7 +281,7 @@ extern "C" void cuda_router_aux_backward(real *dprobs, real *dlogits, const real
             const int ncols = E - e0 < AUX_COLS_MAX ? E - e0 : AUX_COLS_MAX;
             aux_cols c;
             for (int j = 0; j < ncols; j++)
-                c.v[j] = (real)(coef_aux * E * (double)counts[e0 + j] / (ng * K) / ng);
+                c.v[j] = aux_col(coef_aux, E, K, counts[e0 + j], ng);
             MOE_CUDA_LAUNCH(aux_dprobs_kernel, moe_cuda_blocks((size_t)N * ncols, MOE_CUDA_THREADS),
                             MOE_CUDA_THREADS, 0, dprobs, c, e0, ncols, N, E);
         }
@@ -362,8 +368,8 @@ extern "C" void cuda_router_backward(real *dlogits, real *dprobs, const real *dw
     }
     const double ng = (double)Ng;
     aux_cols c;
-    for (int e = 0; e < E; e++) /* as cuda_router_aux_backward's */
-        c.v[e] = (real)(coef_aux * E * (double)counts[e] / (ng * K) / ng);
+    for (int e = 0; e < E; e++)
+        c.v[e] = aux_col(coef_aux, E, K, counts[e], ng);
     MOE_CUDA_LAUNCH(router_backward_kernel, (N + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK,
                     MOE_CUDA_THREADS, 0, dlogits, dw, probs, idx, lse, c, coef_z, ng, N, E, K,
                     renorm);
