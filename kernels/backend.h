@@ -104,7 +104,8 @@ typedef struct moe_backend {
     void (*fetch)(void *host, const void *src, size_t nbytes);
     /* A mark in the queue after the work queued so far; queue_wait(mark) waits until the
      * queue has passed it (copies to the host before it have landed), not for the work
-     * queued after it. The cpu runs everything at once: marks are 0, waits return.
+     * queued after it; a later mark is never less than an earlier one, so a wait for it
+     * passes those too. The cpu runs everything at once: marks are 0, waits return.
      * watch (may be NULL) is called with ctx now and then while the wait lasts, and a
      * failure it returns ends the wait with that failure: the queue may wait on other
      * streams (communication) that only their owner can time out (moe_comm_watch). */
@@ -119,8 +120,8 @@ typedef struct moe_backend {
      * syncs and fetches) wait for everything queued on both lanes so far.
      * background_mark(id), on a lane, marks the point it has reached (id in [0, 64); a
      * mark made again moves); background_await(id) makes the queue's later work wait for
-     * that point only. Only adamw_update_multi may be queued on a lane: it uses no
-     * scratch of the backend's. The cpu runs everything at once: these do nothing. */
+     * that point only. Only adamw_update_multi and zero may be queued on a lane: they
+     * use no scratch of the backend's. The cpu runs everything at once: these do nothing. */
     void (*background)(int lane);
     void (*background_join)(void);
     void (*background_mark)(int id);

@@ -304,7 +304,6 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     const size_t R = (size_t)m->Rmax, Mx = (size_t)m->Mmax;
     for (int i = 0; i < m->C; i++)
         carve_chunk(m, &m->chunk[i], c, h);
-    m->tokens_h = TAKE(h, int32_t, 2 * (size_t)m->N);
     m->expert_rank_dev = TAKE(c, int32_t, (size_t)m->L * m->E);
     m->expert_local_dev = TAKE(c, int32_t, (size_t)m->L * m->E);
     m->layer_counts = TAKE(h, int64_t, (size_t)m->L * m->E);
@@ -553,6 +552,7 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
     m->cfg = *cfg;
     m->be = be ? be : &moe_backend_cpu;
     m->loss_scale = 1.0;
+    m->tokens_mark = -1;
     be = m->be;
     m->B = cfg->micro_batch;
     m->T = cfg->seq_len;
@@ -658,13 +658,16 @@ moe_status moe_model_create(moe_model **out, const moe_config *cfg, struct moe_c
         const size_t aux = (router_aux_part_len(m->Nc, m->E) + 7) & ~(size_t)7;
         const size_t counts = ((size_t)MOE_PACK_COUNTS(m->ep, m->El) + 15) & ~(size_t)15;
         const size_t each = sizeof(double) * aux + sizeof(int) * counts;
-        m->fetch_base = be->alloc_host(each * (size_t)m->C);
+        /* and the tokens, so that their copies to the device do not wait for the host */
+        const size_t tokens = sizeof(int32_t) * 2 * (size_t)m->N;
+        m->fetch_base = be->alloc_host(each * (size_t)m->C + tokens);
         if (!m->fetch_base) {
             moe_log_at(__FILE__, __LINE__, "cannot allocate %zu bytes of host memory (%s)",
-                       each * (size_t)m->C, be->name);
+                       each * (size_t)m->C + tokens, be->name);
             st = MOE_ERR_NOMEM;
             goto fail;
         }
+        m->tokens_h = (int32_t *)((char *)m->fetch_base + each * (size_t)m->C);
         for (int i = 0; i < m->C; i++) {
             char *at = (char *)m->fetch_base + each * (size_t)i;
             m->chunk[i].aux_host = (double *)at;
@@ -908,6 +911,7 @@ static moe_status moe_dispatch_send(moe_model *m, int l, moe_fwd_stats *stats)
     const int N = m->Nc, K = m->K, D = m->D, ep = m->ep, El = m->El;
     const double t_wait = moe_clock_seconds();
     MOE_CHECK(m->be->queue_wait(ch->mark, moe_comm_watch, m->comm));
+    moe_model_waited(m, ch->mark);
     m->host_wait_s += moe_clock_seconds() - t_wait;
     const int *send_rows = ch->pack_counts, *send_assign = ch->pack_counts + ep;
     const int *send_experts = ch->pack_counts + 2 * ep + 1;
@@ -1140,6 +1144,12 @@ void moe_model_fuse_head(moe_model *m, int64_t step_sequences)
 
 void moe_model_fresh_grads(moe_model *m) { m->grads_fresh = 1; }
 
+void moe_model_waited(moe_model *m, long mark)
+{
+    if (m->tokens_mark >= 0 && mark >= m->tokens_mark)
+        m->tokens_mark = -1;
+}
+
 void moe_model_added_grads(const moe_model *m, size_t *lo, size_t *hi)
 {
     *lo = (size_t)(m->g.embedding - m->grads);
@@ -1192,6 +1202,10 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
 {
     const int N = m->N, D = m->D, T = m->T, Nc = m->Nc;
     memset(stats, 0, sizeof *stats);
+    if (m->tokens_mark >= 0) { /* no wait since the last copies of tokens_h: one now */
+        MOE_CHECK(m->be->queue_wait(m->tokens_mark, moe_comm_watch, m->comm));
+        m->tokens_mark = -1;
+    }
     for (int b = 0; b < m->B; b++) {
         for (int t = 0; t < T; t++) {
             int32_t in = tokens[(size_t)b * (T + 1) + t];
@@ -1205,12 +1219,18 @@ moe_status moe_model_forward(moe_model *m, const int32_t *tokens, moe_fwd_stats 
             m->tokens_h[(size_t)N + (size_t)b * T + t] = tg;
         }
     }
-    params_needed(m, -1, 0);
+    /* the copies first: they need no parameter, so they run while the update the
+     * embedding waits for (params_needed) may still run */
     for (int i = 0; i < m->C; i++) { /* chunk i: sequences [i*Bc, (i+1)*Bc) */
         use_chunk(m, i);
         m->be->copy(m->tokens, m->tokens_h + (size_t)i * Nc, sizeof(int32_t) * Nc, MOE_COPY_H2D);
         m->be->copy(m->targets, m->tokens_h + N + (size_t)i * Nc, sizeof(int32_t) * Nc,
                     MOE_COPY_H2D);
+    }
+    m->tokens_mark = m->be->queue_mark();
+    params_needed(m, -1, 0);
+    for (int i = 0; i < m->C; i++) {
+        use_chunk(m, i);
         m->be->embedding_forward(m->x[0], m->tokens, m->p.embedding, Nc, D);
     }
     for (int l = 0; l < m->L; l++)

@@ -132,7 +132,9 @@ typedef struct {
 struct moe_comm;
 struct moe_backend;
 /* Called by backward when the gradients of a stage are final: stage L (final norm and
- * LM head), L-1 ... 0 (layers), -1 (embedding). */
+ * LM head), L-1 ... 0 (layers), -1 (embedding). Stage 0's call comes before the
+ * embedding's backward adds to its gradients (moe_model_added_grads); what the listener
+ * queues there runs before those additions. */
 typedef void (*moe_grad_ready_fn)(void *ctx, int stage);
 /* Called by forward before it first reads a stage's parameters in a micro-batch: stage
  * -1 (the embedding), 0 ... L-1 (layer l: part 0 its dense parameters -- norms,
@@ -203,11 +205,12 @@ typedef struct moe_model {
     moe_view p, g;
 
     /* activations; in this block and the next, N is a chunk's Nc tokens */
-    int32_t *tokens, *targets;       /* (N) */
-    int32_t *tokens_h;               /* (2 * B * T) host staging of tokens then targets */
-    real **x;                        /* L+1 residual streams (N, D): x[0] embedding, x[L] final */
-    moe_layer_acts *acts;            /* L */
-    real *hf, *rstdf;                /* final norm (N, D), (N) */
+    int32_t *tokens, *targets; /* (N) */
+    int32_t *tokens_h;         /* (2 * B * T) host staging of tokens then targets (in fetch_base) */
+    long tokens_mark;          /* the queue's mark after the last copies of tokens_h (-1: none) */
+    real **x;                  /* L+1 residual streams (N, D): x[0] embedding, x[L] final */
+    moe_layer_acts *acts;      /* L */
+    real *hf, *rstdf;          /* final norm (N, D), (N) */
     real *logits, *ce_lse, *ce_loss; /* (head_rows, V), (N), (N) */
     real *dlogits; /* (head_rows, V): their gradient; on a device its own buffer, marked
                       as a GEMM operand (16-bit there); on the cpu the logits, in place */
@@ -244,7 +247,8 @@ typedef struct moe_model {
     int64_t *load;    /* (L, E): assignments per expert since the last reset */
     void *act_base;   /* the one backend block all activations are carved from */
     void *host_base;  /* the one host block for what the host reads */
-    void *fetch_base; /* backend host memory (pinned): the chunks' aux_host, pack_counts */
+    void *fetch_base; /* backend host memory (pinned): the chunks' aux_host, pack_counts,
+                       * tokens_h */
 } moe_model;
 
 /* Lays out the tensors for cfg on this rank (its experts: those the placement gives
@@ -326,6 +330,10 @@ void moe_model_fresh_grads(moe_model *m);
  * the embedding table's (a scatter of the tokens' rows, rows of absent tokens untouched).
  * They lie within the dense ones [0, n_dense). */
 void moe_model_added_grads(const moe_model *m, size_t *lo, size_t *hi);
+/* The host waited until the backend's queue passed `mark` (queue_wait): the forward's
+ * copies of the tokens queued before it have left the host's staging, which the next
+ * forward then rewrites without a wait of its own. */
+void moe_model_waited(moe_model *m, long mark);
 
 /* The GEMM precision the backend runs: in bf16 / fp16 the dispatch rows carry the token
  * in that 16-bit form (ops.h MOE_ROW_*), half the bytes, the same bits as the experts'

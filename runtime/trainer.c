@@ -83,8 +83,16 @@ static void update_piece(moe_trainer *tr, int b, int part, int lane)
     m->be->background(0);
 }
 
+/* The background mark of zero_dense's lane-1 work; lane 2's pieces mark their slots,
+ * below 2 * MAX_DEFER. */
+#define ZERO_MARK 63
+#define MAX_DEFER 31
+
 /* Zeroes those of bucket b's dense gradients that the step's first backward adds to, not
- * writes (moe_model_added_grads: the embedding's), queued. */
+ * writes (moe_model_added_grads: the embedding's, 128 MiB at the bench shape), on
+ * background lane 1 after what the queue holds so far: beside the forward, not before
+ * it. The backward's grad_ready(0), which comes before the embedding's backward adds to
+ * them, waits for it (on_grad_ready). */
 static void zero_dense(moe_trainer *tr, int b)
 {
     const moe_grad_bucket *k = &tr->buckets[b];
@@ -93,8 +101,13 @@ static void zero_dense(moe_trainer *tr, int b)
     moe_model_added_grads(m, &lo, &hi);
     lo = lo > k->dense_lo ? lo : k->dense_lo;
     hi = hi < k->dense_hi ? hi : k->dense_hi;
-    if (hi > lo)
-        m->be->zero(m->grads + lo, sizeof(real) * (hi - lo));
+    if (hi <= lo)
+        return;
+    m->be->background(1);
+    m->be->zero(m->grads + lo, sizeof(real) * (hi - lo));
+    m->be->background_mark(ZERO_MARK);
+    m->be->background(0);
+    tr->zero_queued = 1;
 }
 
 /* Called by forward before it reads a stage's parameters: where their update still runs
@@ -127,6 +140,10 @@ static int expert_holders(const moe_trainer *tr)
 static void on_grad_ready(void *ctx, int stage)
 {
     moe_trainer *tr = ctx;
+    if (stage == 0 && tr->zero_queued) { /* the embedding's backward adds next */
+        tr->model->be->background_await(ZERO_MARK);
+        tr->zero_queued = 0;
+    }
     if (tr->last_micro && stage == tr->model->L - 1 &&
         moe_fault_nan_due(&tr->fault, tr->rank, tr->step)) {
         const real nan_value = (real)NAN; /* MOE_FAULT=nan: poison this stage's gradients */
@@ -359,8 +376,8 @@ moe_status moe_trainer_create(moe_trainer **out, const moe_config *cfg, struct m
         tr->defer = 0;
     if (tr->defer > n_buckets)
         tr->defer = n_buckets;
-    if (tr->defer > 32) /* the backend's 64 background marks */
-        tr->defer = 32;
+    if (tr->defer > MAX_DEFER) /* the backend's 64 background marks, ZERO_MARK among them */
+        tr->defer = MAX_DEFER;
     if (!tr->norm_sq || !tr->norm_parts || !tr->updated || !tr->pending || !tr->held_parts ||
         !tr->step_host) {
         st = MOE_ERR_NOMEM;
@@ -551,6 +568,7 @@ static moe_status wait_mark(moe_trainer *tr, long mark)
 {
     const double t_wait = moe_clock_seconds();
     MOE_CHECK(tr->model->be->queue_wait(mark, moe_comm_watch, tr->comm));
+    moe_model_waited(tr->model, mark);
     tr->model->host_wait_s += moe_clock_seconds() - t_wait;
     return MOE_OK;
 }

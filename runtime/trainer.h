@@ -78,6 +78,7 @@ typedef struct {
                                * forward (moe_trainer_apply); 0: none */
     unsigned char *pending;   /* (2 (L + 2)) such pieces the next forward has not waited for */
     int held;                 /* a step whose deferred pieces were queued, not yet reported */
+    int zero_queued;          /* the embedding's gradient zeroed on lane 1, not yet waited for */
     moe_step_result held_res; /* its result but the gradient norm */
     double *held_parts;       /* (4 (L + 2)) its pieces' sums of squares (this rank's) */
     int update_early;         /* update_in_backward: the update's pieces queued as stages end */

@@ -11,7 +11,9 @@
  *   only their storage rounds) but not identically (so the bf16 path ran).
  * - The next step's first micro-batch, read while the optimizer runs, is the one the step
  *   then takes, with the losses of reading it at the step's start.
- * - The model's grad_ready callbacks come in the stages' order. */
+ * - The model's grad_ready callbacks come in the stages' order.
+ * - Without MoE layers (no count wait), a micro-batch's forward waits for the copies of
+ *   the tokens before it rewrites their host staging. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -68,16 +70,16 @@ static int count_all_finite(const real *x, size_t n)
 
 static moe_backend counting;
 
-/* 3 layers, the first dense: 2 MoE layers; `chunks` chunks, `accum` micro-batches; AdamW
- * state fp32 or bf16. */
-static moe_trainer *make_trainer(int chunks, int accum, const char *state)
+/* 3 layers, the first `dense` dense; `chunks` chunks, `accum` micro-batches; AdamW state
+ * fp32 or bf16. */
+static moe_trainer *make_trainer_dense(int chunks, int accum, const char *state, int dense)
 {
     moe_config cfg;
     moe_config_defaults(&cfg);
     cfg.vocab_size = 64;
     cfg.d_model = 16;
     cfg.n_layers = 3;
-    cfg.dense_layers = 1;
+    cfg.dense_layers = dense;
     cfg.dense_hidden = 12;
     cfg.n_heads = 2;
     cfg.seq_len = 8;
@@ -109,6 +111,12 @@ static moe_trainer *make_trainer(int chunks, int accum, const char *state)
     return tr;
 }
 
+/* 3 layers, the first dense: 2 MoE layers */
+static moe_trainer *make_trainer(int chunks, int accum, const char *state)
+{
+    return make_trainer_dense(chunks, accum, state, 1);
+}
+
 static void check_waits(int chunks, int accum)
 {
     moe_trainer *tr = make_trainer(chunks, accum, "fp32");
@@ -138,6 +146,27 @@ static void test_waits_chunks_and_accumulation(void **state)
 {
     (void)state;
     check_waits(2, 3);
+}
+
+/* Without MoE layers no count wait follows a forward's copies of the tokens from the
+ * host's staging (pinned on a device: the copy may still be queued), so each later
+ * micro-batch's forward waits for the one before's copies before it rewrites the staging;
+ * the step's first needs none (the last step's wait for the losses came after them). */
+static void test_waits_dense_accumulation(void **state)
+{
+    (void)state;
+    const int accum = 3;
+    moe_trainer *tr = make_trainer_dense(1, accum, "fp32", 3);
+    for (int s = 0; s < 3; s++) {
+        moe_step_result r;
+        memset(&waits, 0, sizeof waits);
+        assert_int_equal(moe_trainer_accumulate(tr, &r), MOE_OK);
+        assert_int_equal(waits.queue_wait, accum - 1);
+        assert_int_equal(moe_trainer_apply(tr, &r), MOE_OK);
+        assert_int_equal(waits.queue_wait, accum);
+        assert_true(r.ce > 0 && r.grad_norm > 0 && r.skipped == 0);
+    }
+    moe_trainer_destroy(tr);
 }
 
 /* A NaN in the gradients of the second step (MOE_FAULT=nan@0:1): without loss scaling the
@@ -266,6 +295,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_waits_one_chunk),
         cmocka_unit_test(test_waits_chunks_and_accumulation),
+        cmocka_unit_test(test_waits_dense_accumulation),
         cmocka_unit_test(test_nan_step_changes_nothing),
         cmocka_unit_test(test_bf16_moments_follow_fp32),
         cmocka_unit_test(test_next_batch_read_ahead),
