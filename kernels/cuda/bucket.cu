@@ -18,31 +18,44 @@
 
 /* ---- scan ---------------------------------------------------------------------------- */
 
-/* Exclusive scan over the MOE_CUDA_THREADS threads of a block, in thread order; *total
- * gets the block's sum. Every thread of the block must call it. */
-static __device__ int block_scan(int v, int *total)
+/* Exclusive scan over the WARPS * 32 threads of a block (WARPS <= 32), in thread order;
+ * *total gets the block's sum. Every thread of the block must call it, and may call it
+ * again: the first barrier keeps a later call's writes behind an earlier call's reads.
+ * Each warp scans its values by shuffles; warp 0 then scans the warps' sums. */
+template <int WARPS> static __device__ int block_scan(int v, int *total)
 {
-    __shared__ int warp_total[MOE_CUDA_THREADS / 32];
+    static_assert(WARPS >= 1 && WARPS <= 32, "one warp scans the warps' sums");
+    __shared__ int warp_sum[WARPS + 1]; /* [w]: the warps before w; [WARPS]: the sum */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int x = v;
     for (int o = 1; o < 32; o <<= 1) {
-        int y = __shfl_up_sync(MOE_CUDA_FULL_MASK, x, o);
+        const int y = __shfl_up_sync(MOE_CUDA_FULL_MASK, x, o);
         if (lane >= o)
             x += y;
     }
-    __syncthreads(); /* warp_total may still be read by a previous call */
+    __syncthreads(); /* warp_sum may still be read by a previous call */
     if (lane == 31)
-        warp_total[warp] = x;
+        warp_sum[warp] = x;
     __syncthreads();
-    int before = 0, all = 0;
-    for (int w = 0; w < MOE_CUDA_THREADS / 32; w++) {
-        int t = warp_total[w];
-        before += w < warp ? t : 0;
-        all += t;
+    if (warp == 0) {
+        const int t = lane < WARPS ? warp_sum[lane] : 0;
+        int u = t;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(MOE_CUDA_FULL_MASK, u, o);
+            if (lane >= o)
+                u += y;
+        }
+        if (lane < WARPS)
+            warp_sum[lane] = u - t;
+        if (lane == 31)
+            warp_sum[WARPS] = u;
     }
-    *total = all;
-    return before + x - v;
+    __syncthreads();
+    *total = warp_sum[WARPS];
+    return warp_sum[warp] + x - v;
 }
+
+#define SCAN_WARPS (MOE_CUDA_THREADS / 32)
 
 static __global__ void scan_tile_sums(int *sums, const int *in, int n)
 {
@@ -51,7 +64,7 @@ static __global__ void scan_tile_sums(int *sums, const int *in, int n)
     for (int j = 0; j < SCAN_ITEMS; j++)
         if (base + j < n)
             s += in[base + j];
-    block_scan(s, &total);
+    block_scan<SCAN_WARPS>(s, &total);
     if (threadIdx.x == 0)
         sums[blockIdx.x] = total;
 }
@@ -63,7 +76,7 @@ static __global__ void scan_sums(int *sums, int nb, int *grand)
     for (int c0 = 0; c0 < nb; c0 += MOE_CUDA_THREADS) {
         const int i = c0 + threadIdx.x;
         const int v = i < nb ? sums[i] : 0;
-        const int p = block_scan(v, &total);
+        const int p = block_scan<SCAN_WARPS>(v, &total);
         if (i < nb)
             sums[i] = carry + p;
         carry += total;
@@ -82,7 +95,7 @@ static __global__ void scan_tiles(int *out, const int *in, int n, const int *sum
         v[j] = base + j < n ? in[base + j] : 0;
         s += v[j];
     }
-    int p = block_scan(s, &total) + sums[blockIdx.x];
+    int p = block_scan<SCAN_WARPS>(s, &total) + sums[blockIdx.x];
     for (int j = 0; j < SCAN_ITEMS; j++)
         if (base + j < n) {
             out[base + j] = p;
@@ -213,43 +226,11 @@ static __global__ void sort_rank(int *out, int *cnt, const int *start, const int
 #define ONE_MAX_ITEMS (1 << 16) /* 64 rounds of 32 items a warp at most */
 #define ONE_PER_THREAD (ONE_MAX_BUCKETS * ONE_WARPS / ONE_THREADS)
 
-/* Exclusive scan over the ONE_THREADS threads of a block, in thread order; *total (shared
- * memory) gets the sum, for after the call. Every thread must call it, once a kernel. */
-static __device__ int one_block_scan(int v, int *total)
-{
-    __shared__ int warp_sum[ONE_WARPS];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int x = v;
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(MOE_CUDA_FULL_MASK, x, o);
-        if (lane >= o)
-            x += y;
-    }
-    if (lane == 31)
-        warp_sum[warp] = x;
-    __syncthreads();
-    if (warp == 0) { /* ONE_WARPS == 32: lane w scans warp w's sum */
-        const int t = warp_sum[lane];
-        int u = t;
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(MOE_CUDA_FULL_MASK, u, o);
-            if (lane >= o)
-                u += y;
-        }
-        warp_sum[lane] = u - t; /* each lane its own entry: the warps before it */
-        if (lane == 31)
-            *total = u;
-    }
-    __syncthreads();
-    return warp_sum[warp] + x - v;
-}
-
 static __global__ void __launch_bounds__(ONE_THREADS)
     sort_one_block(int *out, int *total, int *bstart, const int32_t *keys, const int *in, int n,
                    int shift, int V, int buckets)
 {
     extern __shared__ int cnt[]; /* [ONE_WARPS][buckets]: counts, then positions */
-    __shared__ int kept;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int seg = (n + ONE_WARPS - 1) / ONE_WARPS;
     const int lo = min(n, warp * seg), hi = min(n, lo + seg);
@@ -274,8 +255,8 @@ static __global__ void __launch_bounds__(ONE_THREADS)
         v[q] = q < per && j < cells ? cnt[(j % ONE_WARPS) * buckets + j / ONE_WARPS] : 0;
         sum += v[q];
     }
-    int pos = one_block_scan(sum, &kept);
-    const int all = kept;
+    int all;
+    int pos = block_scan<ONE_WARPS>(sum, &all);
 #pragma unroll
     for (int q = 0; q < ONE_PER_THREAD; q++) {
         const int j = threadIdx.x * per + q;

@@ -355,8 +355,7 @@ extern "C" void cuda_router_backward(real *dlogits, real *dprobs, const real *dw
         return;
     /* MOE_ROUTER_BACKWARD_UNFUSED=1: the 4 kernels (a benchmark knob, read each call: the
      * tests switch it); more experts than a warp's registers take: always */
-    const char *unfused = getenv("MOE_ROUTER_BACKWARD_UNFUSED");
-    if (E > FUSED_E_MAX || (unfused && atoi(unfused))) {
+    if (E > FUSED_E_MAX || moe_cuda_env_is("MOE_ROUTER_BACKWARD_UNFUSED", "1")) {
         const size_t bytes = sizeof(real) * (size_t)N * E;
         MOE_CUDA_OK(cudaMemsetAsync(dprobs, 0, bytes, moe_cuda_stream()));
         MOE_CUDA_OK(cudaMemsetAsync(dlogits, 0, bytes, moe_cuda_stream()));
