@@ -28,22 +28,7 @@
 #include <stdlib.h>
 #include <vector>
 
-#define CK(x)                                                                                      \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));                      \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
-#define CB(x)                                                                                      \
-    do {                                                                                           \
-        cublasStatus_t e_ = (x);                                                                   \
-        if (e_ != CUBLAS_STATUS_SUCCESS) {                                                         \
-            printf("%s:%d cublas status %d\n", __FILE__, __LINE__, (int)e_);                       \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "probe_check.h"
 
 #define MAX_ALGOS 16
 #define REPS 20

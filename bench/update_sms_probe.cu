@@ -20,22 +20,7 @@
 #include <stdlib.h>
 #include <stdint.h>
 #include <vector>
-#define CK(x)                                                                                      \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));                      \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
-#define CB(x)                                                                                      \
-    do {                                                                                           \
-        cublasStatus_t e_ = (x);                                                                   \
-        if (e_ != CUBLAS_STATUS_SUCCESS) {                                                         \
-            printf("%s:%d cublas %d\n", __FILE__, __LINE__, (int)e_);                              \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "probe_check.h"
 
 __device__ __forceinline__ void adam8(uint4 &p, uint4 g, uint4 &m, uint4 &v)
 {
