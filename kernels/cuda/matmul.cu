@@ -6,10 +6,12 @@
  * backward accumulates (beta 1), as ops.h says. The algorithm of each shape (sizes,
  * transposes, leading dimensions, pointer alignments, beta) comes from
  * cublasLtMatmulAlgoGetHeuristic once and is cached with its descriptors in a small
- * open-addressing table (flushed when 3/4 full). All GEMMs share the backend's
- * persistent workspace on its one stream. Grouped: every non-empty group of a call in
- * one cublasGemmGroupedBatchedEx (each group its own problem; the offsets are host
- * memory), or one cuBLASLt GEMM per group where cuBLAS refuses that precision.
+ * open-addressing table (flushed when 3/4 full): the fastest of the heuristic's first
+ * TUNE_ALGOS candidates that give the first's bits, timed once on random operands of the
+ * shape (plan_tune; the first where none is clearly faster, or with MOE_GEMM_TUNE=0). All GEMMs
+ * share the backend's persistent workspace on its one stream. Grouped: every non-empty group of a
+ * call in one cublasGemmGroupedBatchedEx (each group its own problem; the offsets are host memory),
+ * or one cuBLASLt GEMM per group where cuBLAS refuses that precision.
  *
  * bf16 / fp16 (set_precision): the operands are 16-bit, outputs fp32, compute fp32. A
  * weight operand inside the parameter arena is read from a 16-bit shadow of the arena
@@ -326,6 +328,7 @@ static const void *rounded_operand(const real *x, size_t n, int i)
 }
 
 #define PLAN_SLOTS 1024
+#define TUNE_ALGOS 8 /* the heuristic's candidates a plan times (plan_tune) */
 
 /* n and k (the dimensions that follow the token count: rows of an expert vary every
  * step) are keyed by bucket where they are a layout's column count (never bounded by a
@@ -341,6 +344,7 @@ typedef struct {
     int out16;            /* 0: C is fp32; else C's cudaDataType_t (16-bit, a marked output) */
     int batch;            /* 1, or more: a strided batch (GEMM i's A, B, C at i sa, sb, sc) */
     long long sa, sb, sc; /* elements of A's, B's (operand type) and C's (its type) */
+    int tune;             /* the candidates timed (plan_tune), else the heuristic's first */
 } gemm_key;
 
 typedef struct {
@@ -408,10 +412,14 @@ static int layout_batch(cublasLtMatrixLayout_t l, int count, long long stride)
                l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &s, sizeof s));
 }
 
-static int plan_build(gemm_plan *p, const gemm_key *k)
+static int plan_tune(const gemm_plan *p, const cublasLtMatmulHeuristicResult_t *cand, int found,
+                     uint64_t ws_limit, cudaStream_t after);
+
+/* after: the stream of the GEMM's first call (plan_tune waits for its queued work). */
+static int plan_build(gemm_plan *p, const gemm_key *k, cudaStream_t after)
 {
     cublasLtMatmulPreference_t pref = NULL;
-    cublasLtMatmulHeuristicResult_t result;
+    cublasLtMatmulHeuristicResult_t result[TUNE_ALGOS];
     int found = 0, ok = 0;
     size_t ws_bytes = 0;
     void *ws = moe_cuda_workspace(&ws_bytes);
@@ -448,7 +456,7 @@ static int plan_build(gemm_plan *p, const gemm_key *k)
         !MOE_LT_OK(cublasLtMatmulPreferenceSetAttribute(
             pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c)) ||
         !MOE_LT_OK(cublasLtMatmulAlgoGetHeuristic(moe_cuda_lt(), p->op, p->la, p->lb, p->lc, p->lc,
-                                                  pref, 1, &result, &found)))
+                                                  pref, k->tune ? TUNE_ALGOS : 1, result, &found)))
         goto done;
     if (found < 1) {
         MOE_CUDA_FAIL("cuBLASLt has no algorithm for m=%d n=%d k=%d (transa %d transb %d, "
@@ -456,9 +464,11 @@ static int plan_build(gemm_plan *p, const gemm_key *k)
                       k->m, k->n, k->k, k->ta, k->tb, k->operand_type);
         goto done;
     }
-    p->algo = result.algo;
+    p->algo = result[0].algo;
     p->cur_n = k->n;
     p->cur_k = k->k;
+    if (found > 1)
+        p->algo = result[plan_tune(p, result, found, ws_limit, after)].algo;
     p->used = 1;
     ok = 1;
 done:
@@ -469,8 +479,190 @@ done:
     return ok;
 }
 
+/* ---- a shape's candidates timed (plan_tune; on by default, MOE_GEMM_TUNE=0 turns it off) ----
+ * cuBLASLt's heuristic ranks its candidates by a model of the device, not by running them.
+ * At the bench shape its first was up to 1.5 times slower than another of the same shape
+ * (forty-second session, bench/gemm_algos_probe.cu: the output projection's forward with
+ * the residual added, 109 against 71 us on an H100). A plan's first use times the first
+ * TUNE_ALGOS candidates and keeps the fastest of those that give the heuristic first's
+ * bits on random operands of the shape: a product's bits do not depend on whether it was
+ * timed, or on which candidate the timing favoured. A candidate replaces the first only
+ * if it is clearly faster (TUNE_GAIN times the first's time is more than its own): in
+ * the bench (same session, H100) picks within 5% of the first made the LM head's backward
+ * GEMMs slower in the step than alone (the weight gradient 396 -> 443 us), while the
+ * output projection's (117 -> 77 us in the step) held in every process. The candidates
+ * are timed in TUNE_ROUNDS rounds in turn, each keeping its least (a drift or a burst of
+ * other work falls on every candidate alike). The operands are
+ * buffers of the tuning's own (stream-ordered allocations on its own stream, freed at the
+ * end) with a workspace of its own, so nothing the step uses is touched; the stream
+ * first waits for the work queued on the GEMM's stream, so the timing sees a quieter
+ * device (a host wait once per shape, in the first step). Where the buffers cannot
+ * be had (memory), the first is kept. */
+#define TUNE_REPS 5
+#define TUNE_ROUNDS 3
+#define TUNE_GAIN 0.8
+
+static cudaStream_t tune_stream;
+static cudaEvent_t tune_ev[3];
+static int *tune_flag;        /* device: a difference found */
+static long n_tuned, n_other; /* plans timed; of those, a candidate other than the first kept */
+
+/* n random values in [-1, 1) of type t (CUDA_R_32F, CUDA_R_16BF or CUDA_R_16F) at p. */
+static __global__ void tune_fill_kernel(void *p, size_t n, uint32_t seed, int t)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t h = ((uint32_t)i ^ (uint32_t)(i >> 32) * 668265263u) * 2654435761u ^ seed;
+        h ^= h >> 15;
+        h *= 2246822519u;
+        h ^= h >> 13;
+        const float v = (float)(h & 0xffffu) / 32768.0f - 1.0f;
+        if (t == CUDA_R_32F)
+            ((float *)p)[i] = v;
+        else if (t == CUDA_R_16BF)
+            ((__nv_bfloat16 *)p)[i] = __float2bfloat16(v);
+        else
+            ((__half *)p)[i] = __float2half(v);
+    }
+}
+
+static __global__ void tune_differ_kernel(const uint16_t *a, const uint16_t *b, size_t n,
+                                          int *differ)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        if (a[i] != b[i])
+            *differ = 1;
+}
+
+/* The index among cand[0 .. found) to keep (0: the first; see above). */
+static int plan_tune(const gemm_plan *p, const cublasLtMatmulHeuristicResult_t *cand, int found,
+                     uint64_t ws_limit, cudaStream_t after)
+{
+    const gemm_key *k = &p->key;
+    if (!tune_stream) {
+        int least = 0, greatest = 0;
+        if (!MOE_CUDA_OK(cudaDeviceGetStreamPriorityRange(&least, &greatest)) ||
+            !MOE_CUDA_OK(
+                cudaStreamCreateWithPriority(&tune_stream, cudaStreamNonBlocking, greatest)))
+            return 0;
+        for (int i = 0; i < 3; i++)
+            if (!MOE_CUDA_OK(cudaEventCreateWithFlags(&tune_ev[i], i == 2 ? cudaEventDisableTiming
+                                                                          : cudaEventDefault)))
+                return 0;
+        if (!MOE_CUDA_OK(cudaMalloc(&tune_flag, sizeof(int))))
+            return 0;
+    }
+    const size_t ob = k->operand_type == CUDA_R_32F ? 4 : 2, cb = k->out16 ? 2 : 4;
+    const int ct = k->out16 ? k->out16 : CUDA_R_32F;
+    const size_t last = (size_t)(k->batch > 1 ? k->batch - 1 : 0);
+    const size_t na = last * (size_t)k->sa + (size_t)k->lda * (k->ta ? k->m : k->k);
+    const size_t nb = last * (size_t)k->sb + (size_t)k->ldb * (k->tb ? k->k : k->n);
+    const size_t nc = last * (size_t)k->sc + (size_t)k->ldc * k->n;
+    /* A, B, the base C, the first's D, a candidate's D, the workspace: 256-byte aligned */
+    const size_t part[6] = {na * ob, nb * ob, nc * cb, nc * cb, nc * cb, (size_t)ws_limit};
+    size_t off[6], total = 0;
+    for (int i = 0; i < 6; i++) {
+        off[i] = total;
+        total += (part[i] + 255) / 256 * 256;
+    }
+    char *buf = NULL;
+    if (!MOE_CUDA_OK(cudaEventRecord(tune_ev[2], after)) ||
+        !MOE_CUDA_OK(cudaStreamWaitEvent(tune_stream, tune_ev[2], 0)))
+        return 0;
+    if (cudaMallocAsync((void **)&buf, total, tune_stream) != cudaSuccess) {
+        (void)cudaGetLastError(); /* not enough memory: the first is kept */
+        return 0;
+    }
+    void *A = buf + off[0], *B = buf + off[1], *Cin = buf + off[2], *D0 = buf + off[3],
+         *D = buf + off[4], *ws = ws_limit ? buf + off[5] : NULL;
+    const int types[3] = {k->operand_type, k->operand_type, ct};
+    const size_t counts[3] = {na, nb, nc};
+    void *fills[3] = {A, B, Cin};
+    for (int i = 0; i < 3; i++) {
+        tune_fill_kernel<<<1024, 256, 0, tune_stream>>>(fills[i], counts[i], 0x9e3779b9u * (i + 1),
+                                                        types[i]);
+        MOE_CUDA_OK(cudaGetLastError());
+    }
+    MOE_CUDA_OK(cudaMemsetAsync(D0, 0, nc * cb, tune_stream)); /* gaps of a strided batch */
+    MOE_CUDA_OK(cudaMemsetAsync(D, 0, nc * cb, tune_stream));
+    const float alpha = 1.0f, beta = k->accumulate ? 1.0f : 0.0f;
+    /* (1) the candidates that run and give the first's bits (the first call a warm-up) */
+    int elig[TUNE_ALGOS], n_elig = 0;
+    for (int i = 0; i < found && i < TUNE_ALGOS; i++) {
+        if (cand[i].state != CUBLAS_STATUS_SUCCESS || cand[i].workspaceSize > ws_limit)
+            continue;
+        if (cublasLtMatmul(moe_cuda_lt(), p->op, &alpha, A, p->la, B, p->lb, &beta, Cin, p->lc,
+                           i == 0 ? D0 : D, p->lc, &cand[i].algo, ws, ws_limit,
+                           tune_stream) != CUBLAS_STATUS_SUCCESS) {
+            if (i == 0)
+                break; /* the first refused: nothing to compare with; the first is kept */
+            continue;
+        }
+        if (i > 0) {
+            int differ = 0;
+            MOE_CUDA_OK(cudaMemsetAsync(tune_flag, 0, sizeof(int), tune_stream));
+            tune_differ_kernel<<<1024, 256, 0, tune_stream>>>(
+                (const uint16_t *)D, (const uint16_t *)D0, nc * cb / 2, tune_flag);
+            MOE_CUDA_OK(cudaGetLastError());
+            if (!MOE_CUDA_OK(cudaMemcpyAsync(&differ, tune_flag, sizeof(int),
+                                             cudaMemcpyDeviceToHost, tune_stream)) ||
+                !MOE_CUDA_OK(cudaStreamSynchronize(tune_stream)) || differ)
+                continue;
+        }
+        elig[n_elig++] = i;
+    }
+    /* (2) TUNE_ROUNDS rounds over them in turn, TUNE_REPS calls each; a candidate's time is
+     * its least round (a drift or a burst of other work falls on every candidate alike) */
+    float least[TUNE_ALGOS];
+    for (int e = 0; e < n_elig; e++)
+        least[e] = -1.0f;
+    for (int r = 0; r < TUNE_ROUNDS && n_elig > 1 && elig[0] == 0; r++)
+        for (int e = 0; e < n_elig; e++) {
+            const int i = elig[e];
+            int ok = MOE_CUDA_OK(cudaEventRecord(tune_ev[0], tune_stream));
+            for (int c = 0; c < TUNE_REPS && ok; c++)
+                ok = cublasLtMatmul(moe_cuda_lt(), p->op, &alpha, A, p->la, B, p->lb, &beta, Cin,
+                                    p->lc, D, p->lc, &cand[i].algo, ws, ws_limit,
+                                    tune_stream) == CUBLAS_STATUS_SUCCESS;
+            float ms = 0.0f;
+            if (ok && MOE_CUDA_OK(cudaEventRecord(tune_ev[1], tune_stream)) &&
+                MOE_CUDA_OK(cudaEventSynchronize(tune_ev[1])) &&
+                MOE_CUDA_OK(cudaEventElapsedTime(&ms, tune_ev[0], tune_ev[1])) &&
+                (least[e] < 0.0f || ms < least[e]))
+                least[e] = ms;
+        }
+    int keep = 0, timed = 0;
+    float best_ms = n_elig > 0 ? least[0] : -1.0f;
+    for (int e = 0; e < n_elig; e++) {
+        if (least[e] < 0.0f)
+            continue;
+        timed++;
+        if (e > 0 && best_ms > 0.0f && least[e] < best_ms && least[e] < TUNE_GAIN * least[0]) {
+            best_ms = least[e];
+            keep = elig[e];
+        }
+    }
+    MOE_CUDA_OK(cudaFreeAsync(buf, tune_stream));
+    MOE_CUDA_OK(cudaStreamSynchronize(tune_stream));
+    if (timed > 1) {
+        n_tuned++;
+        n_other += keep != 0;
+    }
+    return keep;
+}
+
+/* Plans whose candidates were timed since the start, and of those, the plans that keep a
+ * candidate other than the heuristic's first (for tests and the bench). */
+extern "C" long moe_cuda_gemm_tuned(long *other)
+{
+    if (other)
+        *other = n_other;
+    return n_tuned;
+}
+
 /* The cached plan of k, built on first use; NULL on failure (recorded). */
-static gemm_plan *plan_get(const gemm_key *k)
+static gemm_plan *plan_get(const gemm_key *k, cudaStream_t after)
 {
     if (n_plans >= PLAN_SLOTS * 3 / 4) {
         for (int i = 0; i < PLAN_SLOTS; i++)
@@ -484,7 +676,7 @@ static gemm_plan *plan_get(const gemm_key *k)
             return &plans[i];
         i = (i + 1) % PLAN_SLOTS;
     }
-    if (!plan_build(&plans[i], k))
+    if (!plan_build(&plans[i], k, after))
         return NULL;
     n_plans++;
     return &plans[i];
@@ -640,13 +832,20 @@ static void gemm_on(int lane, int ta, int tb, int m, int n, int k, const void *A
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     size_t ws_bytes = 0;
     void *ws = lane_workspace(lane, &ws_bytes);
+    /* MOE_GEMM_TUNE=0: the heuristic's first, untimed (read each call: the tests switch
+     * it; it is part of the key, so both kinds of plan coexist) */
+    const int tune = !moe_cuda_env_is("MOE_GEMM_TUNE", "0");
     for (int exact = 0; exact < 2; exact++) {
         if (exact) { /* the bucket's algorithm was refused for this shape */
             key.exact = 1;
             key.n = n;
             key.k = k;
         }
-        gemm_plan *p = plan_get(&key);
+        /* timed only where the call's shape is the key's own (other sizes of a bucket get
+         * another key: the heuristic's first, whichever size came first), never an exact
+         * plan (built in later steps, where a host wait would stall the step) */
+        key.tune = tune && !exact && key.n == n && key.k == k;
+        gemm_plan *p = plan_get(&key, lane_stream(lane));
         if (!p)
             return;
         if ((p->cur_n != n || p->cur_k != k) && !plan_resize(p, n, k))

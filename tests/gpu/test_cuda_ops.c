@@ -484,6 +484,65 @@ static void test_matmul_shapes(int shapes, const char *name)
     free_all();
 }
 
+long moe_cuda_gemm_tuned(long *other);
+
+/* A GEMM plan's candidates timed (the default) give the heuristic first's bits (untimed,
+ * MOE_GEMM_TUNE=0) in each form the model calls: forward, forward with a
+ * base added, the input and weight gradients added to; in a 16-bit precision (weights
+ * in the shadow) cuBLASLt offers several candidates, so some plan must be timed. */
+static void test_gemm_tune(int N, int I, int O, moe_precision p, const char *name)
+{
+    begin("matmul_tuned", name);
+    const size_t NI = (size_t)N * I, OI = (size_t)O * I, NO = (size_t)N * O;
+    float *x = frand(NI, -1, 1), *w = frand(OI, -0.5, 0.5), *base = frand(NO, -1, 1);
+    float *g = frand(NO, -1, 1), *gx = frand(NI, -1, 1), *gw = frand(OI, -1, 1);
+    float *dw_ = DEVF(w, OI);
+    const int p16 = p != MOE_PREC_FP32;
+    if (gpu->set_precision(p, p16 ? dw_ : NULL, p16 ? OI : 0, NI > NO ? NI : NO) != MOE_OK ||
+        gpu->refresh_shadow() != MOE_OK) {
+        fail_now("set_precision");
+        return;
+    }
+    float *got[2][4];
+    const long tuned0 = moe_cuda_gemm_tuned(NULL);
+    long tuned1 = 0;
+    for (int t = 0; t < 2; t++) {
+        if (t == 0 && setenv("MOE_GEMM_TUNE", "0", 1) != 0)
+            fail_now("setenv MOE_GEMM_TUNE");
+        if (t == 1)
+            unsetenv("MOE_GEMM_TUNE");
+        float *dout = DEVF(fnan(NO), NO), *dsum = DEVF(fnan(NO), NO);
+        float *dgx = DEVF(gx, NI), *dgw = DEVF(gw, OI), *dx_ = DEVF(x, NI);
+        gpu->matmul_forward(dout, dx_, dw_, N, I, O);
+        gpu->matmul_forward_add(dsum, DEVF(base, NO), dx_, dw_, N, I, O);
+        gpu->matmul_backward(dgx, dgw, DEVF(g, NO), dx_, dw_, N, I, O, 0);
+        gpu_done();
+        got[t][0] = HOSTF(dout, NO);
+        got[t][1] = HOSTF(dsum, NO);
+        got[t][2] = HOSTF(dgx, NI);
+        got[t][3] = HOSTF(dgw, OI);
+        if (t == 0)
+            tuned1 = moe_cuda_gemm_tuned(NULL);
+    }
+    unsetenv("MOE_GEMM_TUNE");
+    long other = 0;
+    const long tuned2 = moe_cuda_gemm_tuned(&other);
+    if (tuned1 != tuned0)
+        fail_now("MOE_GEMM_TUNE=0 timed a plan's candidates");
+    if (p16 && N >= 4096 && tuned2 == tuned1) /* several candidates at this size */
+        fail_now("no plan's candidates were timed");
+    printf("  matmul_tuned [%s]: %ld plans timed (%ld in all keep another candidate than the "
+           "first)\n",
+           name, tuned2 - tuned1, other);
+    check_f("out", got[1][0], got[0][0], NO, O, EXACT);
+    check_f("base + out", got[1][1], got[0][1], NO, O, EXACT);
+    check_f("dx", got[1][2], got[0][2], NI, I, EXACT);
+    check_f("dw", got[1][3], got[0][3], OI, I, EXACT);
+    if (gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0) != MOE_OK)
+        fail_now("set_precision fp32");
+    free_all();
+}
+
 /* rows: rows of each of the G groups (zeros allowed). */
 static void test_grouped(int G, const int *rows, int I, int O, const char *name)
 {
@@ -1625,6 +1684,12 @@ int main(void)
     test_matmul(512, 64, 8, "tiny router");
     test_matmul(33, 77, 1, "O=1");
     test_matmul_shapes(900, "900 shapes (plan cache flush)");
+    /* the attention projection's shape at the bench (16384 rows there) and an odd one */
+    test_gemm_tune(4096, 1024, 1024, MOE_PREC_FP32, "fp32 4096x1024x1024");
+    test_gemm_tune(4096, 1024, 1024, MOE_PREC_FP16, "fp16 4096x1024x1024");
+    test_gemm_tune(1000, 96, 200, MOE_PREC_FP16, "fp16 1000x96x200");
+    if (gpu->set_precision(MOE_PREC_BF16, NULL, 0, 0) == MOE_OK) /* sm_80 and later */
+        test_gemm_tune(4096, 1024, 1024, MOE_PREC_BF16, "bf16 4096x1024x1024");
 
     const int g1[] = {3, 0, 5, 1};
     test_grouped(4, g1, 13, 7, "odd, an empty group");
