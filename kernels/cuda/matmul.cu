@@ -8,10 +8,11 @@
  * cublasLtMatmulAlgoGetHeuristic once and is cached with its descriptors in a small
  * open-addressing table (flushed when 3/4 full): the fastest of the heuristic's first
  * TUNE_ALGOS candidates that give the first's bits, timed once on random operands of the
- * shape (plan_tune; the first where none is clearly faster, or with MOE_GEMM_TUNE=0). All GEMMs
- * share the backend's persistent workspace on its one stream. Grouped: every non-empty group of a
- * call in one cublasGemmGroupedBatchedEx (each group its own problem; the offsets are host memory),
- * or one cuBLASLt GEMM per group where cuBLAS refuses that precision.
+ * shape (plan_tune; the first where none is clearly faster, or with MOE_GEMM_TUNE=0).
+ * All GEMMs share the backend's persistent workspace on its one stream. Grouped: every
+ * non-empty group of a call in one cublasGemmGroupedBatchedEx (each group its own
+ * problem; the offsets are host memory), or one cuBLASLt GEMM per group where cuBLAS
+ * refuses that precision.
  *
  * bf16 / fp16 (set_precision): the operands are 16-bit, outputs fp32, compute fp32. A
  * weight operand inside the parameter arena is read from a 16-bit shadow of the arena
