@@ -102,13 +102,11 @@ static moe_status fsync_dir(const char *dir)
     return MOE_OK;
 }
 
-/* Writes a whole file (created or truncated), fsyncs and closes it. */
-static moe_status write_file_synced(const char *path, const void *data, size_t n)
+/* Ends the file written through fd: fsyncs it where st is MOE_OK (its writes succeeded),
+ * then closes it. Returns st where that failed already, else the first of the fsync and
+ * the close to fail (logged), else MOE_OK. */
+static moe_status sync_close(int fd, const char *path, moe_status st)
 {
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0)
-        MOE_FAIL(MOE_ERR_IO, "cannot create '%s': %s", path, strerror(errno));
-    moe_status st = write_all(fd, data, n, path);
     if (st == MOE_OK && fsync(fd) != 0) {
         moe_log_at(__FILE__, __LINE__, "cannot fsync '%s': %s", path, strerror(errno));
         st = MOE_ERR_IO;
@@ -118,6 +116,15 @@ static moe_status write_file_synced(const char *path, const void *data, size_t n
         st = MOE_ERR_IO;
     }
     return st;
+}
+
+/* Writes a whole file (created or truncated), fsyncs and closes it. */
+static moe_status write_file_synced(const char *path, const void *data, size_t n)
+{
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0)
+        MOE_FAIL(MOE_ERR_IO, "cannot create '%s': %s", path, strerror(errno));
+    return sync_close(fd, path, write_all(fd, data, n, path));
 }
 
 /* Reads a whole file of at most max bytes into a malloc'ed buffer (NUL-terminated). */
@@ -429,14 +436,7 @@ static moe_status write_rank_file(const char *dir, int rank, int ep, const moe_m
             }
         }
     }
-    if (st == MOE_OK && fsync(fd) != 0) {
-        moe_log_at(__FILE__, __LINE__, "cannot fsync '%s': %s", path, strerror(errno));
-        st = MOE_ERR_IO;
-    }
-    if (close(fd) != 0 && st == MOE_OK) {
-        moe_log_at(__FILE__, __LINE__, "cannot close '%s': %s", path, strerror(errno));
-        st = MOE_ERR_IO;
-    }
+    st = sync_close(fd, path, st);
     free(stage);
     MOE_CHECK(st);
     moeckpt__file_entry__init(&part->file);
@@ -1410,15 +1410,9 @@ static moe_status write_safetensors(ckpt_reader *r, export_entry *ent, size_t n,
             memcpy(f32, raw, count * 4);
         MOE_CHECK_GOTO(st, write_all(fd, f32, count * 4, path));
     }
-    if (fsync(fd) != 0) {
-        moe_log_at(__FILE__, __LINE__, "cannot fsync '%s': %s", path, strerror(errno));
-        st = MOE_ERR_IO;
-    }
 fail:
-    if (fd >= 0 && close(fd) != 0 && st == MOE_OK) {
-        moe_log_at(__FILE__, __LINE__, "cannot close '%s': %s", path, strerror(errno));
-        st = MOE_ERR_IO;
-    }
+    if (fd >= 0)
+        st = sync_close(fd, path, st);
     free(text);
     free(raw);
     free(f32);

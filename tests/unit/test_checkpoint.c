@@ -23,22 +23,7 @@
 #include "util/crc32c.h"
 #include "util/rng.h"
 
-static char tmpdir[256];
-
-static int setup_dir(void **state)
-{
-    (void)state;
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/test_checkpoint.XXXXXX");
-    return mkdtemp(tmpdir) ? 0 : -1;
-}
-
-static int remove_dir(void **state)
-{
-    (void)state;
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-    return system(cmd) == 0 ? 0 : -1;
-}
+#include "tmpdir.h"
 
 /* A small config writing into tmpdir/name. */
 static moe_config small_config(const char *name, int dense_layers)

@@ -15,22 +15,7 @@
 
 #include "runtime/config.h"
 
-static char tmpdir[256];
-
-static int setup_dir(void **state)
-{
-    (void)state;
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/test_config.XXXXXX");
-    return mkdtemp(tmpdir) ? 0 : -1;
-}
-
-static int remove_dir(void **state)
-{
-    (void)state;
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-    return system(cmd) == 0 ? 0 : -1;
-}
+#include "tmpdir.h"
 
 /* Writes `text` to tmpdir/name; returns the path (static buffer). */
 static const char *write_file(const char *name, const char *text)

@@ -530,22 +530,7 @@ static void test_synthetic_invalid(void **state)
 /* shards                                                                             */
 /* ---------------------------------------------------------------------------------- */
 
-static char tmp_dir[256];
-
-static int shards_setup(void **state)
-{
-    (void)state;
-    snprintf(tmp_dir, sizeof tmp_dir, "/tmp/moe_test_data_XXXXXX");
-    return mkdtemp(tmp_dir) == NULL ? -1 : 0;
-}
-
-static int shards_teardown(void **state)
-{
-    (void)state;
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp_dir);
-    return system(cmd) == 0 ? 0 : -1;
-}
+#include "tmpdir.h"
 
 static void put_le32(uint8_t *p, int32_t v)
 {
@@ -556,7 +541,7 @@ static void put_le32(uint8_t *p, int32_t v)
     p[3] = (u >> 24) & 0xff;
 }
 
-/* Writes tmp_dir/name: header (magic, version, count), then n_written tokens
+/* Writes tmpdir/name: header (magic, version, count), then n_written tokens
  * (little-endian uint16), then `extra` zero bytes. header_bytes < 1024 writes only that
  * much of the header and nothing else. Returns the path (static storage per call). */
 static const char *write_shard_raw(const char *name, int32_t magic, int32_t version, int32_t count,
@@ -566,7 +551,7 @@ static const char *write_shard_raw(const char *name, int32_t magic, int32_t vers
     static char paths[16][512];
     static int next;
     char *path = paths[next++ % 16];
-    snprintf(path, 512, "%s/%s", tmp_dir, name);
+    snprintf(path, 512, "%s/%s", tmpdir, name);
     FILE *f = fopen(path, "wb");
     assert_non_null(f);
     uint8_t header[1024] = {0};
@@ -689,7 +674,7 @@ static void test_shards_errors(void **state)
     const int fds_before = count_fds();
 
     /* missing file */
-    snprintf(path, sizeof path, "%s/no_such_shard.bin", tmp_dir);
+    snprintf(path, sizeof path, "%s/no_such_shard.bin", tmpdir);
     shard_config(&cfg, 256, 4, path);
     expect_create_error(&cfg, MOE_ERR_IO, path, strerror(ENOENT), NULL);
 
@@ -748,8 +733,8 @@ static void test_shards_errors(void **state)
     snprintf(list, sizeof list, "%s,,%s", write_shard("e1.bin", t, 8), write_shard("e2.bin", t, 8));
     shard_config(&cfg, 256, 4, list);
     expect_create_error(&cfg, MOE_ERR_INVALID, "entry 2 is empty", NULL);
-    shard_config(&cfg, 256, 4, tmp_dir);
-    expect_create_error(&cfg, MOE_ERR_IO, tmp_dir, "not a regular file", NULL);
+    shard_config(&cfg, 256, 4, tmpdir);
+    expect_create_error(&cfg, MOE_ERR_IO, tmpdir, "not a regular file", NULL);
 
     /* every failed create closed what it had opened */
     assert_int_equal(count_fds(), fds_before);
@@ -800,6 +785,6 @@ int main(void)
         cmocka_unit_test(test_shards_bad_token),
     };
     int failed = cmocka_run_group_tests_name("synthetic", synthetic, NULL, NULL);
-    failed += cmocka_run_group_tests_name("shards", shards, shards_setup, shards_teardown);
+    failed += cmocka_run_group_tests_name("shards", shards, setup_dir, remove_dir);
     return failed != 0;
 }

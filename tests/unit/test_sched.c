@@ -21,22 +21,7 @@
 #include "sched/stats.h"
 #include "util/rng.h"
 
-static char tmpdir[256];
-
-static int setup_dir(void **state)
-{
-    (void)state;
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/test_sched.XXXXXX");
-    return mkdtemp(tmpdir) ? 0 : -1;
-}
-
-static int remove_dir(void **state)
-{
-    (void)state;
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-    return system(cmd) == 0 ? 0 : -1;
-}
+#include "tmpdir.h"
 
 static const char *tmp_path(const char *name)
 {
