@@ -28,23 +28,12 @@
 #include <stdlib.h>
 #include <vector>
 
+#include "../kernels/cuda/fill_random.cuh"
 #include "probe_check.h"
 
 #define MAX_ALGOS 16
 #define REPS 20
 #define WS_BYTES ((size_t)32 << 20) /* the backend's WORKSPACE_BYTES */
-
-static __global__ void fill_bf16(__nv_bfloat16 *p, size_t n, uint32_t seed)
-{
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        h ^= h >> 13;
-        p[i] = __float2bfloat16((float)(h & 0xffff) / 32768.0f - 1.0f);
-    }
-}
 
 /* max |a - b| over max |b|, for n values of C's type */
 static __global__ void diff_kernel(const void *a, const void *b, size_t n, int out16, float *res)
@@ -113,12 +102,10 @@ int main(void)
         CK(cudaMalloc(&C, nc * cbytes));
         CK(cudaMalloc(&C0, nc * cbytes));
         CK(cudaMalloc(&Cin, nc * cbytes));
-        fill_bf16<<<1024, 256, 0, st>>>(A, na, 1u);
-        fill_bf16<<<1024, 256, 0, st>>>(B, nb, 2u);
-        if (out16)
-            fill_bf16<<<1024, 256, 0, st>>>((__nv_bfloat16 *)Cin, nc, 3u);
-        else
-            CK(cudaMemsetAsync(Cin, 0, nc * cbytes, st)); /* fp32 base: zeros are fine */
+        moe_fill_random_kernel<<<1024, 256, 0, st>>>(A, na, 1u, CUDA_R_16BF, 1.0f);
+        moe_fill_random_kernel<<<1024, 256, 0, st>>>(B, nb, 2u, CUDA_R_16BF, 1.0f);
+        moe_fill_random_kernel<<<1024, 256, 0, st>>>(Cin, nc, 3u, out16 ? CUDA_R_16BF : CUDA_R_32F,
+                                                     1.0f);
         CK(cudaGetLastError());
         cublasLtMatmulDesc_t op;
         cublasLtMatrixLayout_t la, lb, lc;

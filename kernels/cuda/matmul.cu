@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/fill_random.cuh"
 
 /* ---- precision: the shadow and the rounding workspaces ---- */
 static moe_precision prec = MOE_PREC_FP32;
@@ -510,25 +511,6 @@ static cudaEvent_t tune_ev[3];
 static int *tune_flag;        /* device: a difference found */
 static long n_tuned, n_other; /* plans timed; of those, a candidate other than the first kept */
 
-/* n random values in [-1, 1) of type t (CUDA_R_32F, CUDA_R_16BF or CUDA_R_16F) at p. */
-static __global__ void tune_fill_kernel(void *p, size_t n, uint32_t seed, int t)
-{
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        uint32_t h = ((uint32_t)i ^ (uint32_t)(i >> 32) * 668265263u) * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        h ^= h >> 13;
-        const float v = (float)(h & 0xffffu) / 32768.0f - 1.0f;
-        if (t == CUDA_R_32F)
-            ((float *)p)[i] = v;
-        else if (t == CUDA_R_16BF)
-            ((__nv_bfloat16 *)p)[i] = __float2bfloat16(v);
-        else
-            ((__half *)p)[i] = __float2half(v);
-    }
-}
-
 static __global__ void tune_differ_kernel(const uint16_t *a, const uint16_t *b, size_t n,
                                           int *differ)
 {
@@ -583,8 +565,8 @@ static int plan_tune(const gemm_plan *p, const cublasLtMatmulHeuristicResult_t *
     const size_t counts[3] = {na, nb, nc};
     void *fills[3] = {A, B, Cin};
     for (int i = 0; i < 3; i++) {
-        tune_fill_kernel<<<1024, 256, 0, tune_stream>>>(fills[i], counts[i], 0x9e3779b9u * (i + 1),
-                                                        types[i]);
+        moe_fill_random_kernel<<<1024, 256, 0, tune_stream>>>(
+            fills[i], counts[i], 0x9e3779b9u * (i + 1), types[i], 1.0f);
         MOE_CUDA_OK(cudaGetLastError());
     }
     MOE_CUDA_OK(cudaMemsetAsync(D0, 0, nc * cb, tune_stream)); /* gaps of a strided batch */
@@ -1688,23 +1670,9 @@ extern "C" void cuda_grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb
 
 /* ---- the bench's GEMM ceiling -------------------------------------------------------- */
 
-/* C (n,n) fp32 = A B with n x n operands of the current precision (random bits scaled to
- * [-0.5, 0.5) for 16-bit; fp32 likewise), through the same cached cuBLASLt plans; median
- * of 10 runs after 2 warm-ups, timed by CUDA events. */
-static __global__ void fill_operand_kernel(void *p, size_t n, int bytes16, int bf16)
-{
-    MOE_CUDA_GRID_STRIDE(i, n)
-    {
-        const float v = (float)((i * 2654435761u) % 1000u) / 1000.f - 0.5f;
-        if (!bytes16)
-            ((float *)p)[i] = v;
-        else if (bf16)
-            ((__nv_bfloat16 *)p)[i] = __float2bfloat16(v);
-        else
-            ((__half *)p)[i] = __float2half(v);
-    }
-}
-
+/* C (n,n) fp32 = A B with n x n operands of the current precision (random values in
+ * [-0.5, 0.5): fill_random.cuh), through the same cached cuBLASLt plans; median of 10
+ * runs after 2 warm-ups, timed by CUDA events. */
 static int cmp_float(const void *a, const void *b)
 {
     const float x = *(const float *)a, y = *(const float *)b;
@@ -1725,8 +1693,8 @@ extern "C" double cuda_gemm_rate(int n)
     for (int i = 0; i < 11; i++)
         if (!MOE_CUDA_OK(cudaEventCreate(&ev[i])))
             goto done;
-    MOE_CUDA_LAUNCH(fill_operand_kernel, 1024, 256, 0, a, nn, eb == 2, prec == MOE_PREC_BF16);
-    MOE_CUDA_LAUNCH(fill_operand_kernel, 1024, 256, 0, b, nn, eb == 2, prec == MOE_PREC_BF16);
+    MOE_CUDA_LAUNCH(moe_fill_random_kernel, 1024, 256, 0, a, nn, 1u, operand_type(), 0.5f);
+    MOE_CUDA_LAUNCH(moe_fill_random_kernel, 1024, 256, 0, b, nn, 2u, operand_type(), 0.5f);
     for (int w = 0; w < 2; w++)
         gemm(1, 0, n, n, n, a, n, b, n, c, n, 0);
     MOE_CUDA_OK(cudaEventRecord(ev[0], moe_cuda_stream()));
