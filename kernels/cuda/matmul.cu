@@ -1670,15 +1670,15 @@ extern "C" void cuda_grouped_matmul_backward_pair(real *dx, real *dwa, real *dwb
 
 /* ---- the bench's GEMM ceiling -------------------------------------------------------- */
 
-/* C (n,n) fp32 = A B with n x n operands of the current precision (random values in
- * [-0.5, 0.5): fill_random.cuh), through the same cached cuBLASLt plans; median of 10
- * runs after 2 warm-ups, timed by CUDA events. */
 static int cmp_float(const void *a, const void *b)
 {
     const float x = *(const float *)a, y = *(const float *)b;
     return (x > y) - (x < y);
 }
 
+/* C (n,n) fp32 = A B with n x n operands of the current precision (random values in
+ * [-0.5, 0.5): fill_random.cuh), through the same cached cuBLASLt plans; median of 10
+ * runs after 2 warm-ups, timed by CUDA events. */
 extern "C" double cuda_gemm_rate(int n)
 {
     const size_t nn = (size_t)n * n, eb = prec == MOE_PREC_FP32 ? 4 : 2;
