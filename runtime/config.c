@@ -112,7 +112,7 @@ static const key_def keys[] = {
 
     KEY("parallel", "ep", T_INT, ep, GE(1), "1", "expert-parallel degree; divides experts"),
     KEY_ENUM("parallel", "backend", backend, "auto|cpu|cuda", "auto",
-             "where compute runs (reserved: only cpu runs today)"),
+             "where compute runs: auto (CUDA where a GPU is usable, else the CPU), cpu or cuda"),
     KEY_ENUM("parallel", "bind", bind, "auto|numa|core|none", "auto",
              "CPU and memory binding of each rank (docs/launch.md)"),
     KEY("parallel", "comm_timeout_s", T_DOUBLE, comm_timeout_s, GT(0), "600",
@@ -143,8 +143,8 @@ static const key_def keys[] = {
     KEY_ENUM("precision", "mode", precision, "fp32|bf16|fp16|auto", "fp32",
              "GEMM precision: fp32, bf16 (sm_80+), fp16 (with loss scaling), auto"),
     KEY_ENUM("precision", "optimizer_state", optimizer_state, "fp32|bf16", "fp32",
-             "AdamW's moments m and v: fp32, or bf16 (half their memory and traffic; the "
-             "master weights stay fp32)"),
+             "AdamW's moments m and v: fp32, or bf16 (half their memory and traffic; "
+             "master_weights sets the weights' own precision)"),
     KEY_ENUM("precision", "master_weights", master_weights, "fp32|bf16", "fp32",
              "the experts' master weights: fp32, or bf16 (mode = bf16 only: AdamW updates "
              "the GEMMs' bf16 copy in place, as the peer keeps bf16 parameters)"),
