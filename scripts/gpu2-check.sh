@@ -2,8 +2,10 @@
 # On a 2-GPU host (after `. .device-kit/setup.sh`): the NCCL path. Trains the tiny config on
 # 2 GPUs (ep 2 and ep 1) and on 2 CPU ranks, compares the losses, and times the bench shape
 # on 2 GPUs with ep 2 (`moe-dist bench`: tokens/s, phases, communication total and
-# exposed) next to the peer's DDP. Logs under $OUT. DEFER_TRY=n: the bench once more with
-# MOE_UPDATE_DEFER=n (docs/design.md: at ep 2 the dense pieces run after their reduction).
+# exposed) next to the peer's DDP, and `moe-bench a2a` (dispatch and combine against raw
+# NCCL of the same bytes; A2A=0 skips it). Logs under $OUT. DEFER_TRY=n: the bench once
+# more with MOE_UPDATE_DEFER=n (docs/design.md: at ep 2 the dense pieces run after their
+# reduction).
 set -uo pipefail
 OUT=${OUT:-gpu2-out}
 mkdir -p "$OUT"
@@ -79,6 +81,11 @@ if [ "${BENCH:-1}" = 1 ]; then
   if [ -n "${DEFER_TRY:-}" ]; then # the first DEFER_TRY buckets' update beside the next forward
     NCCL_SET="MOE_UPDATE_DEFER=$DEFER_TRY ${NCCL_SET:-}" bench bench2_c2_defer \
       --set parallel.a2a_chunks=2
+  fi
+  if [ "${A2A:-1}" = 1 ]; then # dispatch / combine against raw NCCL of the same bytes
+    timeout 180 mpirun -np 2 --bind-to none -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE=0 \
+      ./$B/bench/moe-bench a2a >"$OUT/a2a.log" 2>&1
+    echo "moe-bench a2a: exit $?"; grep -E "dispatch|combine" "$OUT/a2a.log" | cut -c1-200
   fi
   if [ "${PEER:-1}" = 1 ]; then
     timeout 150 torchrun --nproc_per_node=2 .device-kit/peers/hf_mixtral_bench.py 4 32 8 2048 \
