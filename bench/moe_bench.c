@@ -583,45 +583,40 @@ static struct {
 
 static void run_router_gemm(void) { gpu->matmul_forward(bf.logits, bf.x, bf.w, N_, opt.D, opt.E); }
 
-static void bench_router_gemm(void)
+/* The router GEMM. x16 = 0: from an fp32 x that the GEMM first rounds into its workspace
+ * (a pass its bytes do not count; the model never runs this form). x16 = 1: the model's
+ * form: x (h2, the FFN norm's output) already holds its 16-bit operand (the model marks
+ * it), so the GEMM reads it as is. */
+static void bench_router(int x16)
 {
-    const ceiling *c = copy_ceiling();
-    const int N = N_, D = opt.D, E = opt.E;
-    bf.x = dfill((size_t)N * D, 1.0, 0);
-    bf.w = dfill((size_t)E * D, 0.02, 0);
-    bf.logits = dreal((size_t)N * E);
-    use_precision(bf.w, (size_t)E * D, (size_t)N * D);
-    double ms = time_gpu(run_router_gemm);
-    double bytes = sizeof(real) * ((double)N * D + (double)E * D + (double)N * E);
-    char shape[64];
-    snprintf(shape, sizeof shape, "N=%d D=%d E=%d %s", N, D, E, prec_name(opt.prec));
-    report("router_gemm", shape, ms, bytes, RATE_GBS, c);
-    free_all();
-}
-
-/* The router GEMM in the model's form: x (h2, the FFN norm's output) already holds its
- * 16-bit operand (the model marks it), so the GEMM reads it as is; router_gemm's fp32 x
- * is first rounded into the GEMM's workspace by a pass its bytes do not count. */
-static void bench_router_gemm16(void)
-{
-    if (opt.prec == MOE_PREC_FP32) {
-        printf("%-18s (fp32 precision: no 16-bit buffers; see router_gemm)\n", "router_gemm16");
+    const char *name = x16 ? "router_gemm16" : "router_gemm";
+    if (x16 && opt.prec == MOE_PREC_FP32) {
+        printf("%-18s (fp32 precision: no 16-bit buffers; see router_gemm)\n", name);
         return;
     }
     const ceiling *c = copy_ceiling();
     const int N = N_, D = opt.D, E = opt.E;
+    if (!x16)
+        bf.x = dfill((size_t)N * D, 1.0, 0);
     bf.w = dfill((size_t)E * D, 0.02, 0);
     bf.logits = dreal((size_t)N * E);
     use_precision(bf.w, (size_t)E * D, (size_t)N * D);
-    bf.x = dfill16_as((size_t)N * D, 1.0, 0, opt.prec == MOE_PREC_BF16, 0);
-    mark(bf.x, (size_t)N * D);
+    if (x16) {
+        bf.x = dfill16_as((size_t)N * D, 1.0, 0, opt.prec == MOE_PREC_BF16, 0);
+        mark(bf.x, (size_t)N * D);
+    }
     double ms = time_gpu(run_router_gemm);
-    double bytes = 2.0 * ((double)N * D + (double)E * D) + sizeof(real) * (double)N * E;
+    const double xw = x16 ? 2.0 : (double)sizeof(real);
+    double bytes = xw * ((double)N * D + (double)E * D) + sizeof(real) * (double)N * E;
     char shape[64];
-    snprintf(shape, sizeof shape, "N=%d D=%d E=%d %s, x marked", N, D, E, prec_name(opt.prec));
-    report("router_gemm16", shape, ms, bytes, RATE_GBS, c);
+    snprintf(shape, sizeof shape, "N=%d D=%d E=%d %s%s", N, D, E, prec_name(opt.prec),
+             x16 ? ", x marked" : "");
+    report(name, shape, ms, bytes, RATE_GBS, c);
     free_all();
 }
+
+static void bench_router_gemm(void) { bench_router(0); }
+static void bench_router_gemm16(void) { bench_router(1); }
 
 static void run_router_topk(void)
 {
