@@ -120,7 +120,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
     const unsigned sm0 = fw_align1024(fw_sm);
     const unsigned KV = sm0 + NWG * FW_TILE; /* buffer t: K at KV + 2 t FW_TILE, V after it */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
-    const int wg = warp >> 2, wq = warp & 3;
+    const int wg = NWG == 1 ? 0 : warp >> 2, wq = warp & 3; /* NWG 1: a constant */
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * 64 * NWG;
     const int g0 = q0 + 64 * wg, first = g0 + 16 * wq;
@@ -328,7 +328,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     extern __shared__ unsigned char fw_sm[];
     const unsigned sm0 = fw_align1024(fw_sm);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
-    const int wg = warp >> 2, wq = warp & 3;
+    const int wg = NWG == 1 ? 0 : warp >> 2, wq = warp & 3; /* NWG 1: a constant */
     /* Q (a tile a warpgroup), dO (likewise), then the buffers: K, V each */
     const unsigned Qs = sm0 + wg * FW_TILE, Gs = sm0 + (NWG + wg) * FW_TILE;
     const unsigned KV = sm0 + 2 * NWG * FW_TILE;
@@ -446,7 +446,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     extern __shared__ unsigned char fw_sm[];
     const unsigned sm0 = fw_align1024(fw_sm);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
-    const int wg = warp >> 2, wq = warp & 3;
+    const int wg = NWG == 1 ? 0 : warp >> 2, wq = warp & 3; /* NWG 1: a constant */
     /* K (a tile a warpgroup), V (likewise), the buffers (Q, dO each), their statistics */
     const unsigned Ks = sm0 + wg * FW_TILE, Vs = sm0 + (NWG + wg) * FW_TILE;
     const unsigned QG = sm0 + 2 * NWG * FW_TILE;
@@ -490,7 +490,7 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
         const int i0 = j0 + 64 * u;
         const unsigned Qt = QG + 2 * (u % S) * FW_TILE, Gt = Qt + FW_TILE;
         const float *ls = st + 128 * (u % S), *Ds = ls + 64;
-        if (i0 + 63 >= g0) { /* warpgroup-uniform: else every query is before its keys */
+        if (NWG == 1 || i0 + 63 >= g0) { /* else every query is before its keys */
             float p[32], dp[32];
             fw_scores2<T16>(p, Ks, Qt, dp, Vs, Gt); /* S^T, dP^T */
             fm_each(

@@ -196,9 +196,10 @@ template <class T16>
 static __device__ __forceinline__ void fw_products_rs(float (&d)[32], const unsigned (&a)[4][4],
                                                       unsigned b)
 {
+    const uint64_t db = fw_desc(b); /* + 2048 kk bytes: + 128 kk in the 16-byte field */
 #pragma unroll
     for (int kk = 0; kk < 4; kk++)
-        fw_mma<T16, 1>(d, a[kk], fw_desc(b + 2048 * kk));
+        fw_mma<T16, 1>(d, a[kk], db + 128 * kk);
 }
 
 /* d += A B^T over k = 64: A and B the K-major tiles at shared addresses a and b (4
@@ -206,9 +207,10 @@ static __device__ __forceinline__ void fw_products_rs(float (&d)[32], const unsi
 template <class T16>
 static __device__ __forceinline__ void fw_products_ss(float (&d)[32], unsigned a, unsigned b)
 {
+    const uint64_t da = fw_desc(a), db = fw_desc(b); /* + 32 kk bytes: + 2 kk */
 #pragma unroll
     for (int kk = 0; kk < 4; kk++)
-        fw_mma_s<T16, 0>(d, fw_desc(a + 32 * kk), fw_desc(b + 32 * kk));
+        fw_mma_s<T16, 0>(d, da + 2 * kk, db + 2 * kk);
 }
 
 /* s = A1 B1^T and t = A2 B2^T over k = 64, the four 64 x 64 tiles K-major in shared
