@@ -92,13 +92,13 @@ template <int S> static __device__ __forceinline__ void fw_step_start(void)
 /* Tile u (rows 64 u .. 64 u + 63) of k and v into buffer u % S of the walk at KV (K, then
  * V): one cp.async group, empty past the last tile (nt - 1). */
 template <int NT, int S>
-static __device__ __forceinline__ void
-fw_stage_kv(unsigned KV, const uint16_t *k, const uint16_t *v, size_t ld, int u, int nt, int T)
+static __device__ __forceinline__ void fw_stage_kv(unsigned KV, const fw_walk &k, const fw_walk &v,
+                                                   int u, int nt, int T)
 {
     if (u < nt) {
         const unsigned d = KV + 2 * (u % S) * FW_TILE;
-        fw_stage<NT>(d, k, ld, 64 * u, T);
-        fw_stage<NT>(d + FW_TILE, v, ld, 64 * u, T);
+        fw_stage_walk<NT>(d, k, 64 * u, T);
+        fw_stage_walk<NT>(d + FW_TILE, v, 64 * u, T);
     }
     fm_commit();
 }
@@ -127,7 +127,8 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
     const int row[2] = {first + (lane >> 2), first + (lane >> 2) + 8};
     const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
     const int nt = (min(T, q0 + 64 * NWG) + 63) / 64; /* every warpgroup walks them all */
-    auto stage = [&](int u) { fw_stage_kv<NT, S>(KV, k + base, v + base, ld, u, nt, T); };
+    const fw_walk kw = fw_walk_at<NT>(k + base, ld), vw = fw_walk_at<NT>(v + base, ld);
+    auto stage = [&](int u) { fw_stage_kv<NT, S>(KV, kw, vw, u, nt, T); };
 #pragma unroll
     for (int t = 0; t < NWG; t++)
         fw_stage<NT>(sm0 + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
@@ -338,7 +339,8 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     const int row[2] = {first + (lane >> 2), first + (lane >> 2) + 8};
     const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
     const int nt = (min(T, q0 + 64 * NWG) + 63) / 64; /* every warpgroup walks them all */
-    auto stage = [&](int u) { fw_stage_kv<NT, S>(KV, k + base, v + base, ld, u, nt, T); };
+    const fw_walk kw = fw_walk_at<NT>(k + base, ld), vw = fw_walk_at<NT>(v + base, ld);
+    auto stage = [&](int u) { fw_stage_kv<NT, S>(KV, kw, vw, u, nt, T); };
 #pragma unroll
     for (int t = 0; t < NWG; t++) {
         fw_stage<NT>(sm0 + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
@@ -458,11 +460,12 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     const int key[2] = {first + (lane >> 2), first + (lane >> 2) + 8};
     const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
     const int nt = (T - j0 + 63) / 64; /* query tiles from j0 on */
-    auto stage = [&](int u) {          /* one group, empty past the last tile */
+    const fw_walk qw = fw_walk_at<NT>(q + base, ld), gw = fw_walk_at<NT>(dout + base, ld);
+    auto stage = [&](int u) { /* one group, empty past the last tile */
                               if (u < nt) {
                                   const unsigned d = QG + 2 * (u % S) * FW_TILE;
-                                  fw_stage<NT>(d, q + base, ld, j0 + 64 * u, T);
-                                  fw_stage<NT>(d + FW_TILE, dout + base, ld, j0 + 64 * u, T);
+                                  fw_stage_walk<NT>(d, qw, j0 + 64 * u, T);
+                                  fw_stage_walk<NT>(d + FW_TILE, gw, j0 + 64 * u, T);
                                   fw_stage_stats(St + 512 * (u % S), lse, dsum, bh, T, j0 + 64 * u);
                               }
                               fm_commit();

@@ -37,28 +37,57 @@ static __device__ __forceinline__ uint64_t fw_desc(unsigned a)
            ((uint64_t)1 << 62);
 }
 
-/* Rows [r0, r0 + 64) of a 16-bit matrix (row stride ld values, 64 columns from src) into
- * the tile at shared address dst by cp.async of 16 bytes, zero past T; the block's NT
- * threads (blockDim.x == NT, a multiple of 64). Thread t copies the 16-byte columns t % 8
- * of rows t / 8 + i NT / 8 (i < 512 / NT): its swizzle (t / 8) % 8 and its offsets are
- * the same in each pass, so the loop is unrolled with no per-copy index work. The
- * caller commits the group. */
+/* A walk's source: thread t's 16-byte column (t % 8) of row t / 8 in tile 0 of a 16-bit
+ * matrix (row stride ld values, 64 columns from src). A walk computes it once, so that a
+ * step's copies add one tile offset to it. */
+struct fw_walk {
+    const uint16_t *s;
+    size_t ld;
+};
+
 template <int NT>
-static __device__ __forceinline__ void fw_stage(unsigned dst, const uint16_t *src, size_t ld,
-                                                int r0, int T)
+static __device__ __forceinline__ fw_walk fw_walk_at(const uint16_t *src, size_t ld)
+{
+    const int r = (int)threadIdx.x >> 3, c = (int)threadIdx.x & 7;
+    return fw_walk{src + (size_t)r * ld + 8 * c, ld};
+}
+
+/* Rows [r0, r0 + 64) of a walk's matrix into the tile at shared address dst by cp.async
+ * of 16 bytes, zero past T; the block's NT threads (blockDim.x == NT, a multiple of 64).
+ * Thread t copies the 16-byte columns t % 8 of rows t / 8 + i NT / 8 (i < 512 / NT): its
+ * swizzle (t / 8) % 8 and its offsets are the same in each pass, so the loop is unrolled
+ * with no per-copy index work. A tile wholly before T (all but a sequence's last partial
+ * one; block-uniform) copies without a row test; otherwise rows from T on copy 0 bytes
+ * (from w.s, which nothing reads then). The caller commits the group. */
+template <int NT>
+static __device__ __forceinline__ void fw_stage_walk(unsigned dst, const fw_walk &w, int r0, int T)
 {
     static_assert(NT % 64 == 0 && 512 % NT == 0, "fw_stage: NT threads, rows 8 apart");
     constexpr int RS = NT / 8; /* rows a pass */
     const int r = (int)threadIdx.x >> 3, c = (int)threadIdx.x & 7;
     const unsigned d = dst + (unsigned)(r * 128 + ((c ^ (r & 7)) << 4));
-    const uint16_t *s = src + (size_t)(r0 + r) * ld + 8 * c;
+    const uint16_t *s = w.s + (size_t)r0 * w.ld;
+    if (r0 + 64 <= T) {
+#pragma unroll
+        for (int i = 0; i < 64 / RS; i++)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d + i * RS * 128),
+                         "l"(s + (size_t)(i * RS) * w.ld));
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < 64 / RS; i++) {
         const int in = r0 + r + i * RS < T;
-        const uint16_t *si = in ? s + (size_t)(i * RS) * ld : src; /* 0 bytes read */
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d + i * RS * 128),
-                     "l"(si), "r"(in ? 16 : 0));
+                     "l"(in ? s + (size_t)(i * RS) * w.ld : w.s), "r"(in ? 16 : 0));
     }
+}
+
+/* The same copies from src (a tile copied once, not walked). */
+template <int NT>
+static __device__ __forceinline__ void fw_stage(unsigned dst, const uint16_t *src, size_t ld,
+                                                int r0, int T)
+{
+    fw_stage_walk<NT>(dst, fw_walk_at<NT>(src, ld), r0, T);
 }
 
 /* The raw statistics of query rows [i0, i0 + 64) of (sequence, head) bh, lse into st and
