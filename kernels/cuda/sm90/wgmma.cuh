@@ -58,7 +58,7 @@ static __device__ __forceinline__ fw_walk fw_walk_at(const uint16_t *src, size_t
  * swizzle (t / 8) % 8 and its offsets are the same in each pass, so the loop is unrolled
  * with no per-copy index work. A tile wholly before T (all but a sequence's last partial
  * one; block-uniform) copies without a row test; otherwise rows from T on copy 0 bytes
- * (from w.s, which nothing reads then). The caller commits the group. */
+ * (from the matrix's first row, as fw_stage did). The caller commits the group. */
 template <int NT>
 static __device__ __forceinline__ void fw_stage_walk(unsigned dst, const fw_walk &w, int r0, int T)
 {
@@ -74,11 +74,12 @@ static __device__ __forceinline__ void fw_stage_walk(unsigned dst, const fw_walk
                          "l"(s + (size_t)(i * RS) * w.ld));
         return;
     }
+    const uint16_t *row0 = w.s - ((size_t)r * w.ld + 8 * c); /* the matrix's first row */
 #pragma unroll
     for (int i = 0; i < 64 / RS; i++) {
         const int in = r0 + r + i * RS < T;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d + i * RS * 128),
-                     "l"(in ? s + (size_t)(i * RS) * w.ld : w.s), "r"(in ? 16 : 0));
+                     "l"(in ? s + (size_t)(i * RS) * w.ld : row0), "r"(in ? 16 : 0));
     }
 }
 
