@@ -65,8 +65,8 @@ fw_forward_finish(real *out, real *lse, const float (&o)[32], const float (&m)[2
  * products, then waits for those and rounds tile u's P (dS) into the registers its
  * products read at step u + 1: the same products and sums in the same order as waiting
  * for each (the sixteenth session's kernels gave the same bits both ways), 4-10% faster.
- * The walked tiles sit in S buffers (FW_STAGES; 3 for dq's blocks of one warpgroup, 3 an
- * SM); tile u + S - 2 is copied from step u on, tiles u - 1 and u are read. Every
+ * The walked tiles sit in S buffers (FW_STAGES); tile u + S - 2 is copied from step u on,
+ * tiles u - 1 and u are read (dq: K in S buffers, V, read at step u only, in S - 1). Every
  * warpgroup of a block walks all the block's tiles: one wholly past a warpgroup's rows
  * adds exact zeros (exp2(-inf) = 0, its correction exp2(0) = 1), and no product is then
  * issued under a condition, which ptxas would serialize (as it does where registers run
@@ -75,7 +75,6 @@ fw_forward_finish(real *out, real *lse, const float (&o)[32], const float (&m)[2
  * registers, 1 block of 2 warpgroups an SM; serialized at 168, 3 blocks of 1). */
 #define FW_STAGES 4
 #define FW_SMEM(NWG) (((NWG) + 2 * FW_STAGES) * FW_TILE + 1024)
-#define FW_DQ_STAGES(NWG) ((NWG) == 1 ? 3 : FW_STAGES)
 
 using fw_yes = std::true_type; /* a step's products: issued (at compile time) */
 using fw_no = std::false_type;
@@ -325,14 +324,14 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
 #if FW_SKIP
     __trap();
 #else
-    constexpr int NT = 128 * NWG, S = FW_DQ_STAGES(NWG);
+    constexpr int NT = 128 * NWG, S = FW_STAGES;
     extern __shared__ unsigned char fw_sm[];
     const unsigned sm0 = fw_align1024(fw_sm);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane & 3;
     const int wg = NWG == 1 ? 0 : warp >> 2, wq = warp & 3; /* NWG 1: a constant */
-    /* Q (a tile a warpgroup), dO (likewise), then the buffers: K, V each */
+    /* Q (a tile a warpgroup), dO (likewise), then the buffers: S of K, S - 1 of V */
     const unsigned Qs = sm0 + wg * FW_TILE, Gs = sm0 + (NWG + wg) * FW_TILE;
-    const unsigned KV = sm0 + 2 * NWG * FW_TILE;
+    const unsigned Kb = sm0 + 2 * NWG * FW_TILE, Vb = Kb + S * FW_TILE;
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * 64 * NWG;
     const int g0 = q0 + 64 * wg, first = g0 + 16 * wq;
@@ -340,7 +339,14 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
     const int nt = (min(T, q0 + 64 * NWG) + 63) / 64; /* every warpgroup walks them all */
     const fw_walk kw = fw_walk_at<NT>(k + base, ld), vw = fw_walk_at<NT>(v + base, ld);
-    auto stage = [&](int u) { fw_stage_kv<NT, S>(KV, kw, vw, u, nt, T); };
+    /* tile u's K and V: one group, empty past the last tile */
+    auto stage = [&](int u) {
+        if (u < nt) {
+            fw_stage_walk<NT>(Kb + (u % S) * FW_TILE, kw, 64 * u, T);
+            fw_stage_walk<NT>(Vb + (u % (S - 1)) * FW_TILE, vw, 64 * u, T);
+        }
+        fm_commit();
+    };
 #pragma unroll
     for (int t = 0; t < NWG; t++) {
         fw_stage<NT>(sm0 + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
@@ -376,13 +382,12 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
         }
         fw_fence();
         if constexpr (HS) {
-            const unsigned Ks = KV + 2 * (u % S) * FW_TILE;
-            fw_products_ss<T16>(p, Qs, Ks);            /* S = Q K^T */
-            fw_products_ss<T16>(dp, Gs, Ks + FW_TILE); /* dP = dO V^T */
+            fw_products_ss<T16>(p, Qs, Kb + (u % S) * FW_TILE);        /* S = Q K^T */
+            fw_products_ss<T16>(dp, Gs, Vb + (u % (S - 1)) * FW_TILE); /* dP = dO V^T */
             fw_commit();
         }
         if constexpr (HP) {
-            fw_products_rs<T16>(acc, da, KV + 2 * ((u - 1) % S) * FW_TILE); /* dQ += dS K */
+            fw_products_rs<T16>(acc, da, Kb + ((u - 1) % S) * FW_TILE); /* dQ += dS K */
             fw_commit();
         }
         if constexpr (!HS) /* the last step: the store's tables, while dS K runs */
@@ -554,9 +559,10 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
 #endif
 }
 
-/* Shared memory of the backward kernels: dq 2 NWG fixed tiles + 2 x its stages walked
- * ones; dk/dv 2 NWG fixed ones + 2 S walked ones and their statistics (S x 128 floats). */
-#define FW_DQ_SMEM(NWG) ((2 * (NWG) + 2 * FW_DQ_STAGES(NWG)) * FW_TILE + 1024)
+/* Shared memory of the backward kernels: dq 2 NWG fixed tiles + 2 FW_STAGES - 1 walked
+ * ones (73 KiB for one warpgroup, 3 blocks an SM); dk/dv 2 NWG fixed ones + 2 S walked ones
+ * and their statistics (S x 128 floats). */
+#define FW_DQ_SMEM(NWG) ((2 * (NWG) + 2 * FW_STAGES - 1) * FW_TILE + 1024)
 #define FW_DKV_SMEM(NWG, S) ((2 * (NWG) + 2 * (S)) * FW_TILE + (S)*128 * 4 + 1024)
 
 /* Lets kernel take smem bytes of dynamic shared memory, once per kernel (ready its flag);
