@@ -62,7 +62,7 @@ static __device__ __forceinline__ fw_walk fw_walk_at(const uint16_t *src, size_t
 template <int NT>
 static __device__ __forceinline__ void fw_stage_walk(unsigned dst, const fw_walk &w, int r0, int T)
 {
-    static_assert(NT % 64 == 0 && 512 % NT == 0, "fw_stage: NT threads, rows 8 apart");
+    static_assert(NT % 64 == 0 && 512 % NT == 0, "fw_stage_walk: NT threads, rows 8 apart");
     constexpr int RS = NT / 8; /* rows a pass */
     const int r = (int)threadIdx.x >> 3, c = (int)threadIdx.x & 7;
     const unsigned d = dst + (unsigned)(r * 128 + ((c ^ (r & 7)) << 4));
