@@ -88,16 +88,16 @@ template <int S> static __device__ __forceinline__ void fw_step_start(void)
     __syncthreads();
 }
 
-/* Tile u (rows 64 u .. 64 u + 63) of k and v into buffer u % S of the walk at KV (K, then
- * V): one cp.async group, empty past the last tile (nt - 1). */
-template <int NT, int S>
-static __device__ __forceinline__ void fw_stage_kv(unsigned KV, const fw_walk &k, const fw_walk &v,
-                                                   int u, int nt, int T)
+/* Tile u (rows 64 u .. 64 u + 63) of k and v: one cp.async group, empty past the last tile
+ * (nt - 1). K into buffer u % SK of KS bytes from Kb, V into buffer u % SV of VS bytes
+ * from Vb (the forward: both in S buffers of a K and V pair; dq: K in S, V in S - 1). */
+template <int NT, int SK, int SV, unsigned KS, unsigned VS>
+static __device__ __forceinline__ void fw_stage_kv(unsigned Kb, unsigned Vb, const fw_walk &k,
+                                                   const fw_walk &v, int u, int nt, int T)
 {
     if (u < nt) {
-        const unsigned d = KV + 2 * (u % S) * FW_TILE;
-        fw_stage_walk<NT>(d, k, 64 * u, T);
-        fw_stage_walk<NT>(d + FW_TILE, v, 64 * u, T);
+        fw_stage_walk<NT>(Kb + (u % SK) * KS, k, 64 * u, T);
+        fw_stage_walk<NT>(Vb + (u % SV) * VS, v, 64 * u, T);
     }
     fm_commit();
 }
@@ -127,7 +127,9 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 4 : 2)
     const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
     const int nt = (min(T, q0 + 64 * NWG) + 63) / 64; /* every warpgroup walks them all */
     const fw_walk kw = fw_walk_at<NT>(k + base, ld), vw = fw_walk_at<NT>(v + base, ld);
-    auto stage = [&](int u) { fw_stage_kv<NT, S>(KV, kw, vw, u, nt, T); };
+    auto stage = [&](int u) {
+        fw_stage_kv<NT, S, S, 2 * FW_TILE, 2 * FW_TILE>(KV, KV + FW_TILE, kw, vw, u, nt, T);
+    };
 #pragma unroll
     for (int t = 0; t < NWG; t++)
         fw_stage<NT>(sm0 + t * FW_TILE, q + base, ld, q0 + 64 * t, T);
@@ -339,13 +341,8 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
     const int nt = (min(T, q0 + 64 * NWG) + 63) / 64; /* every warpgroup walks them all */
     const fw_walk kw = fw_walk_at<NT>(k + base, ld), vw = fw_walk_at<NT>(v + base, ld);
-    /* tile u's K and V: one group, empty past the last tile */
     auto stage = [&](int u) {
-        if (u < nt) {
-            fw_stage_walk<NT>(Kb + (u % S) * FW_TILE, kw, 64 * u, T);
-            fw_stage_walk<NT>(Vb + (u % (S - 1)) * FW_TILE, vw, 64 * u, T);
-        }
-        fm_commit();
+        fw_stage_kv<NT, S, S - 1, FW_TILE, FW_TILE>(Kb, Vb, kw, vw, u, nt, T);
     };
 #pragma unroll
     for (int t = 0; t < NWG; t++) {
