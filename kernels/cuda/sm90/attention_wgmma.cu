@@ -463,14 +463,15 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     const size_t ld = (size_t)H * 64, base = (size_t)b * T * ld + (size_t)h * 64;
     const int nt = (T - j0 + 63) / 64; /* query tiles from j0 on */
     const fw_walk qw = fw_walk_at<NT>(q + base, ld), gw = fw_walk_at<NT>(dout + base, ld);
-    auto stage = [&](int u) { /* one group, empty past the last tile */
-                              if (u < nt) {
-                                  const unsigned d = QG + 2 * (u % S) * FW_TILE;
-                                  fw_stage_walk<NT>(d, qw, j0 + 64 * u, T);
-                                  fw_stage_walk<NT>(d + FW_TILE, gw, j0 + 64 * u, T);
-                                  fw_stage_stats(St + 512 * (u % S), lse, dsum, bh, T, j0 + 64 * u);
-                              }
-                              fm_commit();
+    /* tile u's Q, dO and their statistics: one group, empty past the last tile */
+    auto stage = [&](int u) {
+        if (u < nt) {
+            const unsigned d = QG + 2 * (u % S) * FW_TILE;
+            fw_stage_walk<NT>(d, qw, j0 + 64 * u, T);
+            fw_stage_walk<NT>(d + FW_TILE, gw, j0 + 64 * u, T);
+            fw_stage_stats(St + 512 * (u % S), lse, dsum, bh, T, j0 + 64 * u);
+        }
+        fm_commit();
     };
 #pragma unroll
     for (int t = 0; t < NWG; t++) {
