@@ -17,7 +17,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "util/clock.h"
 
@@ -147,7 +146,7 @@ static moe_status report_timeout(const moe_comm *c, const MPI_Request *reqs, con
 static moe_status poll_requests(moe_comm *c, MPI_Request *reqs, const int *peers, int n,
                                 const char *what, moe_group g)
 {
-    const double deadline = moe_clock_seconds() + c->timeout_s;
+    const double t0 = moe_clock_seconds(), deadline = t0 + c->timeout_s;
     for (long round = 0;; round++) {
         int open = 0;
         for (int i = 0; i < n; i++) {
@@ -178,8 +177,7 @@ static moe_status poll_requests(moe_comm *c, MPI_Request *reqs, const int *peers
         if (c->nccl) /* the device operations waited for earlier keep their deadlines */
             MOE_CHECK(moe_nccl_watch(c->nccl));
 #endif
-        struct timespec nap = {0, 20000}; /* 20 us */
-        nanosleep(&nap, NULL);
+        moe_poll_pause(t0);
     }
 }
 

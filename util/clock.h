@@ -2,6 +2,7 @@
 #ifndef MOE_UTIL_CLOCK_H
 #define MOE_UTIL_CLOCK_H
 
+#include <sched.h>
 #include <time.h>
 
 /* Seconds on CLOCK_MONOTONIC. */
@@ -10,6 +11,24 @@ static inline double moe_clock_seconds(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The pause between two polls of a wait that began at t0 (moe_clock_seconds()): for its
+ * first MOE_POLL_YIELD_S it only yields the core, so that what ends within microseconds is
+ * seen at once (a nap sleeps at least Linux's timer slack, 50 us by default, on top of
+ * what it asks: the NCCL setup's and launches' waits, whose asynchronous launch thread
+ * is done in tens of microseconds, napped 100 us a poll), then it naps 20 us a poll, so
+ * that a long wait leaves the core to the rest of the process. */
+#define MOE_POLL_YIELD_S 500e-6
+
+static inline void moe_poll_pause(double t0)
+{
+    if (moe_clock_seconds() - t0 < MOE_POLL_YIELD_S) {
+        sched_yield();
+        return;
+    }
+    struct timespec nap = {0, 20000};
+    nanosleep(&nap, NULL);
 }
 
 #endif

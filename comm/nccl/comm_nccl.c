@@ -5,7 +5,6 @@
 #include <nccl.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
 
 #include "util/clock.h"
 
@@ -48,15 +47,14 @@ struct moe_nccl {
  * is no longer in progress, at most timeout_s. MOE_OK when it ended in ncclSuccess. */
 static moe_status settle(ncclComm_t comm, ncclResult_t r, double timeout_s, const char *what)
 {
-    const double deadline = moe_clock_seconds() + timeout_s;
+    const double t0 = moe_clock_seconds(), deadline = t0 + timeout_s;
     while (r == ncclInProgress) {
         if (moe_clock_seconds() > deadline) {
             ncclCommAbort(comm);
             MOE_FAIL(MOE_ERR_COMM, "%s: NCCL did not finish within %.0f s (a peer is missing?)",
                      what, timeout_s);
         }
-        struct timespec nap = {0, 100000};
-        nanosleep(&nap, NULL);
+        moe_poll_pause(t0);
         if (ncclCommGetAsyncError(comm, &r) != ncclSuccess)
             MOE_FAIL(MOE_ERR_COMM, "%s: ncclCommGetAsyncError failed", what);
     }
@@ -346,14 +344,14 @@ moe_status moe_nccl_watch(moe_nccl *n)
 /* Polls until event is done, watching everything meanwhile (with the deadlines). */
 static moe_status watch_until_done(moe_nccl *n, int event)
 {
+    const double t0 = moe_clock_seconds();
     for (;;) {
         int done = 0;
         MOE_CHECK(watch_one(n, event, moe_clock_seconds(), &done));
         if (done)
             return MOE_OK;
         MOE_CHECK(moe_nccl_watch(n));
-        struct timespec nap = {0, 20000};
-        nanosleep(&nap, NULL);
+        moe_poll_pause(t0);
     }
 }
 
