@@ -88,16 +88,24 @@ template <int S> static __device__ __forceinline__ void fw_step_start(void)
     __syncthreads();
 }
 
-/* Tile u (rows 64 u .. 64 u + 63) of k and v: one cp.async group, empty past the last tile
- * (nt - 1). K into buffer u % SK of KS bytes from Kb, V into buffer u % SV of VS bytes
- * from Vb (the forward: both in S buffers of a K and V pair; dq: K in S, V in S - 1). */
-template <int NT, int SK, int SV, unsigned KS, unsigned VS>
+struct fw_nothing {
+    __device__ void operator()(int) const {}
+};
+
+/* Tile u (rows r0 + 64 u .. r0 + 64 u + 63) of k and v, and what also(u) copies: one
+ * cp.async group, empty past the last tile (nt - 1). K into buffer u % SK of KS bytes from
+ * Kb, V into buffer u % SV of VS bytes from Vb (the forward: both in S buffers of a K and
+ * V pair; dq: K in S, V in S - 1; dk/dv: Q and dO as the forward's K and V, from row j0,
+ * and their statistics). */
+template <int NT, int SK, int SV, unsigned KS, unsigned VS, class A = fw_nothing>
 static __device__ __forceinline__ void fw_stage_kv(unsigned Kb, unsigned Vb, const fw_walk &k,
-                                                   const fw_walk &v, int u, int nt, int T)
+                                                   const fw_walk &v, int u, int nt, int T,
+                                                   int r0 = 0, A also = A())
 {
     if (u < nt) {
-        fw_stage_walk<NT>(Kb + (u % SK) * KS, k, 64 * u, T);
-        fw_stage_walk<NT>(Vb + (u % SV) * VS, v, 64 * u, T);
+        fw_stage_walk<NT>(Kb + (u % SK) * KS, k, r0 + 64 * u, T);
+        fw_stage_walk<NT>(Vb + (u % SV) * VS, v, r0 + 64 * u, T);
+        also(u);
     }
     fm_commit();
 }
@@ -464,14 +472,10 @@ static __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)
     const int nt = (T - j0 + 63) / 64; /* query tiles from j0 on */
     const fw_walk qw = fw_walk_at<NT>(q + base, ld), gw = fw_walk_at<NT>(dout + base, ld);
     /* tile u's Q, dO and their statistics: one group, empty past the last tile */
+    auto stats = [&](int u) { fw_stage_stats(St + 512 * (u % S), lse, dsum, bh, T, j0 + 64 * u); };
     auto stage = [&](int u) {
-        if (u < nt) {
-            const unsigned d = QG + 2 * (u % S) * FW_TILE;
-            fw_stage_walk<NT>(d, qw, j0 + 64 * u, T);
-            fw_stage_walk<NT>(d + FW_TILE, gw, j0 + 64 * u, T);
-            fw_stage_stats(St + 512 * (u % S), lse, dsum, bh, T, j0 + 64 * u);
-        }
-        fm_commit();
+        fw_stage_kv<NT, S, S, 2 * FW_TILE, 2 * FW_TILE>(QG, QG + FW_TILE, qw, gw, u, nt, T, j0,
+                                                        stats);
     };
 #pragma unroll
     for (int t = 0; t < NWG; t++) {
