@@ -15,20 +15,21 @@ static inline double moe_clock_seconds(void)
 
 /* The pause between two polls of a wait that began at t0 (moe_clock_seconds()): for its
  * first MOE_POLL_YIELD_S it only yields the core, so that what ends within microseconds is
- * seen at once (a nap sleeps at least Linux's timer slack, 50 us by default, on top of
- * what it asks: the NCCL setup's and launches' waits, whose asynchronous launch thread
- * is done in tens of microseconds, napped 100 us a poll), then it naps 20 us a poll, so
- * that a long wait leaves the core to the rest of the process. */
+ * seen at once (a nap sleeps Linux's timer slack, 50 us by default, beyond what it asks;
+ * the waits for NCCL's non-blocking calls, whose launch thread is done in tens of
+ * microseconds, napped 100 us a poll until the fifty-sixth session), then it naps 20 us a
+ * poll, so that a long wait leaves the core to the rest of the process. Either call only
+ * pauses, so neither's result matters. */
 #define MOE_POLL_YIELD_S 500e-6
 
 static inline void moe_poll_pause(double t0)
 {
     if (moe_clock_seconds() - t0 < MOE_POLL_YIELD_S) {
-        sched_yield();
+        (void)sched_yield();
         return;
     }
     struct timespec nap = {0, 20000};
-    nanosleep(&nap, NULL);
+    (void)nanosleep(&nap, NULL);
 }
 
 #endif

@@ -88,6 +88,7 @@ template <int S> static __device__ __forceinline__ void fw_step_start(void)
     __syncthreads();
 }
 
+/* fw_stage_kv's default `also`: nothing else in the group */
 struct fw_nothing {
     __device__ void operator()(int) const {}
 };
