@@ -1513,9 +1513,11 @@ static const bench_op single_ops[] = {
 static struct {
     moe_comm *comm;
     ncclComm_t nccl;
-    real *x, *logits, *probs, *lse, *wts, *xr, *wr, *eout, *back, *y;
+    real *x, *logits, *probs, *lse, *wts, *xr, *wr, *eout, *back, *y, *xmid;
     int32_t *idx, *row_token, *row_slot, *slot_row, *erank, *elocal, *send_token, *lidx;
-    int *scratch, *offsets;     /* offsets: host */
+    int32_t *token_rows;    /* (N, P): the row of each (token, destination) or -1 */
+    int x16;                /* the rows' token format (MOE_ROW_*), the model's for --precision */
+    int *scratch, *offsets; /* offsets: host */
     int *send_rows, *recv_rows; /* host (P) */
     int *counts;                /* pinned host (MOE_PACK_COUNTS(P, E/P)) */
     int64_t *cnt_send, *cnt_recv;
@@ -1529,9 +1531,9 @@ static struct {
 
 static void run_pack(void)
 {
-    gpu->moe_pack_dispatch(a2.rows, a2.send_token, NULL, a2.counts, a2.x, a2.idx, a2.wts,
+    gpu->moe_pack_dispatch(a2.rows, a2.send_token, a2.token_rows, a2.counts, a2.x, a2.idx, a2.wts,
                            a2.slot_row, a2.erank, a2.elocal, N_, opt.D, opt.K, world, opt.E / world,
-                           a2.row_bytes, MOE_ROW_FP32);
+                           a2.row_bytes, a2.x16);
     MOE_CK(gpu->queue_wait(gpu->queue_mark(), NULL,
                            NULL)); /* the counts, as the runtime waits for them */
     for (int p = 0; p < world; p++)
@@ -1581,12 +1583,16 @@ static void run_exchange_nccl(void)
 static void run_unpack(void)
 {
     gpu->moe_unpack_dispatch(a2.xr, a2.wr, a2.lidx, a2.recv, a2.n_recv, opt.D, opt.K, a2.row_bytes,
-                             MOE_ROW_FP32);
+                             a2.x16);
 }
 
+/* As runtime/model.c's layer_forward_end at ep > 1 (no shared experts): the returned rows
+ * of each token summed through token_rows (K = P), then xmid added. */
 static void run_unpermute(void)
 {
-    gpu->moe_permute_backward(a2.y, a2.y, a2.back, a2.send_token, a2.n_send, opt.D, NULL, 0, 0);
+    gpu->moe_permute_backward(a2.y, NULL, a2.back, a2.send_token, a2.n_send, opt.D, a2.token_rows,
+                              N_, world);
+    gpu->add_inplace(a2.y, a2.xmid, (size_t)N_ * opt.D);
 }
 
 static int want(const char *name) { return !opt.op || strcmp(opt.op, name) == 0; }
@@ -1611,7 +1617,13 @@ static void bench_exchange(const char *op, const char *what, double bytes)
 static void a2a_setup(void)
 {
     const int N = N_, D = opt.D, E = opt.E, K = opt.K, P = world;
-    a2.row_bytes = ((size_t)(D + K) * sizeof(real) + (size_t)K * sizeof(int32_t) + 7) & ~(size_t)7;
+    /* the model's form (runtime/model.c): at a 16-bit precision the FFN norm's output h2
+     * (x here) holds its 16-bit values (marked), the rows carry 16-bit tokens and the
+     * received tokens are unpacked into a marked buffer */
+    a2.x16 = opt.prec == MOE_PREC_BF16   ? MOE_ROW_BF16
+             : opt.prec == MOE_PREC_FP16 ? MOE_ROW_FP16
+                                         : MOE_ROW_FP32;
+    a2.row_bytes = moe_dispatch_row_bytes(D, K, a2.x16);
     a2.send_rows = calloc((size_t)P, sizeof(int));
     a2.recv_rows = calloc((size_t)P, sizeof(int));
     a2.counts = gpu->alloc_host(sizeof(int) * (size_t)MOE_PACK_COUNTS(P, E / P));
@@ -1637,7 +1649,15 @@ static void a2a_setup(void)
     free(er);
     free(el);
     free(lg);
-    a2.x = dfill((size_t)N * D, 1.0, 0);
+    if (a2.x16 != MOE_ROW_FP32) {
+        real *arena = dfill((size_t)D, 0.02, 0); /* a parameter arena for set_precision */
+        use_precision(arena, (size_t)D, (size_t)N * D);
+        a2.x = dfill16_as((size_t)N * D, 1.0, 0, a2.x16 == MOE_ROW_BF16, 0);
+        mark(a2.x, (size_t)N * D);
+    } else {
+        a2.x = dfill((size_t)N * D, 1.0, 0);
+    }
+    a2.xmid = dfill((size_t)N * D, 1.0, 0);
     a2.probs = dreal((size_t)N * E);
     a2.lse = dreal((size_t)N);
     a2.wts = dreal((size_t)N * K);
@@ -1649,6 +1669,7 @@ static void a2a_setup(void)
     const int max_rows = N * (K < P ? K : P);
     a2.rows = dmem(a2.row_bytes * max_rows);
     a2.send_token = dmem(sizeof(int32_t) * max_rows);
+    a2.token_rows = dmem(sizeof(int32_t) * (size_t)N * P);
     a2.back = dreal((size_t)max_rows * D);
     a2.y = dreal((size_t)N * D);
     gpu->router_forward(a2.probs, a2.lse, a2.idx, a2.wts, NULL, a2.logits, N, E, K, 1);
@@ -1665,6 +1686,8 @@ static void a2a_setup(void)
     }
     a2.recv = dmem(a2.row_bytes * (size_t)(a2.n_recv ? a2.n_recv : 1));
     a2.xr = dreal((size_t)(a2.n_recv ? a2.n_recv : 1) * D);
+    if (a2.x16 != MOE_ROW_FP32)
+        mark(a2.xr, (size_t)(a2.n_recv ? a2.n_recv : 1) * D);
     a2.wr = dreal((size_t)(a2.n_recv ? a2.n_recv : 1) * K);
     a2.lidx = dmem(sizeof(int32_t) * (a2.n_recv ? a2.n_recv : 1) * K);
     a2.eout = dfill((size_t)(a2.n_recv ? a2.n_recv : 1) * D, 1.0, 0);
@@ -1682,10 +1705,13 @@ static void a2a_run(void)
     a2a_setup();
     if (want("pack_dispatch")) {
         double ms = time_gpu(run_pack);
-        /* per row: its token read, the row written; per slot: idx, w, slot_row read */
-        double bytes = (double)a2.n_send * (D * 4.0 + (double)a2.row_bytes) + 12.0 * N * K;
-        snprintf(shape, sizeof shape, "N=%d K=%d P=%d rows=%d x %zu B", N, K, world, a2.n_send,
-                 a2.row_bytes);
+        /* per row: its token read, the row and its token's id written; per slot: idx, w,
+         * slot_row read; token_rows (N, P) written */
+        const double xw = a2.x16 == MOE_ROW_FP32 ? 4.0 : 2.0;
+        double bytes = (double)a2.n_send * (D * xw + (double)a2.row_bytes + 4.0) + 12.0 * N * K +
+                       4.0 * N * world;
+        snprintf(shape, sizeof shape, "N=%d K=%d P=%d rows=%d x %zu B %s", N, K, world, a2.n_send,
+                 a2.row_bytes, prec_name(opt.prec));
         report("pack_dispatch", shape, ms, bytes, RATE_GBS, c);
     }
     if (want("a2a_counts")) {
@@ -1699,8 +1725,9 @@ static void a2a_run(void)
     }
     if (want("unpack")) {
         double ms = time_gpu(run_unpack);
-        double bytes = (double)a2.n_recv * ((double)a2.row_bytes + 4.0 * (D + 2.0 * K));
-        snprintf(shape, sizeof shape, "rows=%d D=%d K=%d", a2.n_recv, D, K);
+        const double xw = a2.x16 == MOE_ROW_FP32 ? 4.0 : 2.0;
+        double bytes = (double)a2.n_recv * ((double)a2.row_bytes + xw * D + 8.0 * K);
+        snprintf(shape, sizeof shape, "rows=%d D=%d K=%d %s", a2.n_recv, D, K, prec_name(opt.prec));
         report("unpack", shape, ms, bytes, RATE_GBS, c);
     }
     if (want("combine")) {
@@ -1710,8 +1737,9 @@ static void a2a_run(void)
     }
     if (want("unpermute")) {
         double ms = time_gpu(run_unpermute);
-        double bytes = 4.0 * ((double)a2.n_send * D + 2.0 * N * D + a2.n_send);
-        snprintf(shape, sizeof shape, "rows=%d D=%d (N=%d)", a2.n_send, D, N);
+        /* the rows and xmid read, the layer's output written, token_rows read */
+        double bytes = 4.0 * ((double)a2.n_send * D + 2.0 * N * D + (double)N * world);
+        snprintf(shape, sizeof shape, "rows=%d D=%d (N=%d) + xmid", a2.n_send, D, N);
         report("unpermute", shape, ms, bytes, RATE_GBS, c);
     }
     free_all();
