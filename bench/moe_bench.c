@@ -693,7 +693,7 @@ static void run_permute_bwd(void)
     /* as the runtime on the experts' side: the token's rows gathered through slot_row,
      * written (no base) */
     gpu->moe_permute_backward(bf.dx, NULL, bf.dout, bf.row_token, bf.rows, opt.D, bf.slot_row, N_,
-                              opt.K);
+                              opt.K, NULL);
 }
 
 static void bench_permute(int bwd)
@@ -1587,12 +1587,11 @@ static void run_unpack(void)
 }
 
 /* As runtime/model.c's layer_forward_end at ep > 1 (no shared experts): the returned rows
- * of each token summed through token_rows (K = P), then xmid added. */
+ * of each token summed through token_rows (K = P), then xmid added (the op's last). */
 static void run_unpermute(void)
 {
     gpu->moe_permute_backward(a2.y, NULL, a2.back, a2.send_token, a2.n_send, opt.D, a2.token_rows,
-                              N_, world);
-    gpu->add_inplace(a2.y, a2.xmid, (size_t)N_ * opt.D);
+                              N_, world, a2.xmid);
 }
 
 static int want(const char *name) { return !opt.op || strcmp(opt.op, name) == 0; }

@@ -223,13 +223,15 @@ int moe_route_plan(int *offsets, int32_t *row_token, int32_t *row_slot, int32_t 
 /* out (M,D) = x[row_token[m]] (gather tokens into expert order). */
 void moe_permute(real *out, const real *x, const int32_t *row_token, int M, int D);
 /* dx (N,D) = base + scatter of dout (M,D): base's row (0 where base is NULL; base may be
- * dx itself: the rows are added to it), then the rows of the token added in row order.
- * slot_row (N,K), optional (NULL: not known): the inverse of row_token, the row of each
- * (token, slot) or -1, every row once; it lets a backend gather each token's rows instead
- * of sorting the rows by token (the same sums). Without it K is not read; N is read
- * where base is not dx. */
+ * dx itself: the rows are added to it), then the rows of the token added in row order,
+ * then last's row (last (N,D), optional: NULL adds nothing; not dx). So at ep > 1 a
+ * layer's output is (shared experts + its returned rows) + xmid in one pass, the
+ * additions of ep 1's xmid + (its one row). slot_row (N,K), optional (NULL: not known):
+ * the inverse of row_token, the row of each (token, slot) or -1, every row once; it lets
+ * a backend gather each token's rows instead of sorting the rows by token (the same
+ * sums). Without it K is not read; N is read where base is not dx or last is given. */
 void moe_permute_backward(real *dx, const real *base, const real *dout, const int32_t *row_token,
-                          int M, int D, const int32_t *slot_row, int N, int K);
+                          int M, int D, const int32_t *slot_row, int N, int K, const real *last);
 /* Not an op: the reference's start of those sums, dx (n,D) = base (0 where base is NULL),
  * nothing where base is dx. */
 void moe_rows_base(real *dx, const real *base, int n, int D);

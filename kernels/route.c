@@ -120,7 +120,7 @@ void moe_rows_base(real *dx, const real *base, int n, int D)
 }
 
 void moe_permute_backward(real *dx, const real *base, const real *dout, const int32_t *row_token,
-                          int M, int D, const int32_t *slot_row, int N, int K)
+                          int M, int D, const int32_t *slot_row, int N, int K, const real *last)
 {
     (void)slot_row;
     (void)K;
@@ -131,6 +131,8 @@ void moe_permute_backward(real *dx, const real *base, const real *dout, const in
         for (int j = 0; j < D; j++)
             d[j] += g[j];
     }
+    if (last)
+        add_inplace(dx, last, (size_t)N * D);
 }
 
 /* Sequential over rows, like the permute backward. */

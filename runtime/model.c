@@ -1075,17 +1075,17 @@ static moe_status layer_forward_end(moe_model *m, int l)
     MOE_CHECK(exchange_finish(m));
     const real *rows = (const real *)exchange_rows(m);
     if (m->ep > 1) {
-        /* (shared experts + the rows in row order) + xmid: a token whose top-2 experts sit
-         * on two ranks gets two rows whose sum has the bits of ep 1's one row, so the
-         * layer's output keeps ep 1's bits; adding onto xmid first rounds after the first
-         * row (50 fp32 steps of the tiny config at world 2 then left world 1's losses at
-         * step 34, by 1.5e-4) */
+        /* (shared experts + the rows in row order) + xmid, in one pass (xmid is the op's
+         * last, added after the rows): a token whose top-2 experts sit on two ranks gets
+         * two rows whose sum has the bits of ep 1's one row, so the layer's output keeps
+         * ep 1's bits; adding onto xmid first rounds after the first row (50 fp32 steps
+         * of the tiny config at world 2 then left world 1's losses at step 34, by
+         * 1.5e-4) */
         if (m->Fs > 0)
             swiglu_ffn_forward(m, out, NULL, a->sa, a->sb, a->sh, a->h2, w->sw1, w->sw3, w->sw2, N,
                                D, m->Fs);
         m->be->moe_permute_backward(out, m->Fs > 0 ? out : NULL, rows, a->send_token, a->n_send, D,
-                                    a->token_rows, N, m->ep);
-        m->be->add_inplace(out, a->xmid, (size_t)N * D);
+                                    a->token_rows, N, m->ep, a->xmid);
         return MOE_OK;
     }
     const real *base = a->xmid; /* (xmid + shared experts) + the row, at ep 1 */
@@ -1095,7 +1095,7 @@ static moe_status layer_forward_end(moe_model *m, int l)
         base = out;
     }
     m->be->moe_permute_backward(out, base, rows, a->send_token, a->n_send, D, a->token_rows, N,
-                                m->ep);
+                                m->ep, NULL);
     return MOE_OK;
 }
 
@@ -1355,10 +1355,11 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
                                         w->ew3, a->offsets, m->El, D, F, first | MOE_WRITE_DX);
     if (!out) {
         m->be->moe_permute_backward(m->dh, m->Fs > 0 ? m->dh : NULL, m->dxperm, a->row_token, M, D,
-                                    a->lslot_row, R, K);
+                                    a->lslot_row, R, K, NULL);
         return;
     }
-    m->be->moe_permute_backward(m->dxrecv, NULL, m->dxperm, a->row_token, M, D, a->lslot_row, R, K);
+    m->be->moe_permute_backward(m->dxrecv, NULL, m->dxperm, a->row_token, M, D, a->lslot_row, R, K,
+                                NULL);
     m->be->moe_pack_grad_rows(out, m->dxrecv, m->dlw, R, D, K);
 }
 

@@ -167,21 +167,29 @@ extern "C" void cuda_moe_permute(real *out, const real *x, const int32_t *row_to
         v4, o16, in16);
 }
 
-/* dx[token] = base[token] + dout[row] ..., rows of a token in row order; any row of dout
- * may be read (any_item: moe_runs_kernel loads ahead of the keys). */
+/* dx[token] = (base[token] + dout[row] ...) + last[token], rows of a token in row order
+ * (last NULL: nothing added; the store adds it, so only a gather, which stores every
+ * token once, takes it); any row of dout may be read (any_item: moe_runs_kernel loads
+ * ahead of the keys). */
 struct permute_grad {
     real *dx;
     const real *base, *dout;
     int D;
+    const real *last;
     static constexpr bool vec4 = true, vec2 = false, weighted = false, any_item = true;
     bool aligned16() const
     {
-        return moe_aligned16(dx) && moe_aligned16(dout) && (!base || moe_aligned16(base));
+        return moe_aligned16(dx) && moe_aligned16(dout) && (!base || moe_aligned16(base)) &&
+               (!last || moe_aligned16(last));
     }
     void start(int N) const { moe_cuda_rows_base(dx, base, N, D); }
     __device__ float load(int n, int j) const { return moe_base_value(base, (size_t)n * D + j); }
     __device__ float value(int m, int j) const { return dout[(size_t)m * D + j]; }
-    __device__ void store(int n, int j, float v) const { dx[(size_t)n * D + j] = v; }
+    __device__ void store(int n, int j, float v) const
+    {
+        const size_t at = (size_t)n * D + j;
+        dx[at] = last ? __fadd_rn(v, last[at]) : v;
+    }
     __device__ float4 load4(int n, int j) const { return moe_base_value4(base, (size_t)n * D + j); }
     __device__ float4 value4(int m, int j) const
     {
@@ -189,7 +197,13 @@ struct permute_grad {
     }
     __device__ void store4(int n, int j, float4 v) const
     {
-        *(float4 *)(dx + (size_t)n * D + j) = v;
+        const size_t at = (size_t)n * D + j;
+        if (last) {
+            const float4 t = *(const float4 *)(last + at);
+            v = make_float4(__fadd_rn(v.x, t.x), __fadd_rn(v.y, t.y), __fadd_rn(v.z, t.z),
+                            __fadd_rn(v.w, t.w));
+        }
+        *(float4 *)(dx + at) = v;
     }
 };
 
@@ -198,16 +212,23 @@ struct permute_grad {
 void moe_cuda_embedding_grad(real *dtable, const real *dout, const int32_t *tokens, int N, int D,
                              int V)
 {
-    permute_grad op = {dtable, dtable, dout, D};
+    permute_grad op = {dtable, dtable, dout, D, NULL};
     moe_cuda_runs(op, tokens, N, D, V);
 }
 
 extern "C" void cuda_moe_permute_backward(real *dx, const real *base, const real *dout,
                                           const int32_t *row_token, int M, int D,
-                                          const int32_t *slot_row, int N, int K)
+                                          const int32_t *slot_row, int N, int K, const real *last)
 {
-    permute_grad op = {dx, base, dout, D};
+    if (slot_row && K <= MOE_GATHER_MAX_K) { /* every token stored once: last in the store */
+        permute_grad op = {dx, base, dout, D, last};
+        moe_cuda_token_sums(op, row_token, M, D, slot_row, N, K);
+        return;
+    }
+    permute_grad op = {dx, base, dout, D, NULL}; /* the runs store tokens with rows only */
     moe_cuda_token_sums(op, row_token, M, D, slot_row, N, K);
+    if (last && N > 0 && D > 0)
+        cuda_add_inplace(dx, last, (size_t)N * D);
 }
 
 /* y[token] = base[token] + w[token, slot] * expert_out[row] ..., rows of a token in row

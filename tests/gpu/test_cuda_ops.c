@@ -953,12 +953,12 @@ static void test_route(int N, int E, int K, int group, int capacity, int mode, i
                                       b == 0   ? gx
                                       : b == 1 ? base
                                                : NULL,
-                                      g, row_token, M, D, NULL, N, 0);
+                                      g, row_token, M, D, NULL, N, 0, NULL);
             gpu->moe_permute_backward(dgx,
                                       b == 0   ? dgx
                                       : b == 1 ? dbase
                                                : NULL,
-                                      DEVF(g, MD), rt, M, D, gather ? sr : NULL, N, K);
+                                      DEVF(g, MD), rt, M, D, gather ? sr : NULL, N, K, NULL);
             gpu_done();
             snprintf(what, sizeof what, "dx (%s, %s)", gather ? "gathered" : "sorted", bases[b]);
             check_f(what, HOSTF(dgx, ND), gx, ND, D, EXACT);
@@ -1007,8 +1007,8 @@ static void test_permute_backward_any(int N, int M, int D, const char *name)
     const size_t ND = (size_t)N * D, MD = (size_t)M * D;
     int32_t *rt = irand(M, 0, N);
     float *gx = frand(ND, -1, 1), *g = frand(MD, -1, 1), *dgx = DEVF(gx, ND);
-    cpu->moe_permute_backward(gx, gx, g, rt, M, D, NULL, 0, 0);
-    gpu->moe_permute_backward(dgx, dgx, DEVF(g, MD), DEVI(rt, M), M, D, NULL, 0, 0);
+    cpu->moe_permute_backward(gx, gx, g, rt, M, D, NULL, 0, 0, NULL);
+    gpu->moe_permute_backward(dgx, dgx, DEVF(g, MD), DEVI(rt, M), M, D, NULL, 0, 0, NULL);
     gpu_done();
     check_f("dx", HOSTF(dgx, ND), gx, ND, D, EXACT);
     free_all();
@@ -1212,23 +1212,28 @@ static void test_exchange(int N, int E, int K, int P, int D, int capacity, const
             snprintf(what, sizeof what, "dw (%s, %s)", gather ? "gathered" : "sorted", bases[b]);
             check_f(what, HOSTF(dsdw, NK), sdw, NK, K, EXACT);
 
-            begin("moe_permute_backward of returned rows", name);
-            float *rx = frand(nd, -1, 1), *drx = DEVF(b == 2 ? fnan(nd) : rx, nd);
-            float *ret = frand((size_t)n * D, -1, 1);
-            cpu->moe_permute_backward(rx,
-                                      b == 0   ? rx
-                                      : b == 1 ? base
-                                               : NULL,
-                                      ret, st, n, D, NULL, N, 0);
-            gpu->moe_permute_backward(drx,
-                                      b == 0   ? drx
-                                      : b == 1 ? dbase
-                                               : NULL,
-                                      DEVF(ret, (size_t)n * D), DEVI(st, n), n, D,
-                                      gather ? dtrows : NULL, N, P);
-            gpu_done();
-            snprintf(what, sizeof what, "y (%s, %s)", gather ? "gathered" : "sorted", bases[b]);
-            check_f(what, HOSTF(drx, nd), rx, nd, D, EXACT);
+            /* and with xmid added after the rows (last), as the layer's output at ep > 1 */
+            for (int with_last = 0; with_last < 2; with_last++) {
+                begin("moe_permute_backward of returned rows", name);
+                float *rx = frand(nd, -1, 1), *drx = DEVF(b == 2 ? fnan(nd) : rx, nd);
+                float *ret = frand((size_t)n * D, -1, 1), *last = frand(nd, -1, 1);
+                cpu->moe_permute_backward(rx,
+                                          b == 0   ? rx
+                                          : b == 1 ? base
+                                                   : NULL,
+                                          ret, st, n, D, NULL, N, 0, with_last ? last : NULL);
+                gpu->moe_permute_backward(drx,
+                                          b == 0   ? drx
+                                          : b == 1 ? dbase
+                                                   : NULL,
+                                          DEVF(ret, (size_t)n * D), DEVI(st, n), n, D,
+                                          gather ? dtrows : NULL, N, P,
+                                          with_last ? DEVF(last, nd) : NULL);
+                gpu_done();
+                snprintf(what, sizeof what, "y (%s, %s%s)", gather ? "gathered" : "sorted",
+                         bases[b], with_last ? ", + last" : "");
+                check_f(what, HOSTF(drx, nd), rx, nd, D, EXACT);
+            }
         }
     free_all();
 }

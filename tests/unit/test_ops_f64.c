@@ -733,16 +733,24 @@ static void test_moe_permute_backward(void **state)
                    buf_rand(&pl, RT_N * RT_D, 0.1, 1),
                    &p};
     real *dx0 = buf_rand(&pl, RT_N * RT_D, 0.1, 1), *dx = buf_copy(&pl, dx0, RT_N * RT_D);
-    moe_permute_backward(dx, dx, r.R, p.row_token, p.M, RT_D, NULL, 0, 0); /* added to dx */
+    moe_permute_backward(dx, dx, r.R, p.row_token, p.M, RT_D, NULL, 0, 0, NULL); /* added to dx */
     assert_true(
         check_fd("dx", r.x, added(&pl, dx, dx0, RT_N * RT_D), RT_N * RT_D, RT_D, permute_loss, &r));
     /* from another base (N read), and written (base NULL) over random contents */
     real *dxo = buf_rand(&pl, RT_N * RT_D, 0.1, 3);
-    moe_permute_backward(dxo, dx0, r.R, p.row_token, p.M, RT_D, NULL, RT_N, 0);
+    moe_permute_backward(dxo, dx0, r.R, p.row_token, p.M, RT_D, NULL, RT_N, 0, NULL);
     assert_memory_equal(dxo, dx, RT_N * RT_D * sizeof(real));
     real *dxw = buf_rand(&pl, RT_N * RT_D, 0.1, 4);
-    moe_permute_backward(dxw, NULL, r.R, p.row_token, p.M, RT_D, NULL, RT_N, 0);
+    moe_permute_backward(dxw, NULL, r.R, p.row_token, p.M, RT_D, NULL, RT_N, 0, NULL);
     assert_true(check_fd("dx written", r.x, dxw, RT_N * RT_D, RT_D, permute_loss, &r));
+    /* last, added after the rows: the sums above, then last's element */
+    real *last = buf_rand(&pl, RT_N * RT_D, 0.1, 5), *dxl = buf_rand(&pl, RT_N * RT_D, 0.1, 6);
+    moe_permute_backward(dxl, dx0, r.R, p.row_token, p.M, RT_D, NULL, RT_N, 0, last);
+    for (int i = 0; i < RT_N * RT_D; i++)
+        assert_true(dxl[i] == dx[i] + last[i]);
+    moe_permute_backward(dxl, NULL, r.R, p.row_token, p.M, RT_D, NULL, RT_N, 0, last);
+    for (int i = 0; i < RT_N * RT_D; i++)
+        assert_true(dxl[i] == dxw[i] + last[i]);
     pool_free(&pl);
 }
 
