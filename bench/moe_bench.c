@@ -721,6 +721,32 @@ static void bench_permute(int bwd)
 static void bench_permute_fwd(void) { bench_permute(0); }
 static void bench_permute_bwd(void) { bench_permute(1); }
 
+/* As runtime/model.c's experts' backward at ep > 1, the tokens as the received rows: each
+ * one's gradient row sent back, [the sum of its expert rows' input gradients | its slot
+ * weights' gradient], gathered through slot_row. */
+static void run_grad_rows(void)
+{
+    gpu->moe_pack_grad_rows(bf.y, bf.dout, bf.row_token, bf.rows, bf.slot_row, bf.dwts, N_, opt.D,
+                            opt.K);
+}
+
+static void bench_grad_rows(void)
+{
+    const ceiling *c = copy_ceiling();
+    const int N = N_, D = opt.D, K = opt.K;
+    int M = bf.rows = make_plan();
+    bf.dout = dfill((size_t)M * D, 1.0, 0);
+    bf.dwts = dfill((size_t)N * K, 1.0, 0);
+    bf.y = dreal((size_t)N * (D + K));
+    double ms = time_gpu(run_grad_rows);
+    /* the expert rows, dw and slot_row read, the rows written */
+    double bytes = 4.0 * ((double)M * D + (double)N * (D + K) + 2.0 * N * K);
+    char shape[64];
+    snprintf(shape, sizeof shape, "M=%d D=%d K=%d (R=%d)", M, D, K, N);
+    report("grad_rows", shape, ms, bytes, RATE_GBS, c);
+    free_all();
+}
+
 static void run_combine(void)
 {
     /* as the runtime: written (no base) */
@@ -1478,6 +1504,7 @@ static const bench_op single_ops[] = {
     {"permute_bwd", bench_permute_bwd},
     {"combine", bench_combine_fwd},
     {"combine_bwd", bench_combine_bwd},
+    {"grad_rows", bench_grad_rows},
     {"expert", bench_expert},
     {"grouped_gemm", bench_grouped_fwd},
     {"grouped_gemm_bwd", bench_grouped_bwd},

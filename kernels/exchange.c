@@ -68,11 +68,20 @@ void moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int 
     }
 }
 
-void moe_pack_grad_rows(real *rows, const real *dx, const real *dw, int R, int D, int K)
+/* Sequential over the expert rows, as moe_permute_backward. */
+void moe_pack_grad_rows(real *rows, const real *dout, const int32_t *row_token, int M,
+                        const int32_t *slot_row, const real *dw, int R, int D, int K)
 {
+    (void)slot_row;
     for (int r = 0; r < R; r++) {
-        memcpy(rows + (size_t)r * (D + K), dx + (size_t)r * D, sizeof(real) * (size_t)D);
+        memset(rows + (size_t)r * (D + K), 0, sizeof(real) * (size_t)D);
         memcpy(rows + (size_t)r * (D + K) + D, dw + (size_t)r * K, sizeof(real) * (size_t)K);
+    }
+    for (int m = 0; m < M; m++) {
+        real *d = rows + (size_t)row_token[m] * (D + K);
+        const real *g = dout + (size_t)m * D;
+        for (int j = 0; j < D; j++)
+            d[j] += g[j];
     }
 }
 

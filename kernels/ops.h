@@ -306,8 +306,13 @@ void moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows, int
  * them in 16 bits where x is marked, backend.h mark_operand), w (R,K), lidx (R,K). */
 void moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int R, int D, int K,
                          size_t row_bytes, int x16);
-/* rows (R, D+K) = [dx | dw] row by row (the gradient rows sent back). */
-void moe_pack_grad_rows(real *rows, const real *dx, const real *dw, int R, int D, int K);
+/* The gradient rows sent back, rows (R, D+K) = [dx | dw] row by row, where dx (R, D) is
+ * the sum of each received row's expert rows: the rows m of dout (M, D) with
+ * row_token[m] == r added in row order (0 where none), what moe_permute_backward(dx,
+ * NULL, dout, row_token, M, D, slot_row, R, K, NULL) writes, without dx in memory.
+ * slot_row (R, K), optional: as for moe_permute_backward. */
+void moe_pack_grad_rows(real *rows, const real *dout, const int32_t *row_token, int M,
+                        const int32_t *slot_row, const real *dw, int R, int D, int K);
 /* dx (N,D) = base + the dx parts and dw (N,K) = the dw parts of rows (n, D+K) (written:
  * 0 for a token without rows), row r for token send_token[r] (several rows may name one
  * token), a token's rows in row order; base as for moe_permute_backward. token_rows

@@ -329,7 +329,6 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
     m->dea = TAKE(c, real, Mx * m->F);
     m->deb = TAKE(c, real, Mx * m->F);
     m->deh = TAKE(c, real, Mx * m->F);
-    m->dxrecv = TAKE(c, real, R * D);
     m->dlw = TAKE(c, real, R * m->K);
     m->dw = TAKE(c, real, NK);
     m->dprobs = TAKE(c, real, N * m->E);
@@ -1358,9 +1357,9 @@ static void moe_experts_backward(moe_model *m, int l, const real *dy, real *out)
                                     a->lslot_row, R, K, NULL);
         return;
     }
-    m->be->moe_permute_backward(m->dxrecv, NULL, m->dxperm, a->row_token, M, D, a->lslot_row, R, K,
-                                NULL);
-    m->be->moe_pack_grad_rows(out, m->dxrecv, m->dlw, R, D, K);
+    /* each received row's input gradient (the sum of its expert rows') and slot weights'
+     * into the row sent back, in one pass */
+    m->be->moe_pack_grad_rows(out, m->dxperm, a->row_token, M, a->lslot_row, m->dlw, R, D, K);
 }
 
 /* Backward of a layer in three stages per chunk, mirroring forward. On entry to (a)

@@ -223,7 +223,7 @@ typedef struct moe_model {
     real *dfa, *dfb, *dfh;                 /* (N, max(Fd, Fs)) */
     real *dxperm, *deout;                  /* (Mmax, D) */
     real *dea, *deb, *deh;                 /* (Mmax, F) */
-    real *dyrecv, *dxrecv;                 /* (Rmax, D) */
+    real *dyrecv;                          /* (Rmax, D) */
     real *dlw;                             /* (Rmax, K) */
     real *dw, *dprobs, *drlogits;          /* (N, K), (N, E), (N, E) */
     char *send_buf, *recv_buf;             /* packed exchange rows: max(rows) * row_bytes */

@@ -278,36 +278,78 @@ extern "C" void cuda_moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const 
 }
 
 /* One thread per V values of a row (V = 2: D and K even, the arrays 8-byte aligned, so a
- * pair never straddles dx and dw). */
+ * pair never straddles the two parts): rows (R, D+K) = [0 | dw], the start of
+ * moe_pack_grad_rows's sums where they run over sorted rows. */
 template <int V>
-static __global__ void pack_grad_kernel(real *rows, const real *dx, const real *dw, int R, int D,
-                                        int K)
+static __global__ void grad_rows_start_kernel(real *rows, const real *dw, int R, int D, int K)
 {
     const int W = (D + K) / V;
     MOE_CUDA_GRID_STRIDE(e, (size_t)R * W)
     {
         const size_t r = e / W;
         const int j = (int)(e % W) * V;
-        const real *src = j < D ? dx + r * D + j : dw + r * K + (j - D);
         if constexpr (V == 2)
-            *(float2 *)(rows + e * 2) = *(const float2 *)src;
+            *(float2 *)(rows + e * 2) =
+                j < D ? make_float2(0.f, 0.f) : *(const float2 *)(dw + r * K + (j - D));
         else
-            rows[e] = *src;
+            rows[e] = j < D ? 0.f : dw[r * K + (j - D)];
     }
 }
 
-extern "C" void cuda_moe_pack_grad_rows(real *rows, const real *dx, const real *dw, int R, int D,
-                                        int K)
+/* rows[r] = [dout[m] + ... over the expert rows m of received row r, in row order | dw[r]]
+ * (moe_pack_grad_rows): the sums of moe_permute_backward from 0, stored at the row's
+ * stride D + K; the dw columns' values are not sums (value 0, the store takes dw's). Any
+ * row of dout may be read (any_item). */
+struct grad_rows {
+    real *rows;
+    const real *dout, *dw;
+    int D, K;
+    static constexpr bool vec4 = false; /* a row's columns come from two arrays */
+    static constexpr bool vec2 = true;  /* D, K even: a pair never straddles them */
+    static constexpr bool weighted = false, any_item = true;
+    bool aligned16() const { return false; }
+    bool aligned8() const
+    {
+        return D % 2 == 0 && K % 2 == 0 && moe_aligned8(rows) && moe_aligned8(dout) &&
+               moe_aligned8(dw);
+    }
+    void start(int R) const
+    {
+        if (R <= 0 || D + K <= 0)
+            return;
+        if (aligned8())
+            MOE_CUDA_LAUNCH(grad_rows_start_kernel<2>,
+                            moe_cuda_blocks((size_t)R * ((D + K) / 2), MOE_CUDA_THREADS),
+                            MOE_CUDA_THREADS, 0, rows, dw, R, D, K);
+        else
+            MOE_CUDA_LAUNCH(grad_rows_start_kernel<1>,
+                            moe_cuda_blocks((size_t)R * (D + K), MOE_CUDA_THREADS),
+                            MOE_CUDA_THREADS, 0, rows, dw, R, D, K);
+    }
+    __device__ float load(int, int) const { return 0.f; }
+    __device__ float value(int m, int j) const { return j < D ? dout[(size_t)m * D + j] : 0.f; }
+    __device__ void store(int r, int j, float v) const
+    {
+        rows[(size_t)r * (D + K) + j] = j < D ? v : dw[(size_t)r * K + (j - D)];
+    }
+    __device__ float2 load2(int, int) const { return make_float2(0.f, 0.f); }
+    __device__ float2 value2(int m, int j) const
+    {
+        return j < D ? *(const float2 *)(dout + (size_t)m * D + j) : make_float2(0.f, 0.f);
+    }
+    __device__ void store2(int r, int j, float2 v) const
+    {
+        *(float2 *)(rows + (size_t)r * (D + K) + j) =
+            j < D ? v : *(const float2 *)(dw + (size_t)r * K + (j - D));
+    }
+};
+
+extern "C" void cuda_moe_pack_grad_rows(real *rows, const real *dout, const int32_t *row_token,
+                                        int M, const int32_t *slot_row, const real *dw, int R,
+                                        int D, int K)
 {
-    if (R <= 0 || D + K <= 0)
-        return;
-    if (D % 2 == 0 && K % 2 == 0 && moe_aligned8(rows) && moe_aligned8(dx) && moe_aligned8(dw))
-        MOE_CUDA_LAUNCH(pack_grad_kernel<2>,
-                        moe_cuda_blocks((size_t)R * ((D + K) / 2), MOE_CUDA_THREADS),
-                        MOE_CUDA_THREADS, 0, rows, dx, dw, R, D, K);
-    else
-        MOE_CUDA_LAUNCH(pack_grad_kernel<1>, moe_cuda_blocks((size_t)R * (D + K), MOE_CUDA_THREADS),
-                        MOE_CUDA_THREADS, 0, rows, dx, dw, R, D, K);
+    grad_rows op = {rows, dout, dw, D, K};
+    moe_cuda_token_sums(op, row_token, M, D + K, slot_row, R, K);
 }
 
 /* dx[token] = base[token] + row[0..D) ..., dw[token] = row[D..D+K) ..., rows of a token

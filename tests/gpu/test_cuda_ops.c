@@ -981,6 +981,20 @@ static void test_route(int N, int E, int K, int group, int capacity, int mode, i
             snprintf(what, sizeof what, "y (%s, %s)", gather ? "gathered" : "sorted", bases[b]);
             check_f(what, HOSTF(dy, ND), yc, ND, D, EXACT);
         }
+    /* the gradient rows sent back, the tokens as the received rows: [sum of each one's
+     * rows | its slot weights' gradient], rows sorted and gathered (the GPU's start as
+     * NaN: every value written) */
+    for (int gather = 0; gather < 2; gather++) {
+        begin("moe_pack_grad_rows", name);
+        const size_t nw = (size_t)N * (D + K);
+        float *gw = frand(NK, -1, 1), *grow = fnan(nw), *dgrow = DEVF(fnan(nw), nw);
+        cpu->moe_pack_grad_rows(grow, g, row_token, M, NULL, gw, N, D, K);
+        gpu->moe_pack_grad_rows(dgrow, DEVF(g, MD), rt, M, gather ? sr : NULL, DEVF(gw, NK), N, D,
+                                K);
+        gpu_done();
+        check_f(gather ? "rows (gathered)" : "rows (sorted)", HOSTF(dgrow, nw), grow, nw,
+                (size_t)(D + K), EXACT);
+    }
 
     begin("moe_combine_backward", name);
     float *gy = frand(ND, -1, 1), *dgy = DEVF(gy, ND);
@@ -1173,15 +1187,7 @@ static void test_exchange(int N, int E, int K, int P, int D, int capacity, const
         check_i("lidx", HOSTI(dul, (size_t)n * K), ul, (size_t)n * K);
     }
 
-    begin("moe_pack_grad_rows", name);
     const size_t nw = (size_t)n * (D + K);
-    float *gx = frand((size_t)n * D, -1, 1), *gw = frand((size_t)n * K, -1, 1);
-    float *grow = fnan(nw), *dgrow = DEVF(grow, nw);
-    cpu->moe_pack_grad_rows(grow, gx, gw, n, D, K);
-    gpu->moe_pack_grad_rows(dgrow, DEVF(gx, (size_t)n * D), DEVF(gw, (size_t)n * K), n, D, K);
-    gpu_done();
-    check_f("rows", HOSTF(dgrow, nw), grow, nw, (size_t)(D + K), EXACT);
-
     float *srows = frand(nw, -1, 1);
     /* twice: rows sorted by token (no inverse map), and gathered through token_rows; the
      * forward's sums of the returned rows (moe_permute_backward) likewise */

@@ -751,6 +751,17 @@ static void test_moe_permute_backward(void **state)
     moe_permute_backward(dxl, NULL, r.R, p.row_token, p.M, RT_D, NULL, RT_N, 0, last);
     for (int i = 0; i < RT_N * RT_D; i++)
         assert_true(dxl[i] == dxw[i] + last[i]);
+    /* the gradient rows sent back (the tokens as the received rows): [the sums written
+     * above | dw], over random contents */
+    real *dw = buf_rand(&pl, RT_N * RT_K, 0.1, 7);
+    real *rows = buf_rand(&pl, RT_N * (RT_D + RT_K), 0.1, 8);
+    moe_pack_grad_rows(rows, r.R, p.row_token, p.M, NULL, dw, RT_N, RT_D, RT_K);
+    for (int n = 0; n < RT_N; n++) {
+        assert_memory_equal(rows + (size_t)n * (RT_D + RT_K), dxw + (size_t)n * RT_D,
+                            RT_D * sizeof(real));
+        assert_memory_equal(rows + (size_t)n * (RT_D + RT_K) + RT_D, dw + (size_t)n * RT_K,
+                            RT_K * sizeof(real));
+    }
     pool_free(&pl);
 }
 
