@@ -1542,7 +1542,10 @@ static struct {
     ncclComm_t nccl;
     real *x, *logits, *probs, *lse, *wts, *xr, *wr, *eout, *back, *y, *xmid;
     int32_t *idx, *row_token, *row_slot, *slot_row, *erank, *elocal, *send_token, *lidx;
-    int32_t *token_rows;    /* (N, P): the row of each (token, destination) or -1 */
+    int32_t *token_rows; /* (N, P): the row of each (token, destination) or -1 */
+    int32_t *xrow_token; /* the experts' plan of the received rows: (m_x) received row */
+    real *xperm;         /* (m_x, D): their tokens in expert order */
+    int m_x;
     int x16;                /* the rows' token format (MOE_ROW_*), the model's for --precision */
     int *scratch, *offsets; /* offsets: host */
     int *send_rows, *recv_rows; /* host (P) */
@@ -1611,6 +1614,16 @@ static void run_unpack(void)
 {
     gpu->moe_unpack_dispatch(a2.xr, a2.wr, a2.lidx, a2.recv, a2.n_recv, opt.D, opt.K, a2.row_bytes,
                              a2.x16);
+}
+
+/* As runtime/model.c's experts' side at ep > 1: the received rows' weights and ids, then
+ * (after their plan, made once in the setup) their tokens into expert order from the rows
+ * themselves. */
+static void run_unpack_permute(void)
+{
+    gpu->moe_unpack_dispatch(NULL, a2.wr, a2.lidx, a2.recv, a2.n_recv, opt.D, opt.K, a2.row_bytes,
+                             a2.x16);
+    gpu->moe_permute_rows(a2.xperm, a2.recv, a2.row_bytes, a2.x16, a2.xrow_token, a2.m_x, opt.D);
 }
 
 /* As runtime/model.c's layer_forward_end at ep > 1 (no shared experts): the returned rows
@@ -1717,11 +1730,30 @@ static void a2a_setup(void)
     a2.wr = dreal((size_t)(a2.n_recv ? a2.n_recv : 1) * K);
     a2.lidx = dmem(sizeof(int32_t) * (a2.n_recv ? a2.n_recv : 1) * K);
     a2.eout = dfill((size_t)(a2.n_recv ? a2.n_recv : 1) * D, 1.0, 0);
+    /* the rows once across, unpacked, and the experts' plan of them */
+    const int R1 = a2.n_recv ? a2.n_recv : 1, El = E / P;
+    set_exchange(a2.rows, a2.send_rows, a2.recv, a2.recv_rows, a2.row_bytes);
+    run_exchange_comm();
+    run_unpack();
+    int *xoff = calloc((size_t)El + 1, sizeof(int));
+    if (!xoff)
+        die("out of host memory");
+    a2.xrow_token = dmem(sizeof(int32_t) * R1 * K);
+    int32_t *xrow_slot = dmem(sizeof(int32_t) * R1 * K),
+            *xslot_row = dmem(sizeof(int32_t) * R1 * K);
+    int *xscratch = dmem(sizeof(int) * ((size_t)R1 * K + El + 1));
+    a2.m_x = gpu->moe_route_plan(xoff, a2.xrow_token, xrow_slot, xslot_row, xscratch, a2.lidx,
+                                 a2.wr, a2.n_recv, El, K, R1, -1);
+    free(xoff);
+    a2.xperm = dreal((size_t)(a2.m_x ? a2.m_x : 1) * D);
+    if (a2.x16 != MOE_ROW_FP32)
+        mark(a2.xperm, (size_t)(a2.m_x ? a2.m_x : 1) * D);
     sync_or_die("the a2a setup");
 }
 
-static const char *a2a_ops[] = {"copy",   "pack_dispatch", "a2a_counts", "dispatch",
-                                "unpack", "combine",       "unpermute",  NULL};
+static const char *a2a_ops[] = {"copy",     "pack_dispatch", "a2a_counts",
+                                "dispatch", "unpack",        "unpack_permute",
+                                "combine",  "unpermute",     NULL};
 
 static void a2a_run(void)
 {
@@ -1755,6 +1787,16 @@ static void a2a_run(void)
         double bytes = (double)a2.n_recv * ((double)a2.row_bytes + xw * D + 8.0 * K);
         snprintf(shape, sizeof shape, "rows=%d D=%d K=%d %s", a2.n_recv, D, K, prec_name(opt.prec));
         report("unpack", shape, ms, bytes, RATE_GBS, c);
+    }
+    if (want("unpack_permute")) {
+        double ms = time_gpu(run_unpack_permute);
+        const double xw = a2.x16 == MOE_ROW_FP32 ? 4.0 : 2.0;
+        /* the rows' weights and ids read, w and lidx written; per expert row its token read
+         * and written, its received row's number read */
+        double bytes = (double)a2.n_recv * 16.0 * K + (double)a2.m_x * (2.0 * xw * D + 4.0);
+        snprintf(shape, sizeof shape, "rows=%d -> %d D=%d %s", a2.n_recv, a2.m_x, D,
+                 prec_name(opt.prec));
+        report("unpack_permute", shape, ms, bytes, RATE_GBS, c);
     }
     if (want("combine")) {
         /* expert outputs (R, D) back to the tokens' ranks: the dispatch counts reversed */

@@ -54,6 +54,7 @@ extern "C" {
     X(router_backward)                                                                             \
     X(moe_route_plan)                                                                              \
     X(moe_permute)                                                                                 \
+    X(moe_permute_rows)                                                                            \
     X(moe_permute_backward)                                                                        \
     X(moe_combine_forward)                                                                         \
     X(moe_combine_backward)                                                                        \

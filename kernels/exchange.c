@@ -49,23 +49,37 @@ void moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows, int
     counts[2 * P] = n;
 }
 
+/* xr (D) = a row's token, 16-bit values widened. */
+static void row_token_widen(real *xr, const char *row, int D, int x16)
+{
+    if (x16 == MOE_ROW_FP32)
+        memcpy(xr, row, sizeof(real) * (size_t)D);
+    else
+        for (int j = 0; j < D; j++)
+            xr[j] = x16 == MOE_ROW_BF16 ? moe_bf16_widen(((const uint16_t *)row)[j])
+                                        : moe_fp16_widen(((const uint16_t *)row)[j]);
+}
+
 void moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int R, int D, int K,
                          size_t row_bytes, int x16)
 {
     const size_t tb = moe_dispatch_token_bytes(D, x16);
     for (int r = 0; r < R; r++) {
         const char *row = rows + (size_t)r * row_bytes;
-        real *xr = x + (size_t)r * D;
-        if (x16 == MOE_ROW_FP32)
-            memcpy(xr, row, sizeof(real) * (size_t)D);
-        else
-            for (int j = 0; j < D; j++)
-                xr[j] = x16 == MOE_ROW_BF16 ? moe_bf16_widen(((const uint16_t *)row)[j])
-                                            : moe_fp16_widen(((const uint16_t *)row)[j]);
+        if (x)
+            row_token_widen(x + (size_t)r * D, row, D, x16);
         memcpy(w + (size_t)r * K, row + tb, sizeof(real) * (size_t)K);
         memcpy(lidx + (size_t)r * K, row + tb + sizeof(real) * (size_t)K,
                sizeof(int32_t) * (size_t)K);
     }
+}
+
+void moe_permute_rows(real *out, const char *rows, size_t row_bytes, int x16,
+                      const int32_t *row_token, int M, int D)
+{
+#pragma omp parallel for schedule(static) if ((long)M * D > 65536)
+    for (int m = 0; m < M; m++)
+        row_token_widen(out + (size_t)m * D, rows + (size_t)row_token[m] * row_bytes, D, x16);
 }
 
 /* Sequential over the expert rows, as moe_permute_backward. */

@@ -303,9 +303,15 @@ void moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows, int
                        const int32_t *expert_rank, const int32_t *expert_local, int N, int D, int K,
                        int P, int El, size_t row_bytes, int x16);
 /* Splits R dispatch rows into x (R,D) (16-bit tokens widened, exactly; a backend keeps
- * them in 16 bits where x is marked, backend.h mark_operand), w (R,K), lidx (R,K). */
+ * them in 16 bits where x is marked, backend.h mark_operand), w (R,K), lidx (R,K). x
+ * NULL: the weights and ids only (moe_permute_rows then reads the tokens). */
 void moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int R, int D, int K,
                          size_t row_bytes, int x16);
+/* out (M,D) = the token of dispatch row row_token[m] (rows of row_bytes in format x16, as
+ * moe_unpack_dispatch reads them; 16-bit tokens widened, exactly, and kept in 16 bits
+ * where out is marked): moe_unpack_dispatch's x then moe_permute, without that x. */
+void moe_permute_rows(real *out, const char *rows, size_t row_bytes, int x16,
+                      const int32_t *row_token, int M, int D);
 /* The gradient rows sent back, rows (R, D+K) = [dx | dw] row by row, where dx (R, D) is
  * the sum of each received row's expert rows: the rows m of dout (M, D) with
  * row_token[m] == r added in row order (0 where none), what moe_permute_backward(dx,

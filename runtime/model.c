@@ -215,7 +215,8 @@ static int experts_take_tokens(const moe_model *m);
 
 /* What one chunk keeps apart from the others (moe_chunk): c backend memory, h host.
  * Where the experts take the tokens (experts_take_tokens, fixed when the model is made)
- * no rows are unpacked: no xrecv, lidx, lw (at the bench shape 64 MiB a layer). */
+ * no rows are unpacked: no lidx, lw. The received tokens are never unpacked: the
+ * permutation reads them from the rows (moe_permute_rows). */
 static void carve_chunk(moe_model *m, moe_chunk *ch, carve *c, carve *h)
 {
     const int unpacked = !experts_take_tokens(m);
@@ -258,7 +259,6 @@ static void carve_chunk(moe_model *m, moe_chunk *ch, carve *c, carve *h)
             a.send_rows = TAKE(h, int, m->ep);
             a.recv_rows = TAKE(h, int, m->ep);
             if (unpacked) {
-                a.xrecv = TAKE(c, real, R * D);
                 a.lidx = TAKE(c, int32_t, R * m->K);
                 a.lw = TAKE(c, real, R * m->K);
             }
@@ -353,8 +353,8 @@ static void carve_activations(moe_model *m, carve *c, carve *h)
  * gradient buffer of their own: on a device); and q, k, v where the backend's attention
  * reads them so (attention_operands16: rope rotates them in 16 bits, the attention takes
  * them without copies). And the FFN's input h2 (read by GEMMs and by the dispatch's
- * packing, which sends 16-bit rows in these precisions anyway), the received rows
- * xrecv (unpacked in their 16 bits for the permutation) and the experts' output
+ * packing, which sends 16-bit rows in these precisions anyway; the permutation reads the
+ * received rows' 16-bit tokens into the marked xperm as they are) and the experts' output
  * gradient deout (written by the combine's backward for the down projection's GEMMs) and
  * the experts' outputs eout (written by that GEMM, read by the combine and its backward).
  * Where the attention takes q, k, v so, also its output att (written in 16 bits by the
@@ -379,8 +379,6 @@ static moe_status mark_operands(moe_model *m, int on)
             MOE_CHECK(m->be->mark_operand(a->eh, on ? Mx * (size_t)m->F : 0));
             MOE_CHECK(m->be->mark_operand(a->h1, on ? N * (size_t)m->D : 0));
             MOE_CHECK(m->be->mark_operand(a->h2, on ? N * (size_t)m->D : 0));
-            if (a->xrecv)
-                MOE_CHECK(m->be->mark_operand(a->xrecv, on ? (size_t)m->Rmax * m->D : 0));
             MOE_CHECK(m->be->mark_operand(a->xperm, on ? Mx * (size_t)m->D : 0));
             MOE_CHECK(m->be->mark_operand(a->ea, on ? Mx * (size_t)m->F : 0));
             MOE_CHECK(m->be->mark_operand(a->eout, on ? Mx * (size_t)m->D : 0));
@@ -988,8 +986,9 @@ static void moe_experts_forward(moe_model *m, int l, real *out)
         m->be->moe_route_plan(NULL, a->row_token, a->row_slot, a->lslot_row, m->route_scratch,
                               a->lidx, a->lw, R, m->El, K, R > 0 ? R : 1, -1);
     const int M = a->n_rows;
-    if (!direct) /* else moe_dispatch_pack gathered them */
-        m->be->moe_permute(a->xperm, a->xrecv, a->row_token, M, D);
+    if (!direct) /* from the received rows themselves; else moe_dispatch_pack gathered them */
+        m->be->moe_permute_rows(a->xperm, exchange_rows(m), m->dispatch_bytes, m->row_x16,
+                                a->row_token, M, D);
     m->be->grouped_matmul_forward_pair_swiglu(a->eh, a->ea, a->eb, a->xperm, w->ew1, w->ew3,
                                               a->offsets, m->El, D, F);
     m->be->grouped_matmul_forward(a->eout, a->eh, w->ew2, a->offsets, m->El, F, D);
@@ -1044,8 +1043,8 @@ static moe_status layer_forward_experts(moe_model *m, int l)
     moe_comm_set_context(m->comm, "forward dispatch", l);
     MOE_CHECK(exchange_finish(m));
     if (!experts_take_tokens(m)) /* else nothing was packed */
-        m->be->moe_unpack_dispatch(a->xrecv, a->lw, a->lidx, exchange_rows(m), a->n_recv, m->D,
-                                   m->K, m->dispatch_bytes, m->row_x16);
+        m->be->moe_unpack_dispatch(NULL, a->lw, a->lidx, exchange_rows(m), a->n_recv, m->D, m->K,
+                                   m->dispatch_bytes, m->row_x16);
     moe_experts_forward(m, l, (real *)m->send_buf);
     return MOE_OK;
 }

@@ -87,7 +87,6 @@ typedef struct {
     int *send_rows, *recv_rows;  /* (ep): rows sent to / received from each EP peer */
     int n_send, n_recv;
     /* MoE, the side that holds the experts: rows received from every EP peer */
-    real *xrecv;                   /* (R, D): R = n_recv <= ep*N */
     int32_t *lidx;                 /* (R, K): local expert of each slot, -1 if elsewhere */
     real *lw;                      /* (R, K): router weight of each slot */
     int *offsets;                  /* (El + 1) rows per local expert */

@@ -236,7 +236,7 @@ template <int V, bool O16>
 static __global__ void unpack_kernel(real *x, real *w, int32_t *lidx, const char *rows, int R,
                                      int D, int K, size_t row_bytes, int x16, int bf16)
 {
-    const int GD = D / V, W = GD + 2 * K;
+    const int GD = x ? D / V : 0, W = GD + 2 * K; /* x NULL: the weights and ids only */
     const size_t tb = moe_dispatch_token_bytes(D, x16);
     MOE_CUDA_GRID_STRIDE(e, (size_t)R * W)
     {
@@ -264,15 +264,56 @@ extern "C" void cuda_moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const 
     if (R <= 0 || D + 2 * K <= 0)
         return;
     int bf16 = 0;
-    const bool o16 = cuda_operand_in_place(x, (size_t)R * D, &bf16);
+    const bool o16 = x && cuda_operand_in_place(x, (size_t)R * D, &bf16);
     const bool v4 = D % 4 == 0 && row_bytes % 8 == 0 && moe_aligned16(rows) && moe_aligned16(x);
-    const size_t items = (size_t)R * ((v4 ? D / 4 : D) + 2 * K);
+    const size_t items = (size_t)R * ((x ? (v4 ? D / 4 : D) : 0) + 2 * K);
+    if (!items)
+        return;
     moe_cuda_pick(
         [&](auto v4_, auto o16_) {
             constexpr int V = decltype(v4_)::value ? 4 : 1;
             constexpr bool O16 = decltype(o16_)::value;
             MOE_CUDA_LAUNCH((unpack_kernel<V, O16>), moe_cuda_blocks(items, MOE_CUDA_THREADS),
                             MOE_CUDA_THREADS, 0, x, w, lidx, rows, R, D, K, row_bytes, x16, bf16);
+        },
+        v4, o16);
+}
+
+/* out row m = the token of dispatch row row_token[m], in groups of V values (V = 4: D % 4
+ * == 0, out 16-byte aligned, the rows 8-byte); O16: out is marked (the experts' input),
+ * so it gets 16-bit values (the rows' own where they are 16-bit: copied exactly). */
+template <int V, bool O16>
+static __global__ void permute_rows_kernel(real *out, const char *rows, size_t row_bytes, int x16,
+                                           const int32_t *row_token, int M, int D, int bf16)
+{
+    const int G = D / V;
+    MOE_CUDA_GRID_STRIDE(e, (size_t)M * G)
+    {
+        const size_t m = e / G;
+        const int d = (int)(e % G) * V;
+        const moe_fvec<V> f = row_load<V>(rows + (size_t)row_token[m] * row_bytes, d, x16);
+        if (O16)
+            moe_store16_v<V>((uint16_t *)out + m * D + d, f, bf16);
+        else
+            moe_store_v<V>(out + m * D + d, f);
+    }
+}
+
+extern "C" void cuda_moe_permute_rows(real *out, const char *rows, size_t row_bytes, int x16,
+                                      const int32_t *row_token, int M, int D)
+{
+    if (M <= 0 || D <= 0)
+        return;
+    int bf16 = 0;
+    const bool o16 = cuda_operand_in_place(out, (size_t)M * D, &bf16);
+    const bool v4 = D % 4 == 0 && row_bytes % 8 == 0 && moe_aligned16(rows) && moe_aligned16(out);
+    const size_t items = (size_t)M * (v4 ? D / 4 : D);
+    moe_cuda_pick(
+        [&](auto v4_, auto o16_) {
+            constexpr int V = decltype(v4_)::value ? 4 : 1;
+            constexpr bool O16 = decltype(o16_)::value;
+            MOE_CUDA_LAUNCH((permute_rows_kernel<V, O16>), moe_cuda_blocks(items, MOE_CUDA_THREADS),
+                            MOE_CUDA_THREADS, 0, out, rows, row_bytes, x16, row_token, M, D, bf16);
         },
         v4, o16);
 }

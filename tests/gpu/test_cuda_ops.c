@@ -1053,6 +1053,52 @@ static void test_routing_stats(int N, int E, int K, int with_prev, const char *n
     free_all();
 }
 
+/* moe_permute_rows of n dispatch rows (format x16; host rows and their device copy) into
+ * M = 2n + 3 expert rows of random order (repeats): the CPU's against the CPU's unpacked
+ * tokens ux (n, D) permuted, bit for bit; the GPU's against the CPU's, into fp32 and, for
+ * 16-bit rows, into a marked buffer of the rows' own precision (their 16-bit values). */
+static void test_permute_rows(const char *rows, const char *drows, size_t rb, int x16, int n, int D,
+                              const float *ux)
+{
+    static const char *forms[3] = {"fp32 rows", "bf16 rows", "fp16 rows"};
+    begin("moe_permute_rows", forms[x16]);
+    if (n <= 0)
+        return;
+    const int M = 2 * n + 3;
+    const size_t MD = (size_t)M * D;
+    int32_t *order = irand(M, 0, n), *dorder = DEVI(order, M);
+    float *px = fnan(MD), *dpx = DEVF(fnan(MD), MD);
+    cpu->moe_permute_rows(px, rows, rb, x16, order, M, D);
+    int bad = 0, none = 0;
+    for (int m = 0; m < M; m++)
+        bad += memcmp(px + (size_t)m * D, ux + (size_t)order[m] * D, sizeof(float) * D) != 0;
+    check_i("CPU: the unpacked tokens permuted", &bad, &none, 1);
+    gpu->moe_permute_rows(dpx, drows, rb, x16, dorder, M, D);
+    gpu_done();
+    check_i("out (bits)", (const int32_t *)HOSTF(dpx, MD), (const int32_t *)px, MD);
+    if (x16 == MOE_ROW_FP32)
+        return;
+    begin("moe_permute_rows",
+          x16 == MOE_ROW_BF16 ? "bf16 rows, out marked" : "fp16 rows, out marked");
+    if (gpu->set_precision(x16 == MOE_ROW_BF16 ? MOE_PREC_BF16 : MOE_PREC_FP16, NULL, 0, 0) !=
+        MOE_OK)
+        fail_now("set_precision");
+    float *d16 = DEVF(fnan(MD), MD);
+    if (gpu->mark_operand(d16, MD) != MOE_OK)
+        fail_now("mark_operand");
+    gpu->moe_permute_rows(d16, drows, rb, x16, dorder, M, D);
+    gpu_done();
+    const uint16_t *h16 = (const uint16_t *)host_of(d16, sizeof(uint16_t) * MD);
+    bad = 0;
+    for (int m = 0; m < M; m++) /* the row's own 16-bit values */
+        bad += memcmp(h16 + (size_t)m * D, rows + (size_t)order[m] * rb, 2 * (size_t)D) != 0;
+    check_i("out: the rows' 16-bit tokens", &bad, &none, 1);
+    if (gpu->mark_operand(d16, 0) != MOE_OK)
+        fail_now("mark_operand (removing)");
+    if (gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0) != MOE_OK)
+        fail_now("set_precision fp32");
+}
+
 static void test_exchange(int N, int E, int K, int P, int D, int capacity, const char *name)
 {
     const size_t NK = (size_t)N * K;
@@ -1185,7 +1231,16 @@ static void test_exchange(int N, int E, int K, int P, int D, int capacity, const
                 (size_t)n * D);
         check_f("w", HOSTF(duw, (size_t)n * K), uw, (size_t)n * K, K, EXACT);
         check_i("lidx", HOSTI(dul, (size_t)n * K), ul, (size_t)n * K);
+        test_permute_rows(r16, dr16, rb, x16, n, D, hx);
     }
+    test_permute_rows(rows, dev(rows, nbytes), row_bytes, MOE_ROW_FP32, n, D, ux);
+    begin("moe_unpack_dispatch, x NULL", name);
+    float *uw0 = fnan((size_t)n * K), *duw0 = DEVF(uw0, (size_t)n * K);
+    int32_t *dul0 = DEVI(ipoison((size_t)n * K), (size_t)n * K);
+    gpu->moe_unpack_dispatch(NULL, duw0, dul0, dev(rows, nbytes), n, D, K, row_bytes, MOE_ROW_FP32);
+    gpu_done();
+    check_f("w", HOSTF(duw0, (size_t)n * K), uw, (size_t)n * K, K, EXACT);
+    check_i("lidx", HOSTI(dul0, (size_t)n * K), ul, (size_t)n * K);
 
     const size_t nw = (size_t)n * (D + K);
     float *srows = frand(nw, -1, 1);

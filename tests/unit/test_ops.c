@@ -197,7 +197,23 @@ static void test_pack_dispatch(void **state)
         assert_true(uw[4 * PK] == 0 && uw[4 * PK + 1] == plan_w[3]);
         assert_int_equal(ul[4 * PK], -1);
         assert_int_equal(ul[4 * PK + 1], 0);
+        /* the tokens straight from the rows into expert order (repeats, any order): the
+         * unpacked rows permuted; x NULL: the weights and ids alone */
+        const int32_t order[7] = {5, 0, 4, 4, 2, 1, 3};
+        real px[7 * D], uw0[6 * PK];
+        int32_t ul0[6 * PK];
+        moe_permute_rows(px, rows16, rb, x16, order, 7, D);
+        for (int m = 0; m < 7; m++)
+            assert_memory_equal(px + m * D, ux + order[m] * D, sizeof(real) * D);
+        moe_unpack_dispatch(NULL, uw0, ul0, rows16, 6, D, PK, rb, x16);
+        assert_memory_equal(uw0, uw, sizeof uw);
+        assert_memory_equal(ul0, ul, sizeof ul);
     }
+    real px[3 * D];
+    const int32_t order[3] = {4, 4, 1};
+    moe_permute_rows(px, rows, row_bytes, MOE_ROW_FP32, order, 3, D);
+    for (int m = 0; m < 3; m++)
+        assert_memory_equal(px + m * D, rows + order[m] * row_bytes, sizeof(real) * D);
 }
 
 /* The gradient rows back to their tokens: dx = base + the rows' dx parts (row order), dw =
