@@ -619,6 +619,13 @@ static __global__ void moe_gather_rows_kernel(Op op, const int32_t *slot_row, in
     }
 }
 
+/* Whether moe_cuda_token_sums gathers through slot_row (storing every token once) rather
+ * than sorting the rows (storing only tokens that have rows). */
+static inline bool moe_cuda_token_sums_gather(const int32_t *slot_row, int K)
+{
+    return slot_row && K <= MOE_GATHER_MAX_K;
+}
+
 /* The token sums of op over the M rows of tokens row_token (columns < W), onto the op's
  * start values (load: its base, 0, or the destination itself): by gathering through
  * slot_row (N, K) when given (every token stored), else by sorting the rows (the
@@ -628,7 +635,7 @@ template <class Op>
 static void moe_cuda_token_sums(const Op &op, const int32_t *row_token, int M, int W,
                                 const int32_t *slot_row, int N, int K)
 {
-    if (slot_row && K <= MOE_GATHER_MAX_K) {
+    if (moe_cuda_token_sums_gather(slot_row, K)) {
         if (N <= 0 || W <= 0)
             return;
         moe_cuda_pick(

@@ -220,7 +220,7 @@ extern "C" void cuda_moe_permute_backward(real *dx, const real *base, const real
                                           const int32_t *row_token, int M, int D,
                                           const int32_t *slot_row, int N, int K, const real *last)
 {
-    if (slot_row && K <= MOE_GATHER_MAX_K) { /* every token stored once: last in the store */
+    if (moe_cuda_token_sums_gather(slot_row, K)) { /* every token stored once: last in the store */
         permute_grad op = {dx, base, dout, D, last};
         moe_cuda_token_sums(op, row_token, M, D, slot_row, N, K);
         return;
