@@ -17,11 +17,7 @@ REPS=${REPS:-50}
 B=build-gpu
 mkdir -p "$OUT"
 case $OUT in /*) ;; *) OUT=$PWD/$OUT ;; esac
-[ -f "$BASE/CMakeLists.txt" ] || { echo "gpu-a2a-ab.sh: no tree in $BASE (scripts/ab-base.sh COMMIT)" >&2 && exit 2; }
-if [ "${BUILD:-1}" != 0 ]; then
-  bash scripts/gpu-build.sh $B "$ARCHS" "$OUT/build_a2a_new.log" moe-bench || exit 1
-  (cd "$BASE" && bash scripts/gpu-build.sh $B "$ARCHS" "$OUT/build_a2a_base.log" moe-bench) || exit 1
-fi
+bash scripts/ab-build.sh gpu-a2a-ab.sh "$BASE" "$ARCHS" "$OUT/build_a2a_" moe-bench || exit
 tags=()
 run() { # tag binary precision [VAR=value]
   local log="$OUT/a2a_$1.log"

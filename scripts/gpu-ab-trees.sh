@@ -18,11 +18,7 @@ CONFIG=${CONFIG:-configs/bench-h200.ini}
 B=build-gpu
 mkdir -p "$OUT"
 case $OUT in /*) ;; *) OUT=$PWD/$OUT ;; esac
-[ -f "$BASE/CMakeLists.txt" ] || { echo "gpu-ab-trees.sh: no tree in $BASE (scripts/ab-base.sh COMMIT)" >&2 && exit 2; }
-if [ "${BUILD:-1}" != 0 ]; then
-  bash scripts/gpu-build.sh $B "$ARCHS" "$OUT/build_new.log" moe-dist || exit 1
-  (cd "$BASE" && bash scripts/gpu-build.sh $B "$ARCHS" "$OUT/build_base.log" moe-dist) || exit 1
-fi
+bash scripts/ab-build.sh gpu-ab-trees.sh "$BASE" "$ARCHS" "$OUT/build_" moe-dist || exit
 table="$OUT/ab-trees.txt"
 echo "base: $(cat "$BASE/.commit" 2>/dev/null || echo "$BASE"); config: $CONFIG" >"$table"
 for ((r = 0; r < ROUNDS; r++)); do
