@@ -21,11 +21,7 @@ bash scripts/ab-build.sh gpu-a2a-ab.sh "$BASE" "$ARCHS" "$OUT/build_a2a_" moe-be
 tags=()
 run() { # tag binary precision [VAR=value]
   local log="$OUT/a2a_$1.log"
-  if [ -n "${4:-}" ]; then
-    env "$4" timeout 120 mpirun -np 1 "$2" a2a --precision "$3" --reps "$REPS" >"$log" 2>&1
-  else
-    timeout 120 mpirun -np 1 "$2" a2a --precision "$3" --reps "$REPS" >"$log" 2>&1
-  fi
+  env ${4:+"$4"} timeout 120 mpirun -np 1 "$2" a2a --precision "$3" --reps "$REPS" >"$log" 2>&1
   local rc=$?
   [ $rc = 0 ] || echo "moe-bench a2a ($1): exit $rc (see $log)"
   tags+=("$1")
@@ -58,10 +54,11 @@ for t in tags:
         if f[0] not in ops:
             ops.append(f[0])
         ms.setdefault(f[0], {})[t] = float(num)
-print("%-16s" % "op" + "".join("%14s" % t for t in tags) + "".join("%16s" % f"{p} base/new" for p in sorted({t.split('_')[0] for t in tags})))
+precs = sorted({t.split("_")[0] for t in tags})
+print("%-16s" % "op" + "".join("%14s" % t for t in tags) + "".join("%16s" % f"{p} base/new" for p in precs))
 for op in ops:
     row = "%-16s" % op + "".join("%14s" % (f"{ms[op][t]:.4f}" if t in ms[op] else "-") for t in tags)
-    for p in sorted({t.split("_")[0] for t in tags}):
+    for p in precs:
         b = [ms[op][t] for t in tags if t.startswith(p + "_base") and t in ms[op]]
         n = [ms[op][t] for t in tags if t.startswith(p + "_new") and not t.endswith("_env") and t in ms[op]]
         row += "%16s" % (f"{(sum(b) / len(b)) / (sum(n) / len(n)):.3f}" if b and n else "-")
