@@ -84,17 +84,21 @@ static __global__ void dispatch_counts_kernel(int *res, int *rowsrc, int32_t *to
 }
 
 /* Values i .. i + V - 1 of a row's token part (x16 its format; V = 4: i % 4 == 0, the
- * row 8-byte aligned), written and read. */
+ * row 8-byte aligned; V = 8: i % 8 == 0, the row 16-byte aligned), written and read. */
 template <int V>
 static __device__ __forceinline__ void row_store(char *row, int i, const moe_fvec<V> &r, int x16)
 {
     if (x16 == MOE_ROW_FP32) {
-        if constexpr (V == 4) { /* rows are 8-byte aligned: two 8-byte stores */
+        if constexpr (V == 8) { /* 16-byte aligned: two float4 */
+            moe_store_v<8>((real *)row + i, r);
+        } else if constexpr (V == 4) { /* rows are 8-byte aligned: two 8-byte stores */
             ((float2 *)row)[i / 2] = make_float2(r.v[0], r.v[1]);
             ((float2 *)row)[i / 2 + 1] = make_float2(r.v[2], r.v[3]);
         } else {
             ((real *)row)[i] = r.v[0];
         }
+    } else if constexpr (V == 8) {
+        moe_store16_v<8>((uint16_t *)row + i, r, x16 == MOE_ROW_BF16);
     } else if constexpr (V == 4) {
         ((uint2 *)row)[i / 4] =
             moe_round16x4(make_float4(r.v[0], r.v[1], r.v[2], r.v[3]), x16 == MOE_ROW_BF16);
@@ -108,6 +112,8 @@ static __device__ __forceinline__ moe_fvec<V> row_load(const char *row, int i, i
 {
     if (x16 != MOE_ROW_FP32)
         return moe_ld_v<V, 1>(row, (size_t)i, x16 == MOE_ROW_BF16);
+    if constexpr (V == 8) /* 16-byte aligned: two float4 */
+        return moe_ld_v<8, 0>(row, (size_t)i, 0);
     moe_fvec<V> r;
     if constexpr (V == 4) { /* two 8-byte loads */
         const float2 a = ((const float2 *)row)[i / 2], b = ((const float2 *)row)[i / 2 + 1];
@@ -118,7 +124,21 @@ static __device__ __forceinline__ moe_fvec<V> row_load(const char *row, int i, i
     return r;
 }
 
-/* One thread per group of V token values (V = 4: D % 4 == 0, x 16-byte aligned) or per
+/* The token values a thread moves between the rows and an (n, D) buffer `x` (row_load,
+ * row_store): 8 (16-byte accesses) where D % 8 == 0, the rows 16-byte aligned
+ * (row_bytes % 16 == 0) and both buffers too; 4 where D % 4 == 0 and row_bytes % 8 == 0;
+ * else 1. MOE_EXCHANGE_ROWS_V8=0: at most 4 (the benchmark's comparison, the tests'
+ * 4-value path). */
+static int rows_vec(int D, size_t row_bytes, const void *rows, const void *x)
+{
+    if (!moe_aligned16(rows) || !moe_aligned16(x))
+        return 1;
+    if (D % 8 == 0 && row_bytes % 16 == 0 && !moe_cuda_env_is("MOE_EXCHANGE_ROWS_V8", "0"))
+        return 8;
+    return D % 4 == 0 && row_bytes % 8 == 0 ? 4 : 1;
+}
+
+/* One thread per group of V token values (rows_vec) or per
  * weight or expert id of a row. X16: x is marked as holding 16-bit values (bf16 by
  * `bf16`), read as such. */
 template <int V, bool X16>
@@ -213,23 +233,23 @@ extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int32_t 
     }
     int bf16 = 0;
     const bool in16 = cuda_operand_in_place(x, (size_t)N * D, &bf16);
-    const bool v4 = D % 4 == 0 && row_bytes % 8 == 0 && moe_aligned16(rows) && moe_aligned16(x);
-    const size_t items = (size_t)PN * ((v4 ? D / 4 : D) + 2 * K);
+    const int vec = rows_vec(D, row_bytes, rows, x);
+    const size_t items = (size_t)PN * (D / vec + 2 * K);
     moe_cuda_pick(
-        [&](auto v4_, auto in16_) {
-            constexpr int V = decltype(v4_)::value ? 4 : 1;
+        [&](auto v8_, auto v4_, auto in16_) {
+            constexpr int V = decltype(v8_)::value ? 8 : decltype(v4_)::value ? 4 : 1;
             constexpr bool X16 = decltype(in16_)::value;
             MOE_CUDA_LAUNCH((dispatch_fill_kernel<V, X16>),
                             moe_cuda_blocks(items, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0, rows,
                             send_token, rowsrc, x, idx, w, slot_row, expert_rank, expert_local,
                             res + 2 * P, N, D, K, row_bytes, x16, bf16);
         },
-        v4, in16);
+        vec == 8, vec == 4, in16);
     moe_cuda_fetch_async(counts, res, sizeof(int) * n_counts);
 }
 
 /* x (R,D), w (R,K), lidx (R,K) from the rows: one thread per group of V token values
- * (V = 4: D % 4 == 0, x 16-byte aligned, rows 8-byte) or per weight or id. O16: x is
+ * (rows_vec) or per weight or id. O16: x is
  * marked as holding 16-bit values (bf16 by `bf16`; the rows' own where they are 16-bit:
  * copied exactly). */
 template <int V, bool O16>
@@ -265,22 +285,22 @@ extern "C" void cuda_moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const 
         return;
     int bf16 = 0;
     const bool o16 = x && cuda_operand_in_place(x, (size_t)R * D, &bf16);
-    const bool v4 = D % 4 == 0 && row_bytes % 8 == 0 && moe_aligned16(rows) && moe_aligned16(x);
-    const size_t items = (size_t)R * ((x ? (v4 ? D / 4 : D) : 0) + 2 * K);
+    const int vec = rows_vec(D, row_bytes, rows, x);
+    const size_t items = (size_t)R * ((x ? D / vec : 0) + 2 * K);
     if (!items)
         return;
     moe_cuda_pick(
-        [&](auto v4_, auto o16_) {
-            constexpr int V = decltype(v4_)::value ? 4 : 1;
+        [&](auto v8_, auto v4_, auto o16_) {
+            constexpr int V = decltype(v8_)::value ? 8 : decltype(v4_)::value ? 4 : 1;
             constexpr bool O16 = decltype(o16_)::value;
             MOE_CUDA_LAUNCH((unpack_kernel<V, O16>), moe_cuda_blocks(items, MOE_CUDA_THREADS),
                             MOE_CUDA_THREADS, 0, x, w, lidx, rows, R, D, K, row_bytes, x16, bf16);
         },
-        v4, o16);
+        vec == 8, vec == 4, o16);
 }
 
-/* out row m = the token of dispatch row row_token[m], in groups of V values (V = 4: D % 4
- * == 0, out 16-byte aligned, the rows 8-byte); O16: out is marked (the experts' input),
+/* out row m = the token of dispatch row row_token[m], in groups of V values (rows_vec);
+ * O16: out is marked (the experts' input),
  * so it gets 16-bit values (the rows' own where they are 16-bit: copied exactly). */
 template <int V, bool O16>
 static __global__ void permute_rows_kernel(real *out, const char *rows, size_t row_bytes, int x16,
@@ -306,16 +326,16 @@ extern "C" void cuda_moe_permute_rows(real *out, const char *rows, size_t row_by
         return;
     int bf16 = 0;
     const bool o16 = cuda_operand_in_place(out, (size_t)M * D, &bf16);
-    const bool v4 = D % 4 == 0 && row_bytes % 8 == 0 && moe_aligned16(rows) && moe_aligned16(out);
-    const size_t items = (size_t)M * (v4 ? D / 4 : D);
+    const int vec = rows_vec(D, row_bytes, rows, out);
+    const size_t items = (size_t)M * (D / vec);
     moe_cuda_pick(
-        [&](auto v4_, auto o16_) {
-            constexpr int V = decltype(v4_)::value ? 4 : 1;
+        [&](auto v8_, auto v4_, auto o16_) {
+            constexpr int V = decltype(v8_)::value ? 8 : decltype(v4_)::value ? 4 : 1;
             constexpr bool O16 = decltype(o16_)::value;
             MOE_CUDA_LAUNCH((permute_rows_kernel<V, O16>), moe_cuda_blocks(items, MOE_CUDA_THREADS),
                             MOE_CUDA_THREADS, 0, out, rows, row_bytes, x16, row_token, M, D, bf16);
         },
-        v4, o16);
+        vec == 8, vec == 4, o16);
 }
 
 /* One thread per V values of a row (V = 2: D and K even, the arrays 8-byte aligned, so a

@@ -1844,7 +1844,13 @@ int main(void)
     test_exchange(7, 6, 2, 1, 13, -1, "P=1");
     test_exchange(13, 6, 2, 3, 9, -1, "P=3 dropless");
     test_exchange(13, 6, 3, 3, 9, 4, "P=3 capacity");
+    /* D = 64: 8 token values a thread (rows of 272, 144 bytes), 4 where the rows are only
+     * 8-byte aligned (K = 3: 280, 152 bytes) or with MOE_EXCHANGE_ROWS_V8=0 */
     test_exchange(512, 8, 2, 4, 64, 160, "tiny P=4");
+    test_exchange(300, 8, 3, 2, 64, -1, "D=64 K=3 (rows 8-byte aligned)");
+    setenv("MOE_EXCHANGE_ROWS_V8", "0", 1);
+    test_exchange(512, 8, 2, 4, 64, 160, "tiny P=4, MOE_EXCHANGE_ROWS_V8=0");
+    unsetenv("MOE_EXCHANGE_ROWS_V8");
     test_exchange(1, 4, 2, 2, 5, -1, "one token");
     test_exchange(9, 4, 2, 2, 5, 0, "everything dropped");
     /* the counts in shared memory (the default where P + E <= 4096), in global memory
