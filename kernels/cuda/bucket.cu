@@ -87,6 +87,7 @@ static __global__ void scan_sums(int *sums, int nb, int *grand)
     }
 }
 
+/* sums NULL: one tile, the whole scan (out[n] = the total). */
 static __global__ void scan_tiles(int *out, const int *in, int n, const int *sums)
 {
     const int base = blockIdx.x * SCAN_TILE + threadIdx.x * SCAN_ITEMS;
@@ -95,12 +96,14 @@ static __global__ void scan_tiles(int *out, const int *in, int n, const int *sum
         v[j] = base + j < n ? in[base + j] : 0;
         s += v[j];
     }
-    int p = block_scan<SCAN_WARPS>(s, &total) + sums[blockIdx.x];
+    int p = block_scan<SCAN_WARPS>(s, &total) + (sums ? sums[blockIdx.x] : 0);
     for (int j = 0; j < SCAN_ITEMS; j++)
         if (base + j < n) {
             out[base + j] = p;
             p += v[j];
         }
+    if (!sums && threadIdx.x == 0)
+        out[n] = total;
 }
 
 size_t moe_cuda_scan_ints(int n) { return (size_t)(n + SCAN_TILE - 1) / SCAN_TILE + 1; }
@@ -112,6 +115,10 @@ void moe_cuda_scan(int *out, const int *in, int n, int *scratch)
         return;
     }
     const int nb = (n + SCAN_TILE - 1) / SCAN_TILE;
+    if (nb == 1) { /* one launch */
+        MOE_CUDA_LAUNCH(scan_tiles, 1, MOE_CUDA_THREADS, 0, out, in, n, (const int *)NULL);
+        return;
+    }
     MOE_CUDA_LAUNCH(scan_tile_sums, nb, MOE_CUDA_THREADS, 0, scratch, in, n);
     MOE_CUDA_LAUNCH(scan_sums, 1, MOE_CUDA_THREADS, 0, scratch, nb, out + n);
     MOE_CUDA_LAUNCH(scan_tiles, nb, MOE_CUDA_THREADS, 0, out, in, n, scratch);

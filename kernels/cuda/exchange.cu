@@ -1,12 +1,12 @@
 /* kernels/cuda/exchange.cu: packing and unpacking the rows that travel between ranks in
- * the MoE dispatch and combine (row layout in ops.h). moe_pack_dispatch flags each
- * (destination, token) pair, numbers the flagged pairs with a prefix sum in
- * (destination, token) order -- the reference's order -- fills the rows (the grid covers
- * the most rows there can be; the count stays on the device) and queues one copy of the
- * counts to the host: nothing waits, the caller reads them after fetch_wait; with them,
- * the inverse map token_rows. The gradient scatter gathers each token's rows through that
- * map (or, without it, sorts the rows by token) and adds them in row order
- * (deterministic). */
+ * the MoE dispatch and combine (row layout in ops.h). moe_pack_dispatch counts the rows
+ * of each tile of 32 (destination, token) pairs (and the counts), scans the tiles'
+ * counts, and numbers each tile's rows by a warp's ballot in (destination, token) order
+ * -- the reference's order -- while it fills them (one block a tile: the row count stays
+ * on the device), then queues one copy of the counts to the host: nothing waits, the caller reads
+ * them after fetch_wait; with them, the inverse map token_rows. The gradient scatter gathers each
+ * token's rows through that map (or, without it, sorts the rows by token) and adds them in row
+ * order (deterministic). */
 #include "kernels/cuda/cuda_common.cuh"
 
 /* Is assignment a (kept) on destination p? */
@@ -16,70 +16,77 @@ static __device__ __forceinline__ int on_dest(const int32_t *idx, const int32_t 
     return slot_row[a] >= 0 && expert_rank[idx[a]] == p;
 }
 
-/* flags[p*N + t] = 1 if token t sends a row to p; assign[p] += its kept slots there;
- * experts[p*El + local] += 1 per kept slot (when experts is not NULL). Integer atomics:
- * the counts do not depend on the order. SHARED: the block's counts are gathered in
- * shared memory first (assign (P), then experts (P*El)), then added with one global
- * atomic a block and count that is not 0 (the default where the counts fit;
- * MOE_DISPATCH_FLAGS_SHARED=0: global atomics only. At ep 1 every kept slot adds 1 to one
- * of E global counts and every token to assign[0]: on an H100, 16384 tokens, the kernel
- * took 20 us with global atomics, 5.7 us with shared ones, fortieth session). The same
- * integer sums either way. */
-#define FLAGS_SHARED_MAX 4096 /* P + P * El: 16 KiB of shared memory */
-template <bool SHARED>
-static __global__ void
-dispatch_flags_kernel(int *flags, int *assign, int *experts, const int32_t *idx,
-                      const int32_t *slot_row, const int32_t *expert_rank,
-                      const int32_t *expert_local, int N, int K, int P, int El)
+/* Pairs i = p*N + t (destination p, token t) go in tiles of 32, one warp's: the tile's
+ * rows are numbered from the exclusive scan of the tiles' row counts, each pair's row
+ * within its tile from the warp's ballot of the pairs that send one. */
+#define PAIR_TILE 32
+
+/* Does token t send a row to p (some kept slot's expert is there)? Its kept slots there in
+ * *kept. */
+static __device__ __forceinline__ int sends_row(const int32_t *idx, const int32_t *slot_row,
+                                                const int32_t *expert_rank, int t, int p, int K,
+                                                int *kept)
 {
-    extern __shared__ int sh[]; /* SHARED: assign (P), then experts (P * El) */
-    const int cells = experts ? P + P * El : P;
+    int hits = 0;
+    for (int k = 0; k < K; k++)
+        hits += on_dest(idx, slot_row, expert_rank, t * K + k, p);
+    *kept = hits;
+    return hits > 0;
+}
+
+/* One thread per pair: tile_rows[tile] = the rows of each tile of PAIR_TILE pairs; the
+ * counts res (MOE_PACK_COUNTS: rows per destination, kept slots per destination, rows in
+ * all, kept slots per destination and local expert when El > 0), added to. Integer
+ * atomics: the counts do not depend on the order. SHARED: the block's counts are gathered
+ * in shared memory first (res's cells but the total), then added with one global atomic a
+ * block and count that is not 0 (the default where the counts fit;
+ * MOE_DISPATCH_FLAGS_SHARED=0: global atomics only. At ep 1 every kept slot adds 1 to one
+ * of E global counts and every token to res[0] and res[1]: on an H100, 16384 tokens, the
+ * counts took 20 us with global atomics, 5.7 us with shared ones, fortieth session). The
+ * same integer sums either way. */
+#define FLAGS_SHARED_MAX 4096 /* 2P + P * El: 16 KiB of shared memory */
+template <bool SHARED>
+static __global__ void dispatch_count_kernel(int *tile_rows, int *res, const int32_t *idx,
+                                             const int32_t *slot_row, const int32_t *expert_rank,
+                                             const int32_t *expert_local, int N, int K, int P,
+                                             int El)
+{
+    extern __shared__ int sh[]; /* SHARED: rows (P), kept (P), then experts (P * El) */
+    const int cells = 2 * P + P * El;
     if (SHARED) {
         for (int c = threadIdx.x; c < cells; c += blockDim.x)
             sh[c] = 0;
         __syncthreads();
     }
-    int *to_assign = SHARED ? sh : assign, *to_experts = SHARED ? sh + P : experts;
-    MOE_CUDA_GRID_STRIDE(i, (size_t)P * N)
-    {
+    int *to = SHARED ? sh : res, *to_experts = SHARED ? sh + 2 * P : res + 2 * P + 1;
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    int kept = 0, sent = 0;
+    if (i < (size_t)P * N) {
         const int p = (int)(i / N), t = (int)(i % N);
-        int hits = 0;
-        for (int k = 0; k < K; k++) {
-            const int a = t * K + k, here = on_dest(idx, slot_row, expert_rank, a, p);
-            hits += here;
-            if (here && experts)
-                atomicAdd(&to_experts[(size_t)p * El + expert_local[idx[a]]], 1);
+        sent = sends_row(idx, slot_row, expert_rank, t, p, K, &kept);
+        if (sent) {
+            atomicAdd(&to[p], 1);
+            atomicAdd(&to[P + p], kept);
+            if (!SHARED)
+                atomicAdd(&res[2 * P], 1);
+            for (int k = 0; El > 0 && k < K; k++) {
+                const int a = t * K + k;
+                if (on_dest(idx, slot_row, expert_rank, a, p))
+                    atomicAdd(&to_experts[(size_t)p * El + expert_local[idx[a]]], 1);
+            }
         }
-        flags[i] = hits > 0;
-        if (hits)
-            atomicAdd(&to_assign[p], hits);
     }
+    const unsigned ballot = __ballot_sync(MOE_CUDA_FULL_MASK, sent);
+    if ((threadIdx.x & 31) == 0 && i < (size_t)P * N)
+        tile_rows[i / PAIR_TILE] = __popc(ballot);
     if (SHARED) {
         __syncthreads();
         for (int c = threadIdx.x; c < cells; c += blockDim.x)
-            if (sh[c])
-                atomicAdd(c < P ? &assign[c] : &experts[c - P], sh[c]);
-    }
-}
-
-/* res: send_rows (P), send_assign (P), rows in all; rowsrc[row] = p*N + t; token_rows
- * (when not NULL) [t*P + p] = the row of (p, t) or -1. */
-static __global__ void dispatch_counts_kernel(int *res, int *rowsrc, int32_t *token_rows,
-                                              const int *rowidx, const int *assign, int N, int P)
-{
-    MOE_CUDA_GRID_STRIDE(i, (size_t)P * N)
-    {
-        const int sent = rowidx[i + 1] != rowidx[i];
-        if (sent)
-            rowsrc[rowidx[i]] = (int)i;
-        if (token_rows)
-            token_rows[(i % N) * P + i / N] = sent ? rowidx[i] : -1;
-        if (i < (size_t)P) {
-            res[i] = rowidx[(i + 1) * N] - rowidx[i * N];
-            res[P + i] = assign[i];
-        }
-        if (i == 0)
-            res[2 * P] = rowidx[(size_t)P * N];
+            if (sh[c]) {
+                atomicAdd(c < 2 * P ? &res[c] : &res[c + 1], sh[c]);
+                if (c < P)
+                    atomicAdd(&res[2 * P], sh[c]);
+            }
     }
 }
 
@@ -138,47 +145,56 @@ static int rows_vec(int D, size_t row_bytes, const void *rows, const void *x)
     return D % 4 == 0 && row_bytes % 8 == 0 ? 4 : 1;
 }
 
-/* One thread per group of V token values (rows_vec) or per
- * weight or expert id of a row. X16: x is marked as holding 16-bit values (bf16 by
- * `bf16`), read as such. */
+/* One block per tile of PAIR_TILE pairs (tile_start: the tiles' exclusive scan of
+ * rows): its first warp numbers the tile's rows (each sending pair's, from the ballot)
+ * and writes send_token and token_rows; then each warp fills whole rows, its lanes in
+ * groups of V token values (rows_vec) and then the K weights and K expert ids. rows
+ * NULL: send_token and token_rows only. X16: x is marked as holding 16-bit values (bf16
+ * by `bf16`), read as such. */
 template <int V, bool X16>
-static __global__ void dispatch_fill_kernel(char *rows, int32_t *send_token, const int *rowsrc,
-                                            const real *x, const int32_t *idx, const real *w,
-                                            const int32_t *slot_row, const int32_t *expert_rank,
-                                            const int32_t *expert_local, const int *n_rows, int N,
-                                            int D, int K, size_t row_bytes, int x16, int bf16)
+static __global__ void
+dispatch_fill_kernel(char *rows, int32_t *send_token, int32_t *token_rows, const int *tile_start,
+                     const real *x, const int32_t *idx, const real *w, const int32_t *slot_row,
+                     const int32_t *expert_rank, const int32_t *expert_local, int N, int P, int D,
+                     int K, size_t row_bytes, int x16, int bf16)
 {
-    const int GD = D / V, W = GD + 2 * K, n = *n_rows;
-    const size_t tb = moe_dispatch_token_bytes(D, x16);
-    MOE_CUDA_GRID_STRIDE(e, (size_t)n * W)
-    {
-        const int r = (int)(e / W), j = (int)(e % W);
-        const int src = rowsrc[r], p = src / N, t = src % N;
-        char *row = rows + (size_t)r * row_bytes;
-        real *wt = (real *)(row + tb);
-        if (j == 0)
-            send_token[r] = t;
-        if (j < GD) {
-            const size_t at = (size_t)t * D + (size_t)j * V;
-            row_store<V>(row, j * V, moe_ld_v<V, X16>(x, at, bf16), x16);
-        } else if (j < GD + K) {
-            const int a = t * K + (j - GD);
-            wt[j - GD] = on_dest(idx, slot_row, expert_rank, a, p) ? w[a] : (real)0;
-        } else {
-            const int a = t * K + (j - GD - K);
-            ((int32_t *)(wt + K))[j - GD - K] =
-                on_dest(idx, slot_row, expert_rank, a, p) ? expert_local[idx[a]] : -1;
+    __shared__ int tile_row[PAIR_TILE]; /* the row of each pair, or -1 */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t i0 = (size_t)blockIdx.x * PAIR_TILE, PN = (size_t)P * N;
+    if (warp == 0) {
+        const size_t i = i0 + lane;
+        int kept, sent = 0;
+        if (i < PN)
+            sent = sends_row(idx, slot_row, expert_rank, (int)(i % N), (int)(i / N), K, &kept);
+        const unsigned ballot = __ballot_sync(MOE_CUDA_FULL_MASK, sent);
+        const int row = sent ? tile_start[blockIdx.x] + __popc(ballot & ((1u << lane) - 1)) : -1;
+        tile_row[lane] = row;
+        if (i < PN) {
+            if (token_rows)
+                token_rows[(i % N) * P + i / N] = row;
+            if (sent)
+                send_token[row] = (int32_t)(i % N);
         }
     }
-}
-
-/* send_token[r] = the token of row r (dispatch_fill_kernel's, where no rows are
- * written). */
-static __global__ void send_token_kernel(int32_t *send_token, const int *rowsrc, const int *n_rows,
-                                         int N)
-{
-    const int n = *n_rows;
-    MOE_CUDA_GRID_STRIDE(r, (size_t)n) send_token[r] = rowsrc[r] % N;
+    __syncthreads();
+    if (!rows)
+        return;
+    const size_t tb = moe_dispatch_token_bytes(D, x16);
+    for (int j = warp; j < PAIR_TILE; j += blockDim.x / 32) {
+        const int r = tile_row[j];
+        if (r < 0)
+            continue;
+        const int p = (int)((i0 + j) / N), t = (int)((i0 + j) % N);
+        char *row = rows + (size_t)r * row_bytes;
+        for (int g = lane; g < D / V; g += 32)
+            row_store<V>(row, g * V, moe_ld_v<V, X16>(x, (size_t)t * D + (size_t)g * V, bf16), x16);
+        real *wt = (real *)(row + tb);
+        for (int k = lane; k < K; k += 32) {
+            const int a = t * K + k, here = on_dest(idx, slot_row, expert_rank, a, p);
+            wt[k] = here ? w[a] : (real)0;
+            ((int32_t *)(wt + K))[k] = here ? expert_local[idx[a]] : -1;
+        }
+    }
 }
 
 extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows,
@@ -193,56 +209,41 @@ extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int32_t 
         memset(counts, 0, sizeof(int) * n_counts);
         return;
     }
-    const int PN = P * N;
+    const size_t PN = (size_t)P * N;
+    const int tiles = (int)((PN + PAIR_TILE - 1) / PAIR_TILE);
     moe_cuda_carve c = {NULL, 0};
-    int *rowidx = NULL, *scan = NULL, *assign = NULL, *res = NULL, *rowsrc = NULL;
+    int *tile_rows = NULL, *scan = NULL, *res = NULL;
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1 && !moe_cuda_carve_alloc(&c))
             return;
-        rowidx = MOE_CUDA_TAKE(&c, int, PN + 1);
-        scan = MOE_CUDA_TAKE(&c, int, moe_cuda_scan_ints(PN));
-        assign = MOE_CUDA_TAKE(&c, int, P);
+        tile_rows = MOE_CUDA_TAKE(&c, int, tiles + 1);
+        scan = MOE_CUDA_TAKE(&c, int, moe_cuda_scan_ints(tiles));
         res = MOE_CUDA_TAKE(&c, int, n_counts);
-        rowsrc = MOE_CUDA_TAKE(&c, int, PN);
     }
-    const unsigned blocks = moe_cuda_blocks(PN, MOE_CUDA_THREADS);
-    int *experts = res + 2 * P + 1;
-    MOE_CUDA_OK(cudaMemsetAsync(assign, 0, sizeof(int) * P, moe_cuda_stream()));
-    if (El > 0)
-        MOE_CUDA_OK(cudaMemsetAsync(experts, 0, sizeof(int) * (size_t)P * El, moe_cuda_stream()));
-    const size_t cells = (size_t)P + (El > 0 ? (size_t)P * El : 0);
+    MOE_CUDA_OK(cudaMemsetAsync(res, 0, sizeof(int) * n_counts, moe_cuda_stream()));
+    const size_t cells = 2 * (size_t)P + (size_t)P * (El > 0 ? El : 0);
     const bool shared =
         cells <= FLAGS_SHARED_MAX && !moe_cuda_env_is("MOE_DISPATCH_FLAGS_SHARED", "0");
+    const unsigned count_blocks = (unsigned)((PN + MOE_CUDA_THREADS - 1) / MOE_CUDA_THREADS);
     moe_cuda_pick(
         [&](auto shared_) {
             constexpr bool S = decltype(shared_)::value;
-            MOE_CUDA_LAUNCH(dispatch_flags_kernel<S>, blocks, MOE_CUDA_THREADS,
-                            S ? sizeof(int) * cells : 0, rowidx, assign, El > 0 ? experts : NULL,
-                            idx, slot_row, expert_rank, expert_local, N, K, P, El);
+            MOE_CUDA_LAUNCH(dispatch_count_kernel<S>, count_blocks, MOE_CUDA_THREADS,
+                            S ? sizeof(int) * cells : 0, tile_rows, res, idx, slot_row, expert_rank,
+                            expert_local, N, K, P, El > 0 ? El : 0);
         },
         shared);
-    moe_cuda_scan(rowidx, rowidx, PN, scan);
-    MOE_CUDA_LAUNCH(dispatch_counts_kernel, blocks, MOE_CUDA_THREADS, 0, res, rowsrc, token_rows,
-                    rowidx, assign, N, P);
-    /* the row count stays on the device: the fill covers the most rows there can be */
-    if (!rows) { /* the counts and the rows' tokens only */
-        MOE_CUDA_LAUNCH(send_token_kernel, blocks, MOE_CUDA_THREADS, 0, send_token, rowsrc,
-                        res + 2 * P, N);
-        moe_cuda_fetch_async(counts, res, sizeof(int) * n_counts);
-        return;
-    }
+    moe_cuda_scan(tile_rows, tile_rows, tiles, scan);
     int bf16 = 0;
-    const bool in16 = cuda_operand_in_place(x, (size_t)N * D, &bf16);
-    const int vec = rows_vec(D, row_bytes, rows, x);
-    const size_t items = (size_t)PN * (D / vec + 2 * K);
+    const bool in16 = rows && cuda_operand_in_place(x, (size_t)N * D, &bf16);
+    const int vec = rows ? rows_vec(D, row_bytes, rows, x) : 1;
     moe_cuda_pick(
         [&](auto v8_, auto v4_, auto in16_) {
             constexpr int V = decltype(v8_)::value ? 8 : decltype(v4_)::value ? 4 : 1;
             constexpr bool X16 = decltype(in16_)::value;
-            MOE_CUDA_LAUNCH((dispatch_fill_kernel<V, X16>),
-                            moe_cuda_blocks(items, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0, rows,
-                            send_token, rowsrc, x, idx, w, slot_row, expert_rank, expert_local,
-                            res + 2 * P, N, D, K, row_bytes, x16, bf16);
+            MOE_CUDA_LAUNCH((dispatch_fill_kernel<V, X16>), (unsigned)tiles, MOE_CUDA_THREADS, 0,
+                            rows, send_token, token_rows, tile_rows, x, idx, w, slot_row,
+                            expert_rank, expert_local, N, P, D, K, row_bytes, x16, bf16);
         },
         vec == 8, vec == 4, in16);
     moe_cuda_fetch_async(counts, res, sizeof(int) * n_counts);

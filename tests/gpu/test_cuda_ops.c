@@ -1857,6 +1857,8 @@ int main(void)
      * past that or with MOE_DISPATCH_FLAGS_SHARED=0 */
     test_exchange(16384, 32, 2, 1, 4, -1, "N=16384 E=32 P=1 (the bench shape's counts)");
     test_exchange(300, 4200, 2, 2, 4, -1, "E=4200 (counts past shared memory)");
+    /* past 1024 tiles of 32 pairs: the tiles' scan in three passes (one below) */
+    test_exchange(20000, 32, 2, 2, 8, -1, "P=2 N=20000 (1250 tiles)");
     setenv("MOE_DISPATCH_FLAGS_SHARED", "0", 1);
     test_exchange(512, 8, 2, 4, 64, 160, "tiny P=4, MOE_DISPATCH_FLAGS_SHARED=0");
     test_exchange(16384, 32, 2, 1, 4, -1, "the bench shape, MOE_DISPATCH_FLAGS_SHARED=0");
