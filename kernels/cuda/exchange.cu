@@ -186,8 +186,17 @@ dispatch_fill_kernel(char *rows, int32_t *send_token, int32_t *token_rows, const
             continue;
         const int p = (int)((i0 + j) / N), t = (int)((i0 + j) % N);
         char *row = rows + (size_t)r * row_bytes;
-        for (int g = lane; g < D / V; g += 32)
-            row_store<V>(row, g * V, moe_ld_v<V, X16>(x, (size_t)t * D + (size_t)g * V, bf16), x16);
+        const size_t xt = (size_t)t * D; /* x's element index (16-bit ones when X16) */
+        int g = lane;
+        for (; g + 3 * 32 < D / V; g += 4 * 32) { /* four loads in flight, then their stores */
+            moe_fvec<V> f[4];
+            for (int u = 0; u < 4; u++)
+                f[u] = moe_ld_v<V, X16>(x, xt + (size_t)(g + u * 32) * V, bf16);
+            for (int u = 0; u < 4; u++)
+                row_store<V>(row, (g + u * 32) * V, f[u], x16);
+        }
+        for (; g < D / V; g += 32)
+            row_store<V>(row, g * V, moe_ld_v<V, X16>(x, xt + (size_t)g * V, bf16), x16);
         real *wt = (real *)(row + tb);
         for (int k = lane; k < K; k += 32) {
             const int a = t * K + k, here = on_dest(idx, slot_row, expert_rank, a, p);

@@ -1848,6 +1848,9 @@ int main(void)
      * 8-byte aligned (K = 3: 280, 152 bytes) or with MOE_EXCHANGE_ROWS_V8=0 */
     test_exchange(512, 8, 2, 4, 64, 160, "tiny P=4");
     test_exchange(300, 8, 3, 2, 64, -1, "D=64 K=3 (rows 8-byte aligned)");
+    /* the fill's lanes take four groups at once while 4 * 32 groups remain, then one:
+     * D = 1000 is 125 groups of 8 (lanes 0..28 take both forms) */
+    test_exchange(300, 8, 2, 2, 1000, -1, "D=1000 (the fill's lanes four groups at once)");
     setenv("MOE_EXCHANGE_ROWS_V8", "0", 1);
     test_exchange(512, 8, 2, 4, 64, 160, "tiny P=4, MOE_EXCHANGE_ROWS_V8=0");
     unsetenv("MOE_EXCHANGE_ROWS_V8");
