@@ -3,10 +3,10 @@
  * of each tile of 32 (destination, token) pairs (and the counts), scans the tiles'
  * counts, and numbers each tile's rows by a warp's ballot in (destination, token) order
  * -- the reference's order -- while it fills them (one block a tile: the row count stays
- * on the device), then queues one copy of the counts to the host: nothing waits, the caller reads
- * them after fetch_wait; with them, the inverse map token_rows. The gradient scatter gathers each
- * token's rows through that map (or, without it, sorts the rows by token) and adds them in row
- * order (deterministic). */
+ * on the device), then queues one copy of the counts to the host: nothing waits, the
+ * caller reads them after fetch_wait; with them, the inverse map token_rows. The
+ * gradient scatter gathers each token's rows through that map (or, without it, sorts
+ * the rows by token) and adds them in row order (deterministic). */
 #include "kernels/cuda/cuda_common.cuh"
 
 /* Is assignment a (kept) on destination p? */
