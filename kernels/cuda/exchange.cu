@@ -370,15 +370,21 @@ static __global__ void grad_rows_start_kernel(real *rows, const real *dw, int R,
 /* rows[r] = [dout[m] + ... over the expert rows m of received row r, in row order | dw[r]]
  * (moe_pack_grad_rows): the sums of moe_permute_backward from 0, stored at the row's
  * stride D + K; the dw columns' values are not sums (value 0, the store takes dw's). Any
- * row of dout may be read (any_item). */
+ * row of dout may be read (any_item). Two forms (quad, chosen by grad_rows_quad):
+ * - columns D + K (quad false): one or two values a thread, a pair never straddling the
+ *   two parts (D, K even);
+ * - columns D (quad true: D % 4 == 0, K even, dout 16-byte and the rows 8-byte aligned):
+ *   4 values a thread, dout read in 16 bytes and the row stored in two 8-byte halves (its
+ *   stride D + K is only even), column 0's thread storing the row's K dw values too. */
 struct grad_rows {
     real *rows;
     const real *dout, *dw;
     int D, K;
-    static constexpr bool vec4 = false; /* a row's columns come from two arrays */
-    static constexpr bool vec2 = true;  /* D, K even: a pair never straddles them */
+    bool quad;
+    static constexpr bool vec4 = true; /* over the D columns only (quad) */
+    static constexpr bool vec2 = true; /* D, K even: a pair never straddles the parts */
     static constexpr bool weighted = false, any_item = true;
-    bool aligned16() const { return false; }
+    bool aligned16() const { return quad; }
     bool aligned8() const
     {
         return D % 2 == 0 && K % 2 == 0 && moe_aligned8(rows) && moe_aligned8(dout) &&
@@ -397,11 +403,19 @@ struct grad_rows {
                             moe_cuda_blocks((size_t)R * (D + K), MOE_CUDA_THREADS),
                             MOE_CUDA_THREADS, 0, rows, dw, R, D, K);
     }
+    /* quad: row r's dw values, by its column-0 thread */
+    __device__ void store_dw(int r, int j) const
+    {
+        if (quad && j == 0)
+            for (int k = 0; k < K; k++)
+                rows[(size_t)r * (D + K) + D + k] = dw[(size_t)r * K + k];
+    }
     __device__ float load(int, int) const { return 0.f; }
     __device__ float value(int m, int j) const { return j < D ? dout[(size_t)m * D + j] : 0.f; }
     __device__ void store(int r, int j, float v) const
     {
         rows[(size_t)r * (D + K) + j] = j < D ? v : dw[(size_t)r * K + (j - D)];
+        store_dw(r, j);
     }
     __device__ float2 load2(int, int) const { return make_float2(0.f, 0.f); }
     __device__ float2 value2(int m, int j) const
@@ -412,15 +426,36 @@ struct grad_rows {
     {
         *(float2 *)(rows + (size_t)r * (D + K) + j) =
             j < D ? v : *(const float2 *)(dw + (size_t)r * K + (j - D));
+        store_dw(r, j);
+    }
+    __device__ float4 load4(int, int) const { return make_float4(0.f, 0.f, 0.f, 0.f); }
+    __device__ float4 value4(int m, int j) const
+    {
+        return *(const float4 *)(dout + (size_t)m * D + j);
+    }
+    __device__ void store4(int r, int j, float4 v) const
+    {
+        float2 *at = (float2 *)(rows + (size_t)r * (D + K) + j);
+        at[0] = make_float2(v.x, v.y);
+        at[1] = make_float2(v.z, v.w);
+        store_dw(r, j);
     }
 };
+
+/* Whether moe_pack_grad_rows takes grad_rows's 4-value form (its columns D). */
+static bool grad_rows_quad(const real *rows, const real *dout, const real *dw, int D, int K)
+{
+    return D > 0 && D % 4 == 0 && K % 2 == 0 && moe_aligned16(dout) && moe_aligned8(rows) &&
+           moe_aligned8(dw);
+}
 
 extern "C" void cuda_moe_pack_grad_rows(real *rows, const real *dout, const int32_t *row_token,
                                         int M, const int32_t *slot_row, const real *dw, int R,
                                         int D, int K)
 {
-    grad_rows op = {rows, dout, dw, D, K};
-    moe_cuda_token_sums(op, row_token, M, D + K, slot_row, R, K);
+    const bool quad = grad_rows_quad(rows, dout, dw, D, K);
+    grad_rows op = {rows, dout, dw, D, K, quad};
+    moe_cuda_token_sums(op, row_token, M, quad ? D : D + K, slot_row, R, K);
 }
 
 /* dx[token] = base[token] + row[0..D) ..., dw[token] = row[D..D+K) ..., rows of a token

@@ -1822,6 +1822,10 @@ int main(void)
     test_route(4096, 64, 4, 4096, 300, IDX_SKEWED, 32, "N=4096 E=64 K=4 capacity");
     test_route(4096, 64, 4, 1, 1, IDX_RANDOM, 4, "capacity 1 per token (many groups)");
     test_route(300, 8, 2, 300, -1, IDX_HOLES, 1000, "D=1000 (rows of several steps)");
+    /* the gradient rows' other forms (the cases above with D % 4 == 0 and K even take
+     * the 4-value one): pairs (D % 4 == 2), and single values (D + K odd) */
+    test_route(300, 8, 2, 300, -1, IDX_RANDOM, 66, "D=66 (pairs)");
+    test_route(64, 8, 3, 64, -1, IDX_HOLES, 12, "D=12 K=3 (single values)");
     /* the sort by expert in one block (the default up to 65536 items and 256 experts) at
      * the bench shape's size, past those limits (several blocks), and in several blocks
      * at every size (MOE_SORT_ONE_BLOCK=0) */
