@@ -5,8 +5,8 @@
 # moe-bench in both (ARCHS, default 90; BUILD=0 reuses build-gpu in each), then for each
 # of PRECISIONS (default "bf16 fp16") runs `mpirun -np 1 moe-bench a2a --precision P
 # --reps REPS` (default 50) base, new, new, base (ABBA: a drift over the command falls on
-# both). ENV_NEW, when set (e.g. MOE_EXCHANGE_ROWS_V8=0), adds one more run of this tree
-# at bf16 under that environment. Logs under $OUT (a2a_TAG.log); a table last: each op's
+# both). ENV_NEW, when set (e.g. MOE_EXCHANGE_ROWS_V8=0, or several assignments separated
+# by spaces), adds one more run of this tree at bf16 under that environment. Logs under $OUT (a2a_TAG.log); a table last: each op's
 # ms in each run, and each tree's mean.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -21,7 +21,8 @@ bash scripts/ab-build.sh gpu-a2a-ab.sh "$BASE" "$ARCHS" "$OUT/build_a2a_" moe-be
 tags=()
 run() { # tag binary precision [VAR=value]
   local log="$OUT/a2a_$1.log"
-  env ${4:+"$4"} timeout 120 mpirun -np 1 "$2" a2a --precision "$3" --reps "$REPS" >"$log" 2>&1
+  # shellcheck disable=SC2086 # ENV_NEW: assignments separated by spaces
+  env ${4:+$4} timeout 120 mpirun -np 1 "$2" a2a --precision "$3" --reps "$REPS" >"$log" 2>&1
   local rc=$?
   [ $rc = 0 ] || echo "moe-bench a2a ($1): exit $rc (see $log)"
   tags+=("$1")

@@ -258,6 +258,16 @@ extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int32_t 
     moe_cuda_fetch_async(counts, res, sizeof(int) * n_counts);
 }
 
+/* Values at .. at + V - 1 of an (n, D) buffer x: 16-bit ones where O16 (bf16 by `bf16`). */
+template <int V, bool O16>
+static __device__ __forceinline__ void x_store(real *x, size_t at, const moe_fvec<V> &f, int bf16)
+{
+    if (O16)
+        moe_store16_v<V>((uint16_t *)x + at, f, bf16);
+    else
+        moe_store_v<V>(x + at, f);
+}
+
 /* x (R,D), w (R,K), lidx (R,K) from the rows: one thread per group of V token values
  * (rows_vec) or per weight or id. O16: x is
  * marked as holding 16-bit values (bf16 by `bf16`; the rows' own where they are 16-bit:
@@ -274,12 +284,7 @@ static __global__ void unpack_kernel(real *x, real *w, int32_t *lidx, const char
         const char *row = rows + (size_t)r * row_bytes;
         const real *wt = (const real *)(row + tb);
         if (j < GD) {
-            const moe_fvec<V> f = row_load<V>(row, j * V, x16);
-            const size_t at = (size_t)r * D + (size_t)j * V;
-            if (O16)
-                moe_store16_v<V>((uint16_t *)x + at, f, bf16);
-            else
-                moe_store_v<V>(x + at, f);
+            x_store<V, O16>(x, (size_t)r * D + (size_t)j * V, row_load<V>(row, j * V, x16), bf16);
         } else if (j < GD + K) {
             w[(size_t)r * K + j - GD] = wt[j - GD];
         } else {
@@ -288,6 +293,39 @@ static __global__ void unpack_kernel(real *x, real *w, int32_t *lidx, const char
     }
 }
 
+/* The same by whole rows: one warp a row (the grid's warps striding over them), its lanes
+ * in groups of V token values, four loads in flight before their stores while 4 * 32
+ * groups remain, then its first K lanes the weights and ids. */
+template <int V, bool O16>
+static __global__ void unpack_rows_kernel(real *x, real *w, int32_t *lidx, const char *rows, int R,
+                                          int D, int K, size_t row_bytes, int x16, int bf16)
+{
+    const int lane = threadIdx.x & 31, GD = x ? D / V : 0;
+    const size_t tb = moe_dispatch_token_bytes(D, x16), warps = (size_t)gridDim.x * blockDim.x / 32;
+    for (size_t r = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < (size_t)R;
+         r += warps) {
+        const char *row = rows + r * row_bytes;
+        real *xr = x + r * D;
+        int g = lane;
+        for (; g + 3 * 32 < GD; g += 4 * 32) {
+            moe_fvec<V> f[4];
+            for (int u = 0; u < 4; u++)
+                f[u] = row_load<V>(row, (g + u * 32) * V, x16);
+            for (int u = 0; u < 4; u++)
+                x_store<V, O16>(xr, (size_t)(g + u * 32) * V, f[u], bf16);
+        }
+        for (; g < GD; g += 32)
+            x_store<V, O16>(xr, (size_t)g * V, row_load<V>(row, g * V, x16), bf16);
+        const real *wt = (const real *)(row + tb);
+        for (int k = lane; k < K; k += 32) {
+            w[r * K + k] = wt[k];
+            lidx[r * K + k] = ((const int32_t *)(wt + K))[k];
+        }
+    }
+}
+
+/* Whole rows a warp (unpack_rows_kernel) where each row has at least 32 groups of token
+ * values (MOE_UNPACK_ROWS=0: one thread a group always). */
 extern "C" void cuda_moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const char *rows, int R,
                                          int D, int K, size_t row_bytes, int x16)
 {
@@ -299,12 +337,19 @@ extern "C" void cuda_moe_unpack_dispatch(real *x, real *w, int32_t *lidx, const 
     const size_t items = (size_t)R * ((x ? D / vec : 0) + 2 * K);
     if (!items)
         return;
+    const bool whole = x && D / vec >= 32 && !moe_cuda_env_is("MOE_UNPACK_ROWS", "0");
     moe_cuda_pick(
         [&](auto v8_, auto v4_, auto o16_) {
             constexpr int V = decltype(v8_)::value ? 8 : decltype(v4_)::value ? 4 : 1;
             constexpr bool O16 = decltype(o16_)::value;
-            MOE_CUDA_LAUNCH((unpack_kernel<V, O16>), moe_cuda_blocks(items, MOE_CUDA_THREADS),
-                            MOE_CUDA_THREADS, 0, x, w, lidx, rows, R, D, K, row_bytes, x16, bf16);
+            if (whole)
+                MOE_CUDA_LAUNCH((unpack_rows_kernel<V, O16>),
+                                moe_cuda_blocks((size_t)R * 32, MOE_CUDA_THREADS), MOE_CUDA_THREADS,
+                                0, x, w, lidx, rows, R, D, K, row_bytes, x16, bf16);
+            else
+                MOE_CUDA_LAUNCH((unpack_kernel<V, O16>), moe_cuda_blocks(items, MOE_CUDA_THREADS),
+                                MOE_CUDA_THREADS, 0, x, w, lidx, rows, R, D, K, row_bytes, x16,
+                                bf16);
         },
         vec == 8, vec == 4, o16);
 }
@@ -321,11 +366,8 @@ static __global__ void permute_rows_kernel(real *out, const char *rows, size_t r
     {
         const size_t m = e / G;
         const int d = (int)(e % G) * V;
-        const moe_fvec<V> f = row_load<V>(rows + (size_t)row_token[m] * row_bytes, d, x16);
-        if (O16)
-            moe_store16_v<V>((uint16_t *)out + m * D + d, f, bf16);
-        else
-            moe_store_v<V>(out + m * D + d, f);
+        x_store<V, O16>(out, m * D + d,
+                        row_load<V>(rows + (size_t)row_token[m] * row_bytes, d, x16), bf16);
     }
 }
 
@@ -403,19 +445,11 @@ struct grad_rows {
                             moe_cuda_blocks((size_t)R * (D + K), MOE_CUDA_THREADS),
                             MOE_CUDA_THREADS, 0, rows, dw, R, D, K);
     }
-    /* quad: row r's dw values, by its column-0 thread */
-    __device__ void store_dw(int r, int j) const
-    {
-        if (quad && j == 0)
-            for (int k = 0; k < K; k++)
-                rows[(size_t)r * (D + K) + D + k] = dw[(size_t)r * K + k];
-    }
     __device__ float load(int, int) const { return 0.f; }
     __device__ float value(int m, int j) const { return j < D ? dout[(size_t)m * D + j] : 0.f; }
     __device__ void store(int r, int j, float v) const
     {
         rows[(size_t)r * (D + K) + j] = j < D ? v : dw[(size_t)r * K + (j - D)];
-        store_dw(r, j);
     }
     __device__ float2 load2(int, int) const { return make_float2(0.f, 0.f); }
     __device__ float2 value2(int m, int j) const
@@ -426,7 +460,6 @@ struct grad_rows {
     {
         *(float2 *)(rows + (size_t)r * (D + K) + j) =
             j < D ? v : *(const float2 *)(dw + (size_t)r * K + (j - D));
-        store_dw(r, j);
     }
     __device__ float4 load4(int, int) const { return make_float4(0.f, 0.f, 0.f, 0.f); }
     __device__ float4 value4(int m, int j) const
@@ -438,7 +471,9 @@ struct grad_rows {
         float2 *at = (float2 *)(rows + (size_t)r * (D + K) + j);
         at[0] = make_float2(v.x, v.y);
         at[1] = make_float2(v.z, v.w);
-        store_dw(r, j);
+        if (j == 0) /* the 4-value form only (quad): column 0's thread stores dw too */
+            for (int k = 0; k < K; k++)
+                rows[(size_t)r * (D + K) + D + k] = dw[(size_t)r * K + k];
     }
 };
 

@@ -1855,6 +1855,14 @@ int main(void)
     /* the fill's lanes take four groups at once while 4 * 32 groups remain, then one:
      * D = 1000 is 125 groups of 8 (lanes 0..28 take both forms) */
     test_exchange(300, 8, 2, 2, 1000, -1, "D=1000 (the fill's lanes four groups at once)");
+    /* the unpack by whole rows a warp from 32 groups of token values a row (D = 256: 32
+     * groups of 8, D = 1000: 125), one thread a group below that (D = 248: 31) or with
+     * MOE_UNPACK_ROWS=0 */
+    test_exchange(200, 8, 2, 2, 256, -1, "D=256 (the unpack's warp rows, 32 groups)");
+    test_exchange(200, 8, 2, 2, 248, -1, "D=248 (the unpack's thread groups, 31)");
+    setenv("MOE_UNPACK_ROWS", "0", 1);
+    test_exchange(300, 8, 2, 2, 1000, -1, "D=1000, MOE_UNPACK_ROWS=0");
+    unsetenv("MOE_UNPACK_ROWS");
     setenv("MOE_EXCHANGE_ROWS_V8", "0", 1);
     test_exchange(512, 8, 2, 4, 64, 160, "tiny P=4, MOE_EXCHANGE_ROWS_V8=0");
     unsetenv("MOE_EXCHANGE_ROWS_V8");
