@@ -6,8 +6,8 @@
 # of PRECISIONS (default "bf16 fp16") runs `mpirun -np 1 moe-bench a2a --precision P
 # --reps REPS` (default 50) base, new, new, base (ABBA: a drift over the command falls on
 # both). ENV_NEW, when set (e.g. MOE_EXCHANGE_ROWS_V8=0, or several assignments separated
-# by spaces), adds one more run of this tree at bf16 under that environment. Logs under $OUT (a2a_TAG.log); a table last: each op's
-# ms in each run, and each tree's mean.
+# by spaces), adds one more run of this tree at bf16 under that environment. Logs under
+# $OUT (a2a_TAG.log); a table last: each op's ms in each run, and each tree's mean.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 BASE=${BASE:-.device-kit/base}
