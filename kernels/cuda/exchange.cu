@@ -1,12 +1,14 @@
 /* kernels/cuda/exchange.cu: packing and unpacking the rows that travel between ranks in
  * the MoE dispatch and combine (row layout in ops.h). moe_pack_dispatch counts the rows
- * of each tile of 32 (destination, token) pairs (and the counts), scans the tiles'
- * counts, and numbers each tile's rows by a warp's ballot in (destination, token) order
- * -- the reference's order -- while it fills them (one block a tile: the row count stays
- * on the device), then queues one copy of the counts to the host: nothing waits, the
- * caller reads them after fetch_wait; with them, the inverse map token_rows. The
- * gradient scatter gathers each token's rows through that map (or, without it, sorts
- * the rows by token) and adds them in row order (deterministic). */
+ * of each tile of 32 (destination, token) pairs (and the counts), keeping each tile's
+ * ballot of the pairs that send a row; the fill numbers each tile's rows from that ballot
+ * in (destination, token) order -- the reference's order -- after the rows of the tiles
+ * before it (each block sums their counts where the tiles are few, else one scan does),
+ * while it fills them (one block a tile: the row count stays on the device), then queues
+ * one copy of the counts to the host: nothing waits, the caller reads them after
+ * fetch_wait; with them, the inverse map token_rows. The gradient scatter gathers each
+ * token's rows through that map (or, without it, sorts the rows by token) and adds them
+ * in row order (deterministic). */
 #include "kernels/cuda/cuda_common.cuh"
 
 /* Is assignment a (kept) on destination p? */
@@ -17,39 +19,29 @@ static __device__ __forceinline__ int on_dest(const int32_t *idx, const int32_t 
 }
 
 /* Pairs i = p*N + t (destination p, token t) go in tiles of 32, one warp's: the tile's
- * rows are numbered from the exclusive scan of the tiles' row counts, each pair's row
- * within its tile from the warp's ballot of the pairs that send one. */
+ * rows are numbered from the rows of the tiles before it, each pair's row within its tile
+ * from the warp's ballot of the pairs that send one. */
 #define PAIR_TILE 32
 
-/* Does token t send a row to p (some kept slot's expert is there)? Its kept slots there in
- * *kept. */
-static __device__ __forceinline__ int sends_row(const int32_t *idx, const int32_t *slot_row,
-                                                const int32_t *expert_rank, int t, int p, int K,
-                                                int *kept)
-{
-    int hits = 0;
-    for (int k = 0; k < K; k++)
-        hits += on_dest(idx, slot_row, expert_rank, t * K + k, p);
-    *kept = hits;
-    return hits > 0;
-}
-
-/* One thread per pair: tile_rows[tile] = the rows of each tile of PAIR_TILE pairs; the
- * counts res (MOE_PACK_COUNTS: rows per destination, kept slots per destination, rows in
- * all, kept slots per destination and local expert when El > 0), added to. Integer
- * atomics: the counts do not depend on the order. SHARED: the block's counts are gathered
- * in shared memory first (res's cells but the total), then added with one global atomic a
- * block and count that is not 0 (the default where the counts fit;
- * MOE_DISPATCH_FLAGS_SHARED=0: global atomics only. At ep 1 every kept slot adds 1 to one
- * of E global counts and every token to res[0] and res[1]: on an H100, 16384 tokens, the
- * counts took 20 us with global atomics, 5.7 us with shared ones, fortieth session). The
- * same integer sums either way. */
+/* One thread per pair: tile_rows[tile] = the rows of each tile of PAIR_TILE pairs and
+ * tile_mask[tile] its ballot (bit j: pair j sends a row: some kept slot of its token has
+ * its expert on its destination); the counts res (MOE_PACK_COUNTS: rows per destination,
+ * kept slots per destination, rows in all, kept slots per destination and local expert
+ * when El > 0), added to. Integer atomics: the counts do not depend on the order. SHARED:
+ * the block's counts are gathered in shared memory first (res's cells but the total),
+ * then added with one global atomic a block and count that is not 0 (the default where
+ * the counts fit; MOE_DISPATCH_FLAGS_SHARED=0: global atomics only. At ep 1 every kept
+ * slot adds 1 to one of E global counts and every token to res[0] and res[1]: on an H100,
+ * 16384 tokens, the counts took 20 us with global atomics, 5.7 us with shared ones,
+ * fortieth session). With part (SHARED only), every block stores its cells there instead
+ * (part[block][cell]) and the fill's first block adds them up (no memset of res and no
+ * atomics into it). The same integer sums either way. */
 #define FLAGS_SHARED_MAX 4096 /* 2P + P * El: 16 KiB of shared memory */
 template <bool SHARED>
-static __global__ void dispatch_count_kernel(int *tile_rows, int *res, const int32_t *idx,
-                                             const int32_t *slot_row, const int32_t *expert_rank,
-                                             const int32_t *expert_local, int N, int K, int P,
-                                             int El)
+static __global__ void
+dispatch_count_kernel(int *tile_rows, unsigned *tile_mask, int *res, int *part, const int32_t *idx,
+                      const int32_t *slot_row, const int32_t *expert_rank,
+                      const int32_t *expert_local, int N, int K, int P, int El)
 {
     extern __shared__ int sh[]; /* SHARED: rows (P), kept (P), then experts (P * El) */
     const int cells = 2 * P + P * El;
@@ -60,26 +52,34 @@ static __global__ void dispatch_count_kernel(int *tile_rows, int *res, const int
     }
     int *to = SHARED ? sh : res, *to_experts = SHARED ? sh + 2 * P : res + 2 * P + 1;
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    int kept = 0, sent = 0;
+    int kept = 0;
     if (i < (size_t)P * N) {
         const int p = (int)(i / N), t = (int)(i % N);
-        sent = sends_row(idx, slot_row, expert_rank, t, p, K, &kept);
-        if (sent) {
+        for (int k = 0; k < K; k++) {
+            const int a = t * K + k;
+            if (on_dest(idx, slot_row, expert_rank, a, p)) {
+                kept++;
+                if (El > 0)
+                    atomicAdd(&to_experts[(size_t)p * El + expert_local[idx[a]]], 1);
+            }
+        }
+        if (kept) {
             atomicAdd(&to[p], 1);
             atomicAdd(&to[P + p], kept);
             if (!SHARED)
                 atomicAdd(&res[2 * P], 1);
-            for (int k = 0; El > 0 && k < K; k++) {
-                const int a = t * K + k;
-                if (on_dest(idx, slot_row, expert_rank, a, p))
-                    atomicAdd(&to_experts[(size_t)p * El + expert_local[idx[a]]], 1);
-            }
         }
     }
-    const unsigned ballot = __ballot_sync(MOE_CUDA_FULL_MASK, sent);
-    if ((threadIdx.x & 31) == 0 && i < (size_t)P * N)
+    const unsigned ballot = __ballot_sync(MOE_CUDA_FULL_MASK, kept > 0);
+    if ((threadIdx.x & 31) == 0 && i < (size_t)P * N) {
         tile_rows[i / PAIR_TILE] = __popc(ballot);
-    if (SHARED) {
+        tile_mask[i / PAIR_TILE] = ballot;
+    }
+    if (SHARED && part) { /* every cell of the block's counts, summed by the fill */
+        __syncthreads();
+        for (int c = threadIdx.x; c < cells; c += blockDim.x)
+            part[(size_t)blockIdx.x * cells + c] = sh[c];
+    } else if (SHARED) {
         __syncthreads();
         for (int c = threadIdx.x; c < cells; c += blockDim.x)
             if (sh[c]) {
@@ -145,65 +145,154 @@ static int rows_vec(int D, size_t row_bytes, const void *rows, const void *x)
     return D % 4 == 0 && row_bytes % 8 == 0 ? 4 : 1;
 }
 
-/* One block per tile of PAIR_TILE pairs (tile_start: the tiles' exclusive scan of
- * rows): its first warp numbers the tile's rows (each sending pair's, from the ballot)
- * and writes send_token and token_rows; then each warp fills whole rows, its lanes in
- * groups of V token values (rows_vec) and then the K weights and K expert ids. rows
- * NULL: send_token and token_rows only. X16: x is marked as holding 16-bit values (bf16
- * by `bf16`), read as such. */
-template <int V, bool X16>
-static __global__ void
-dispatch_fill_kernel(char *rows, int32_t *send_token, int32_t *token_rows, const int *tile_start,
-                     const real *x, const int32_t *idx, const real *w, const int32_t *slot_row,
-                     const int32_t *expert_rank, const int32_t *expert_local, int N, int P, int D,
-                     int K, size_t row_bytes, int x16, int bf16)
+/* The counts straight to the caller's pinned host memory (no memset, no copy): the count
+ * kernel's per-block cells part[nparts][cells] (rows and kept slots per destination, then
+ * kept slots per destination and local expert), added up by the fill's first block in
+ * shared memory and stored at `host` in MOE_PACK_COUNTS's order, the total of rows after
+ * the first 2P. Where the cells are at most COUNTS_DIRECT_CELLS, part at most
+ * COUNTS_DIRECT_PARTS ints, and `host` is device-mapped (cudaMallocHost's); else (or
+ * MOE_DISPATCH_COUNTS_DIRECT=0) a memset, atomics into res and a copy to the host. The
+ * same integer sums either way. */
+#define COUNTS_DIRECT_CELLS 1024
+#define COUNTS_DIRECT_PARTS 65536
+struct pack_counts {
+    const int *part; /* NULL: the counts go by res and a copy */
+    int *host;       /* device-mapped pinned host memory */
+    int nparts, cells;
+};
+
+static __device__ __noinline__ void pack_counts_store(const pack_counts &pc, int P)
 {
-    __shared__ int tile_row[PAIR_TILE]; /* the row of each pair, or -1 */
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const size_t i0 = (size_t)blockIdx.x * PAIR_TILE, PN = (size_t)P * N;
-    if (warp == 0) {
-        const size_t i = i0 + lane;
-        int kept, sent = 0;
-        if (i < PN)
-            sent = sends_row(idx, slot_row, expert_rank, (int)(i % N), (int)(i / N), K, &kept);
-        const unsigned ballot = __ballot_sync(MOE_CUDA_FULL_MASK, sent);
-        const int row = sent ? tile_start[blockIdx.x] + __popc(ballot & ((1u << lane) - 1)) : -1;
-        tile_row[lane] = row;
-        if (i < PN) {
-            if (token_rows)
-                token_rows[(i % N) * P + i / N] = row;
-            if (sent)
-                send_token[row] = (int32_t)(i % N);
+    __shared__ int sum[COUNTS_DIRECT_CELLS + 1]; /* the cells, then the total of rows */
+    for (int c = threadIdx.x; c <= pc.cells; c += blockDim.x)
+        sum[c] = 0;
+    __syncthreads();
+    const size_t n = (size_t)pc.nparts * pc.cells;
+    for (size_t e = threadIdx.x; e < n; e += blockDim.x) {
+        const int c = (int)(e % pc.cells), v = pc.part[e];
+        if (v) {
+            atomicAdd(&sum[c], v);
+            if (c < P)
+                atomicAdd(&sum[pc.cells], v);
         }
     }
     __syncthreads();
+    for (int c = threadIdx.x; c <= pc.cells; c += blockDim.x)
+        pc.host[c == pc.cells ? 2 * P : c < 2 * P ? c : c + 1] = sum[c];
+}
+
+/* Where the tiles are at most this many, each fill block sums the row counts of the
+ * tiles before it (at most 8 KiB read, from L2) instead of a scan's launch before the
+ * fill (MOE_DISPATCH_FILL_SUMS=0: the scan always). */
+#define FILL_SUMS_MAX 2048
+
+/* One block per tile of PAIR_TILE pairs: its first row is tile_start[tile] (the scan of
+ * the tiles' rows) or, tile_start NULL, the sum of tile_rows over the tiles before it
+ * (its threads' shares, added by shuffles and the warps' sums); each pair's row from
+ * there by the tile's ballot tile_mask (the pairs before it that send one). The first warp
+ * writes send_token and token_rows; then the block's threads store the K weights and K
+ * expert ids of all its rows, one a (pair, slot), and each warp fills whole rows' tokens,
+ * its lanes in groups of V values (rows_vec). rows NULL:
+ * send_token and token_rows only. X16: x is marked as holding 16-bit values (bf16 by
+ * `bf16`), read as such. */
+template <int V, bool X16, bool RAW>
+static __global__ void
+dispatch_fill_kernel(char *rows, int32_t *send_token, int32_t *token_rows, const int *tile_start,
+                     const int *tile_rows, const unsigned *tile_mask, const real *x,
+                     const int32_t *idx, const real *w, const int32_t *slot_row,
+                     const int32_t *expert_rank, const int32_t *expert_local, int N, int P, int D,
+                     int K, size_t row_bytes, int x16, int bf16, pack_counts pc)
+{
+    __shared__ int warp_rows[MOE_CUDA_THREADS / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x / 32;
+    const size_t i0 = (size_t)blockIdx.x * PAIR_TILE, PN = (size_t)P * N;
+    const unsigned mask = tile_mask[blockIdx.x];
+    if (pc.part && blockIdx.x == 0)
+        pack_counts_store(pc, P);
+    int start = 0;
+    if (tile_start) {
+        start = tile_start[blockIdx.x];
+    } else {
+        int s = 0;
+        for (int c = threadIdx.x; c < (int)blockIdx.x; c += blockDim.x)
+            s += tile_rows[c];
+        for (int o = 16; o > 0; o >>= 1)
+            s += __shfl_xor_sync(MOE_CUDA_FULL_MASK, s, o);
+        if (lane == 0)
+            warp_rows[warp] = s;
+        __syncthreads();
+        for (int u = 0; u < warps; u++)
+            start += warp_rows[u];
+    }
+    if (warp == 0) {
+        const size_t i = i0 + lane;
+        const int row = mask >> lane & 1u ? start + __popc(mask & ((1u << lane) - 1)) : -1;
+        if (i < PN) {
+            if (token_rows)
+                token_rows[(i % N) * P + i / N] = row;
+            if (row >= 0)
+                send_token[row] = (int32_t)(i % N);
+        }
+    }
     if (!rows)
         return;
     const size_t tb = moe_dispatch_token_bytes(D, x16);
-    for (int j = warp; j < PAIR_TILE; j += blockDim.x / 32) {
-        const int r = tile_row[j];
-        if (r < 0)
+    /* the weights and ids of all the tile's rows first, one thread a (pair, slot): their
+     * dependent loads (idx, then expert_rank and expert_local) in flight together, not
+     * one row's after another's tokens */
+    for (int e = threadIdx.x; e < PAIR_TILE * K; e += blockDim.x) {
+        const int j = e / K, k = e % K;
+        if (!(mask >> j & 1u))
             continue;
-        const int p = (int)((i0 + j) / N), t = (int)((i0 + j) % N);
+        const int r = start + __popc(mask & ((1u << j) - 1));
+        const int p = (int)((i0 + j) / N), a = (int)((i0 + j) % N) * K + k;
+        const int here = on_dest(idx, slot_row, expert_rank, a, p);
+        real *wt = (real *)(rows + (size_t)r * row_bytes + tb);
+        wt[k] = here ? w[a] : (real)0;
+        ((int32_t *)(wt + K))[k] = here ? expert_local[idx[a]] : -1;
+    }
+    for (int j = warp; j < PAIR_TILE; j += warps) {
+        if (!(mask >> j & 1u))
+            continue;
+        const int r = start + __popc(mask & ((1u << j) - 1));
+        const int t = (int)((i0 + j) % N);
         char *row = rows + (size_t)r * row_bytes;
         const size_t xt = (size_t)t * D; /* x's element index (16-bit ones when X16) */
         int g = lane;
-        for (; g + 3 * 32 < D / V; g += 4 * 32) { /* four loads in flight, then their stores */
+        if constexpr (RAW) { /* the row's bits are x's: 16 bytes a group, copied */
+            const uint4 *xs = (const uint4 *)x + xt / 8;
+            for (; g + 3 * 32 < D / 8; g += 4 * 32) {
+                uint4 f[4];
+                for (int u = 0; u < 4; u++)
+                    f[u] = xs[g + u * 32];
+                for (int u = 0; u < 4; u++)
+                    ((uint4 *)row)[g + u * 32] = f[u];
+            }
+            for (; g < D / 8; g += 32)
+                ((uint4 *)row)[g] = xs[g];
+        }
+        for (; !RAW && g + 3 * 32 < D / V; g += 4 * 32) { /* four loads in flight, then stores */
             moe_fvec<V> f[4];
             for (int u = 0; u < 4; u++)
                 f[u] = moe_ld_v<V, X16>(x, xt + (size_t)(g + u * 32) * V, bf16);
             for (int u = 0; u < 4; u++)
                 row_store<V>(row, (g + u * 32) * V, f[u], x16);
         }
-        for (; g < D / V; g += 32)
+        for (; !RAW && g < D / V; g += 32)
             row_store<V>(row, g * V, moe_ld_v<V, X16>(x, xt + (size_t)g * V, bf16), x16);
-        real *wt = (real *)(row + tb);
-        for (int k = lane; k < K; k += 32) {
-            const int a = t * K + k, here = on_dest(idx, slot_row, expert_rank, a, p);
-            wt[k] = here ? w[a] : (real)0;
-            ((int32_t *)(wt + K))[k] = here ? expert_local[idx[a]] : -1;
-        }
     }
+}
+
+/* The device's address of pinned host memory `counts` (cudaMallocHost's: mapped), or NULL
+ * where it has none (pageable memory: the counts then go by a copy). */
+static int *counts_device(int *counts)
+{
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, counts) != cudaSuccess) {
+        (void)cudaGetLastError(); /* not the stream's error: the copy serves */
+        return NULL;
+    }
+    return a.type == cudaMemoryTypeHost ? (int *)a.devicePointer : NULL;
 }
 
 extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int32_t *token_rows,
@@ -220,42 +309,61 @@ extern "C" void cuda_moe_pack_dispatch(char *rows, int32_t *send_token, int32_t 
     }
     const size_t PN = (size_t)P * N;
     const int tiles = (int)((PN + PAIR_TILE - 1) / PAIR_TILE);
-    moe_cuda_carve c = {NULL, 0};
-    int *tile_rows = NULL, *scan = NULL, *res = NULL;
-    for (int pass = 0; pass < 2; pass++) {
-        if (pass == 1 && !moe_cuda_carve_alloc(&c))
-            return;
-        tile_rows = MOE_CUDA_TAKE(&c, int, tiles + 1);
-        scan = MOE_CUDA_TAKE(&c, int, moe_cuda_scan_ints(tiles));
-        res = MOE_CUDA_TAKE(&c, int, n_counts);
-    }
-    MOE_CUDA_OK(cudaMemsetAsync(res, 0, sizeof(int) * n_counts, moe_cuda_stream()));
+    const bool sums = tiles <= FILL_SUMS_MAX && !moe_cuda_env_is("MOE_DISPATCH_FILL_SUMS", "0");
     const size_t cells = 2 * (size_t)P + (size_t)P * (El > 0 ? El : 0);
     const bool shared =
         cells <= FLAGS_SHARED_MAX && !moe_cuda_env_is("MOE_DISPATCH_FLAGS_SHARED", "0");
     const unsigned count_blocks = (unsigned)((PN + MOE_CUDA_THREADS - 1) / MOE_CUDA_THREADS);
+    pack_counts pc = {NULL, NULL, (int)count_blocks, (int)cells};
+    const bool direct = shared && cells <= COUNTS_DIRECT_CELLS &&
+                        (size_t)count_blocks * cells <= COUNTS_DIRECT_PARTS &&
+                        !moe_cuda_env_is("MOE_DISPATCH_COUNTS_DIRECT", "0") &&
+                        (pc.host = counts_device(counts)) != NULL;
+    moe_cuda_carve c = {NULL, 0};
+    int *tile_rows = NULL, *tile_start = NULL, *scan = NULL, *res = NULL, *part = NULL;
+    unsigned *tile_mask = NULL;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1 && !moe_cuda_carve_alloc(&c))
+            return;
+        tile_rows = MOE_CUDA_TAKE(&c, int, tiles);
+        tile_mask = MOE_CUDA_TAKE(&c, unsigned, tiles);
+        tile_start = sums ? NULL : MOE_CUDA_TAKE(&c, int, tiles + 1);
+        scan = sums ? NULL : MOE_CUDA_TAKE(&c, int, moe_cuda_scan_ints(tiles));
+        res = direct ? NULL : MOE_CUDA_TAKE(&c, int, n_counts);
+        part = direct ? MOE_CUDA_TAKE(&c, int, (size_t)count_blocks *cells) : NULL;
+    }
+    pc.part = part;
+    if (!direct)
+        MOE_CUDA_OK(cudaMemsetAsync(res, 0, sizeof(int) * n_counts, moe_cuda_stream()));
     moe_cuda_pick(
         [&](auto shared_) {
             constexpr bool S = decltype(shared_)::value;
             MOE_CUDA_LAUNCH(dispatch_count_kernel<S>, count_blocks, MOE_CUDA_THREADS,
-                            S ? sizeof(int) * cells : 0, tile_rows, res, idx, slot_row, expert_rank,
-                            expert_local, N, K, P, El > 0 ? El : 0);
+                            S ? sizeof(int) * cells : 0, tile_rows, tile_mask, res, part, idx,
+                            slot_row, expert_rank, expert_local, N, K, P, El > 0 ? El : 0);
         },
         shared);
-    moe_cuda_scan(tile_rows, tile_rows, tiles, scan);
+    if (!sums)
+        moe_cuda_scan(tile_start, tile_rows, tiles, scan);
     int bf16 = 0;
     const bool in16 = rows && cuda_operand_in_place(x, (size_t)N * D, &bf16);
     const int vec = rows ? rows_vec(D, row_bytes, rows, x) : 1;
+    /* 16-bit x in the rows' own format, 8 values a thread: the bits copied */
+    const bool raw =
+        in16 && vec == 8 && x16 != MOE_ROW_FP32 && (x16 == MOE_ROW_BF16) == (bf16 != 0);
     moe_cuda_pick(
-        [&](auto v8_, auto v4_, auto in16_) {
+        [&](auto v8_, auto v4_, auto in16_, auto raw_) {
             constexpr int V = decltype(v8_)::value ? 8 : decltype(v4_)::value ? 4 : 1;
-            constexpr bool X16 = decltype(in16_)::value;
-            MOE_CUDA_LAUNCH((dispatch_fill_kernel<V, X16>), (unsigned)tiles, MOE_CUDA_THREADS, 0,
-                            rows, send_token, token_rows, tile_rows, x, idx, w, slot_row,
-                            expert_rank, expert_local, N, P, D, K, row_bytes, x16, bf16);
+            constexpr bool X16 = decltype(in16_)::value, RAW = decltype(raw_)::value;
+            if constexpr (!RAW || (V == 8 && X16)) /* raw implies both */
+                MOE_CUDA_LAUNCH((dispatch_fill_kernel<V, X16, RAW>), (unsigned)tiles,
+                                MOE_CUDA_THREADS, 0, rows, send_token, token_rows, tile_start,
+                                tile_rows, tile_mask, x, idx, w, slot_row, expert_rank,
+                                expert_local, N, P, D, K, row_bytes, x16, bf16, pc);
         },
-        vec == 8, vec == 4, in16);
-    moe_cuda_fetch_async(counts, res, sizeof(int) * n_counts);
+        vec == 8, vec == 4, in16, raw);
+    if (!direct)
+        moe_cuda_fetch_async(counts, res, sizeof(int) * n_counts);
 }
 
 /* Values at .. at + V - 1 of an (n, D) buffer x: 16-bit ones where O16 (bf16 by `bf16`). */
@@ -300,7 +408,7 @@ template <int V, bool O16>
 static __global__ void unpack_rows_kernel(real *x, real *w, int32_t *lidx, const char *rows, int R,
                                           int D, int K, size_t row_bytes, int x16, int bf16)
 {
-    const int lane = threadIdx.x & 31, GD = x ? D / V : 0;
+    const int lane = threadIdx.x & 31, GD = D / V; /* x is not NULL (the caller's rule) */
     const size_t tb = moe_dispatch_token_bytes(D, x16), warps = (size_t)gridDim.x * blockDim.x / 32;
     for (size_t r = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < (size_t)R;
          r += warps) {

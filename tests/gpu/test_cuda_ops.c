@@ -1099,6 +1099,61 @@ static void test_permute_rows(const char *rows, const char *drows, size_t rb, in
         fail_now("set_precision fp32");
 }
 
+/* moe_pack_dispatch from an x marked as holding 16-bit values (format m16: the model's h2)
+ * into rows of format x16: the rows' tokens are the marked values' bits where the formats
+ * are one (the fill copies them), else those values widened and rounded to x16; the
+ * reference packs the widened values. */
+static void test_pack_marked(const float *xe, const int32_t *idx, const float *w,
+                             const int32_t *slot_row, const int32_t *erank, const int32_t *elocal,
+                             int N, int E, int D, int K, int P, int per, int x16, int m16)
+{
+    const int bf = m16 == MOE_ROW_BF16;
+    char label[96];
+    snprintf(label, sizeof label, "%s rows from a marked %s x%s",
+             x16 == MOE_ROW_BF16 ? "bf16" : "fp16", bf ? "bf16" : "fp16",
+             x16 == m16 ? " (its bits copied)" : "");
+    begin("moe_pack_dispatch", label);
+    if (gpu->set_precision(bf ? MOE_PREC_BF16 : MOE_PREC_FP16, NULL, 0, 0) != MOE_OK)
+        fail_now("set_precision");
+    const size_t ND = (size_t)N * D, NK = (size_t)N * K, max_rows = (size_t)N * P + 1;
+    float *xr = hmem(sizeof(float) * ND);   /* the marked values, widened: the reference's x */
+    uint16_t *h = hmem(sizeof(float) * ND); /* the marked buffer: ND 16-bit values first */
+    for (size_t i = 0; i < ND; i++) {
+        h[i] = bf ? moe_bf16_round(xe[i]) : moe_fp16_round(xe[i]);
+        xr[i] = bf ? moe_bf16_widen(h[i]) : moe_fp16_widen(h[i]);
+    }
+    float *dx = DEVF(h, ND);
+    if (gpu->mark_operand(dx, ND) != MOE_OK)
+        fail_now("mark_operand");
+    const size_t rb = moe_dispatch_row_bytes(D, K, x16), tb = moe_dispatch_token_bytes(D, x16);
+    const int nc = MOE_PACK_COUNTS(P, per);
+    char *r = hmem(max_rows * rb), *dr = dev(r, max_rows * rb);
+    int32_t *st = ipoison(max_rows), *dst = DEVI(st, max_rows);
+    int *c = hmem(sizeof(int) * nc), *gc = gpu->alloc_host(sizeof(int) * nc);
+    for (int i = 0; i < nc; i++)
+        c[i] = gc[i] = POISON_INT;
+    cpu->moe_pack_dispatch(r, st, NULL, c, xr, idx, w, slot_row, erank, elocal, N, D, K, P, per, rb,
+                           x16);
+    gpu->moe_pack_dispatch(dr, dst, NULL, gc, dx, DEVI(idx, NK), DEVF(w, NK), DEVI(slot_row, NK),
+                           DEVI(erank, E), DEVI(elocal, E), N, D, K, P, per, rb, x16);
+    gpu_done();
+    check_i("counts", gc, c, nc);
+    const int n = c[2 * P];
+    check_i("send_token", HOSTI(dst, n), st, n);
+    const char *g = host_of(dr, max_rows * rb);
+    int bad = 0, none = 0;
+    for (int i = 0; i < n; i++) { /* the token's 16-bit values, then w and lidx */
+        bad += memcmp(g + (size_t)i * rb, r + (size_t)i * rb, (size_t)D * 2) != 0;
+        bad += memcmp(g + (size_t)i * rb + tb, r + (size_t)i * rb + tb, (size_t)K * 8) != 0;
+    }
+    check_i("rows (16-bit tokens, weights, ids) identical", &bad, &none, 1);
+    gpu->release_host(gc);
+    if (gpu->mark_operand(dx, 0) != MOE_OK)
+        fail_now("mark_operand (removing)");
+    if (gpu->set_precision(MOE_PREC_FP32, NULL, 0, 0) != MOE_OK)
+        fail_now("set_precision fp32");
+}
+
 static void test_exchange(int N, int E, int K, int P, int D, int capacity, const char *name)
 {
     const size_t NK = (size_t)N * K;
@@ -1232,6 +1287,8 @@ static void test_exchange(int N, int E, int K, int P, int D, int capacity, const
         check_f("w", HOSTF(duw, (size_t)n * K), uw, (size_t)n * K, K, EXACT);
         check_i("lidx", HOSTI(dul, (size_t)n * K), ul, (size_t)n * K);
         test_permute_rows(r16, dr16, rb, x16, n, D, hx);
+        for (int m16 = MOE_ROW_BF16; m16 <= MOE_ROW_FP16; m16++)
+            test_pack_marked(xe, idx, w, slot_row, erank, elocal, N, E, D, K, P, per, x16, m16);
     }
     test_permute_rows(rows, dev(rows, nbytes), row_bytes, MOE_ROW_FP32, n, D, ux);
     begin("moe_unpack_dispatch, x NULL", name);
@@ -1872,8 +1929,25 @@ int main(void)
      * past that or with MOE_DISPATCH_FLAGS_SHARED=0 */
     test_exchange(16384, 32, 2, 1, 4, -1, "N=16384 E=32 P=1 (the bench shape's counts)");
     test_exchange(300, 4200, 2, 2, 4, -1, "E=4200 (counts past shared memory)");
-    /* past 1024 tiles of 32 pairs: the tiles' scan in three passes (one below) */
+    /* up to 2048 tiles of 32 pairs each fill block sums the earlier tiles' rows; past
+     * that, or with MOE_DISPATCH_FILL_SUMS=0, a scan does (three passes past 1024 tiles) */
     test_exchange(20000, 32, 2, 2, 8, -1, "P=2 N=20000 (1250 tiles)");
+    test_exchange(32768, 32, 2, 2, 8, -1, "P=2 N=32768 (2048 tiles: the fill's sums)");
+    test_exchange(32784, 32, 2, 2, 8, -1, "P=2 N=32784 (2049 tiles: the scan)");
+    setenv("MOE_DISPATCH_FILL_SUMS", "0", 1);
+    test_exchange(512, 8, 2, 4, 64, 160, "tiny P=4, MOE_DISPATCH_FILL_SUMS=0 (one pass)");
+    test_exchange(20000, 32, 2, 2, 8, -1, "P=2 N=20000, MOE_DISPATCH_FILL_SUMS=0 (three)");
+    unsetenv("MOE_DISPATCH_FILL_SUMS");
+    /* the counts stored by the fill's first block into the pinned host memory where the
+     * cells are at most 1024 and the blocks' cells at most 65536; else (or with
+     * MOE_DISPATCH_COUNTS_DIRECT=0) added into device memory and copied */
+    test_exchange(300, 1200, 2, 1, 4, -1, "E=1200 P=1 (1202 cells: the counts copied)");
+    test_exchange(20000, 512, 2, 2, 4, -1, "E=512 P=2 (157 blocks of 516 cells: copied)");
+    test_exchange(20000, 384, 2, 2, 4, -1, "E=384 P=2 (157 blocks of 388 cells: direct)");
+    setenv("MOE_DISPATCH_COUNTS_DIRECT", "0", 1);
+    test_exchange(512, 8, 2, 4, 64, 160, "tiny P=4, MOE_DISPATCH_COUNTS_DIRECT=0");
+    test_exchange(16384, 32, 2, 1, 4, -1, "the bench shape, MOE_DISPATCH_COUNTS_DIRECT=0");
+    unsetenv("MOE_DISPATCH_COUNTS_DIRECT");
     setenv("MOE_DISPATCH_FLAGS_SHARED", "0", 1);
     test_exchange(512, 8, 2, 4, 64, 160, "tiny P=4, MOE_DISPATCH_FLAGS_SHARED=0");
     test_exchange(16384, 32, 2, 1, 4, -1, "the bench shape, MOE_DISPATCH_FLAGS_SHARED=0");
