@@ -4,9 +4,10 @@
  * ballot of the pairs that send a row; the fill numbers each tile's rows from that ballot
  * in (destination, token) order -- the reference's order -- after the rows of the tiles
  * before it (each block sums their counts where the tiles are few, else one scan does),
- * while it fills them (one block a tile: the row count stays on the device), then queues
- * one copy of the counts to the host: nothing waits, the caller reads them after
- * fetch_wait; with them, the inverse map token_rows. The gradient scatter gathers each
+ * while it fills them (one block a tile: the row count stays on the device); its first
+ * block stores the counts into the caller's pinned host memory (or one copy is queued):
+ * nothing waits, the caller reads them after its queue_wait; with them, the inverse map
+ * token_rows. The gradient scatter gathers each
  * token's rows through that map (or, without it, sorts the rows by token) and adds them
  * in row order (deterministic). */
 #include "kernels/cuda/cuda_common.cuh"
