@@ -7,9 +7,8 @@
  * while it fills them (one block a tile: the row count stays on the device); its first
  * block stores the counts into the caller's pinned host memory (or one copy is queued):
  * nothing waits, the caller reads them after its queue_wait; with them, the inverse map
- * token_rows. The gradient scatter gathers each
- * token's rows through that map (or, without it, sorts the rows by token) and adds them
- * in row order (deterministic). */
+ * token_rows. The gradient scatter gathers each token's rows through that map (or,
+ * without it, sorts the rows by token) and adds them in row order (deterministic). */
 #include "kernels/cuda/cuda_common.cuh"
 
 /* Is assignment a (kept) on destination p? */
@@ -193,9 +192,9 @@ static __device__ __noinline__ void pack_counts_store(const pack_counts &pc, int
  * there by the tile's ballot tile_mask (the pairs before it that send one). The first warp
  * writes send_token and token_rows; then the block's threads store the K weights and K
  * expert ids of all its rows, one a (pair, slot), and each warp fills whole rows' tokens,
- * its lanes in groups of V values (rows_vec). rows NULL:
- * send_token and token_rows only. X16: x is marked as holding 16-bit values (bf16 by
- * `bf16`), read as such. */
+ * its lanes in groups of V values (rows_vec). rows NULL: send_token and token_rows only.
+ * X16: x is marked as holding 16-bit values (bf16 by `bf16`), read as such. RAW (X16, V
+ * 8, x in the rows' own format): the bits copied. */
 template <int V, bool X16, bool RAW>
 static __global__ void
 dispatch_fill_kernel(char *rows, int32_t *send_token, int32_t *token_rows, const int *tile_start,
